@@ -1,0 +1,4 @@
+//! One module per subcommand: each parses nothing itself, loads what it needs and calls
+//! the library crates.
+
+pub mod convert;

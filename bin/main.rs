@@ -1,0 +1,36 @@
+//! `dppo`: the command. Parses arguments, runs one subcommand, prints any error chain once.
+
+mod cmd;
+
+use clap::{Parser, Subcommand};
+
+/// DPPO reinforcement-learning trainer for LLM reasoning.
+#[derive(Debug, Parser)]
+#[command(name = "dppo", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Load a model (builtin preset, HF directory or GGUF) and save it as an HF directory.
+    Convert(cmd::convert::Args),
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Convert(args) => cmd::convert::run(args),
+    };
+    if let Err(err) = result {
+        eprintln!("error: {err:#}");
+        std::process::exit(2);
+    }
+}

@@ -1,0 +1,222 @@
+//! The decoder: one implementation for Llama, Qwen2 (qkv bias) and Qwen3 (q/k norm).
+//!
+//! Inputs are flat token streams (tokens,) with explicit position ids; attention goes
+//! through an [`AttentionBackend`] so that packed training rows and paged inference share
+//! this code. Only differentiable composite ops are used (see [`crate::ops`]).
+
+use candle_core::{Result, Tensor};
+
+use crate::attention::AttentionBackend;
+use crate::config::ModelConfig;
+use crate::ops::{rms_norm, silu};
+use crate::rope::Rope;
+use crate::weights::Weights;
+
+/// `x @ w^T + b` for `x` (tokens, in), `w` (out, in).
+fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let y = x.matmul(&w.t()?)?;
+    match b {
+        Some(b) => y.broadcast_add(b),
+        None => Ok(y),
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Mlp {
+    gate_proj: Tensor,
+    up_proj: Tensor,
+    down_proj: Tensor,
+}
+
+impl Mlp {
+    fn new(cfg: &ModelConfig, w: &Weights, prefix: &str) -> crate::Result<Self> {
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        Ok(Self {
+            gate_proj: w.get(&format!("{prefix}.gate_proj.weight"), &[i, h])?,
+            up_proj: w.get(&format!("{prefix}.up_proj.weight"), &[i, h])?,
+            down_proj: w.get(&format!("{prefix}.down_proj.weight"), &[h, i])?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let gate = silu(&linear(x, &self.gate_proj, None)?)?;
+        let up = linear(x, &self.up_proj, None)?;
+        linear(&(gate * up)?, &self.down_proj, None)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Attention {
+    // projections
+    q_proj: Tensor,
+    k_proj: Tensor,
+    v_proj: Tensor,
+    o_proj: Tensor,
+    q_bias: Option<Tensor>,
+    k_bias: Option<Tensor>,
+    v_bias: Option<Tensor>,
+    o_bias: Option<Tensor>,
+    // norms (Qwen3)
+    q_norm: Option<Tensor>,
+    k_norm: Option<Tensor>,
+    // hyper params
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    eps: f64,
+}
+
+impl Attention {
+    fn new(cfg: &ModelConfig, w: &Weights, prefix: &str) -> crate::Result<Self> {
+        let h = cfg.hidden_size;
+        let q_dim = cfg.num_attention_heads * cfg.head_dim;
+        let kv_dim = cfg.num_key_value_heads * cfg.head_dim;
+        let get = |name: &str, shape: &[usize]| w.get(&format!("{prefix}.{name}"), shape);
+        let opt = |on: bool, name: &str, shape: &[usize]| on.then(|| get(name, shape)).transpose();
+        Ok(Self {
+            q_proj: get("q_proj.weight", &[q_dim, h])?,
+            k_proj: get("k_proj.weight", &[kv_dim, h])?,
+            v_proj: get("v_proj.weight", &[kv_dim, h])?,
+            o_proj: get("o_proj.weight", &[h, q_dim])?,
+            q_bias: opt(cfg.qkv_bias, "q_proj.bias", &[q_dim])?,
+            k_bias: opt(cfg.qkv_bias, "k_proj.bias", &[kv_dim])?,
+            v_bias: opt(cfg.qkv_bias, "v_proj.bias", &[kv_dim])?,
+            o_bias: opt(cfg.o_bias, "o_proj.bias", &[h])?,
+            q_norm: opt(cfg.qk_norm, "q_norm.weight", &[cfg.head_dim])?,
+            k_norm: opt(cfg.qk_norm, "k_norm.weight", &[cfg.head_dim])?,
+            num_heads: cfg.num_attention_heads,
+            num_kv_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim,
+            eps: cfg.rms_norm_eps,
+        })
+    }
+
+    fn forward(
+        &self,
+        x: &Tensor,
+        positions: &Tensor,
+        rope: &Rope,
+        layer_idx: usize,
+        backend: &mut dyn AttentionBackend,
+    ) -> Result<Tensor> {
+        let tokens = x.dim(0)?;
+        // 1. Project: (tokens, hidden) -> (tokens, heads, head_dim)
+        let q = linear(x, &self.q_proj, self.q_bias.as_ref())?;
+        let k = linear(x, &self.k_proj, self.k_bias.as_ref())?;
+        let v = linear(x, &self.v_proj, self.v_bias.as_ref())?;
+        let q = q.reshape((tokens, self.num_heads, self.head_dim))?;
+        let k = k.reshape((tokens, self.num_kv_heads, self.head_dim))?;
+        let v = v.reshape((tokens, self.num_kv_heads, self.head_dim))?;
+        // 2. Qwen3: RMSNorm over each head's vector, before rope
+        let (q, k) = match (&self.q_norm, &self.k_norm) {
+            (Some(qn), Some(kn)) => (rms_norm(&q, qn, self.eps)?, rms_norm(&k, kn, self.eps)?),
+            _ => (q, k),
+        };
+        // 3. Rope at the given positions
+        let q = rope.apply(&q, positions)?;
+        let k = rope.apply(&k, positions)?;
+        // 4. Attention (backend decides visibility) -> (tokens, heads * head_dim)
+        let attn = backend.attend(layer_idx, &q, &k, &v.contiguous()?)?;
+        let attn = attn.reshape((tokens, self.num_heads * self.head_dim))?;
+        linear(&attn, &self.o_proj, self.o_bias.as_ref())
+    }
+}
+
+#[derive(Debug, Clone)]
+struct DecoderLayer {
+    attn: Attention,
+    mlp: Mlp,
+    input_layernorm: Tensor,
+    post_attention_layernorm: Tensor,
+    eps: f64,
+}
+
+impl DecoderLayer {
+    fn new(cfg: &ModelConfig, w: &Weights, layer_idx: usize) -> crate::Result<Self> {
+        let prefix = format!("model.layers.{layer_idx}");
+        let h = cfg.hidden_size;
+        Ok(Self {
+            attn: Attention::new(cfg, w, &format!("{prefix}.self_attn"))?,
+            mlp: Mlp::new(cfg, w, &format!("{prefix}.mlp"))?,
+            input_layernorm: w.get(&format!("{prefix}.input_layernorm.weight"), &[h])?,
+            post_attention_layernorm: w
+                .get(&format!("{prefix}.post_attention_layernorm.weight"), &[h])?,
+            eps: cfg.rms_norm_eps,
+        })
+    }
+}
+
+/// A decoder-only causal language model built from a [`Weights`] map.
+///
+/// Holds tensors, not state: building one from new weights is cheap (tensors are shared),
+/// which is how the engine swaps policies between iterations.
+#[derive(Debug, Clone)]
+pub struct CausalLm {
+    embed_tokens: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: Tensor,
+    lm_head: Tensor,
+    rope: Rope,
+    cfg: ModelConfig,
+}
+
+impl CausalLm {
+    /// Builds the model, checking every tensor's presence and shape.
+    pub fn new(cfg: &ModelConfig, w: &Weights) -> crate::Result<Self> {
+        let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+        let embed_tokens = w.get("model.embed_tokens.weight", &[v, h])?;
+        let lm_head = if cfg.tie_word_embeddings {
+            embed_tokens.clone()
+        } else {
+            w.get("lm_head.weight", &[v, h])?
+        };
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| DecoderLayer::new(cfg, w, i))
+            .collect::<crate::Result<Vec<_>>>()?;
+        let rope = Rope::new(
+            cfg.head_dim,
+            cfg.rope_theta,
+            cfg.max_position_embeddings,
+            embed_tokens.device(),
+        )?;
+        Ok(Self {
+            embed_tokens,
+            layers,
+            norm: w.get("model.norm.weight", &[h])?,
+            lm_head,
+            rope,
+            cfg: cfg.clone(),
+        })
+    }
+
+    /// The configuration the model was built with.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// Final hidden states (tokens, hidden) of `input_ids` (tokens,) u32 at `positions`
+    /// (tokens,) u32. Positions must be below `max_position_embeddings`.
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        positions: &Tensor,
+        backend: &mut dyn AttentionBackend,
+    ) -> Result<Tensor> {
+        let mut x = self.embed_tokens.index_select(input_ids, 0)?;
+        for (layer_idx, layer) in self.layers.iter().enumerate() {
+            let normed = rms_norm(&x, &layer.input_layernorm, layer.eps)?;
+            let attn = layer
+                .attn
+                .forward(&normed, positions, &self.rope, layer_idx, backend)?;
+            x = (x + attn)?;
+            let normed = rms_norm(&x, &layer.post_attention_layernorm, layer.eps)?;
+            x = (&x + layer.mlp.forward(&normed)?)?;
+        }
+        rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)
+    }
+
+    /// Logits (tokens, vocab) of final hidden states (tokens, hidden).
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        linear(hidden, &self.lm_head, None)
+    }
+}

@@ -1,0 +1,65 @@
+//! dppo-model: the policy network (one decoder for Llama, Qwen2 and Qwen3), its attention
+//! seam, its weight files (HF safetensors, GGUF) and its tokenizer with chat template.
+//!
+//! The model knows nothing of KV caches: attention is delegated to an [`AttentionBackend`]
+//! that the caller passes in (the trainer's packed backend, the engine's paged backend).
+
+pub mod attention;
+pub mod config;
+pub mod decoder;
+pub mod ops;
+pub mod packed;
+pub mod policy;
+pub mod presets;
+pub mod rope;
+pub mod template;
+pub mod tokenizer;
+pub mod weights;
+
+pub use attention::{AttentionBackend, CausalAttention};
+pub use config::{Arch, ModelConfig};
+pub use decoder::CausalLm;
+pub use packed::{PackedAttention, PackedRow};
+pub use policy::Policy;
+pub use template::{ChatMessage, ChatTemplate};
+pub use tokenizer::TextTokenizer;
+pub use weights::Weights;
+
+/// Errors of the model crate; each names the file, key or tensor involved.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("model config {origin}: {reason}")]
+    Config { origin: String, reason: String },
+    #[error("weights {origin}: {reason}")]
+    Weights { origin: String, reason: String },
+    #[error("tokenizer {origin}: {reason}")]
+    Tokenizer { origin: String, reason: String },
+    #[error("chat template: {0}")]
+    Template(String),
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+/// Result with [`ModelError`].
+pub type Result<T> = std::result::Result<T, ModelError>;
+
+impl ModelError {
+    pub(crate) fn io(path: &std::path::Path, source: std::io::Error) -> Self {
+        ModelError::Io {
+            path: path.display().to_string(),
+            source,
+        }
+    }
+
+    pub(crate) fn weights(origin: impl std::fmt::Display, reason: impl Into<String>) -> Self {
+        ModelError::Weights {
+            origin: origin.to_string(),
+            reason: reason.into(),
+        }
+    }
+}

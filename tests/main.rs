@@ -1,0 +1,11 @@
+//! Integration tests, built into one binary (one link step).
+
+#[macro_use]
+mod util;
+
+// Model numerics against HF transformers fixtures and SmolLM2 (GGUF).
+mod model_parity;
+// Packed rows, gradients, finite differences.
+mod model_train;
+// Weight files: save/load round trips, GGUF, and the errors of broken inputs.
+mod model_files;
