@@ -14,6 +14,11 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Complete a prompt with the paged engine.
+    Generate(cmd::generate::Args),
+    /// Benchmarks (rollout throughput against a naive baseline).
+    #[command(subcommand)]
+    Bench(cmd::bench::Bench),
     /// Load a model (builtin preset, HF directory or GGUF) and save it as an HF directory.
     Convert(cmd::convert::Args),
 }
@@ -27,6 +32,8 @@ fn main() {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Generate(args) => cmd::generate::run(args),
+        Command::Bench(bench) => cmd::bench::run(bench),
         Command::Convert(args) => cmd::convert::run(args),
     };
     if let Err(err) = result {

@@ -9,3 +9,5 @@ mod model_parity;
 mod model_train;
 // Weight files: save/load round trips, GGUF, and the errors of broken inputs.
 mod model_files;
+// The generation engine against the contiguous-cache reference.
+mod engine;

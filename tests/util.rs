@@ -13,13 +13,14 @@ macro_rules! assert_close {
         let (mut worst, mut worst_i) = (0f32, 0usize);
         for (i, (g, w)) in got.iter().zip(want).enumerate() {
             let d = (g - w).abs();
-            if !(d <= worst) {
+            // NaN counts as the worst possible difference.
+            if d.is_nan() || d > worst {
                 worst = d;
                 worst_i = i;
             }
         }
         assert!(
-            worst <= $tol,
+            !worst.is_nan() && worst <= $tol,
             "max abs diff {worst} > {} at index {worst_i}: expected {}, got {}",
             $tol,
             want[worst_i],

@@ -1,4 +1,5 @@
-//! One module per subcommand: each parses nothing itself, loads what it needs and calls
-//! the library crates.
+//! One module per subcommand: each loads what it needs and calls the library crates.
 
+pub mod bench;
 pub mod convert;
+pub mod generate;

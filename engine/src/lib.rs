@@ -1,1 +1,37 @@
-//! placeholder
+//! dppo-engine: the generation engine. A paged KV cache ([`KvPool`] bookkeeping, blocks
+//! read in place by [`paged_attn`]), a continuous-batching [`Scheduler`], a per-sequence
+//! [`sampler`], and an [`Engine`] handle that takes requests from any thread.
+
+pub mod engine;
+pub mod kv_pool;
+pub mod naive;
+pub mod paged_attn;
+pub mod plan;
+pub mod request;
+pub mod runner;
+pub mod sampler;
+pub mod scheduler;
+pub mod sequence;
+
+pub use engine::{Engine, EngineConfig, EngineStats, RequestHandle};
+pub use kv_pool::{BlockCopy, BlockId, KvPool};
+pub use plan::{Plan, ScheduledSeq};
+pub use request::{Completion, Event, GenerateRequest};
+pub use sampler::{SamplingParams, SeqRng};
+pub use scheduler::{Scheduler, SchedulerConfig, SeqRequest};
+pub use sequence::{FinishReason, RequestId, SeqId, Sequence};
+
+/// Errors of the engine; request errors say what to change.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    #[error("invalid engine config: {0}")]
+    InvalidConfig(String),
+    #[error("the engine has shut down")]
+    Closed,
+    #[error(transparent)]
+    Model(#[from] dppo_model::ModelError),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}

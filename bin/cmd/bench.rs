@@ -1,0 +1,157 @@
+//! `dppo bench rollout`: a fixed rollout workload (P prompts x G samples x T new tokens,
+//! temperature 1) through the paged engine and through the naive baseline in the same
+//! process, plus this machine's measured f32 matmul rate as the compute limit.
+
+use std::time::Instant;
+
+use anyhow::Context;
+use candle_core::{Device, Tensor};
+use dppo_engine::naive::generate_naive;
+use dppo_engine::{Engine, EngineConfig, GenerateRequest, SamplingParams};
+use dppo_model::{ChatMessage, Policy};
+use serde_json::json;
+
+/// Benchmarks.
+#[derive(Debug, clap::Subcommand)]
+pub enum Bench {
+    /// Rollout throughput: paged engine vs. the naive baseline.
+    Rollout(RolloutArgs),
+}
+
+/// Arguments of `dppo bench rollout`.
+#[derive(Debug, clap::Args)]
+pub struct RolloutArgs {
+    #[arg(long, default_value = "builtin:tiny")]
+    model: String,
+    /// Prompts (P).
+    #[arg(long, default_value_t = 16)]
+    prompts: usize,
+    /// Samples per prompt (G).
+    #[arg(long, default_value_t = 8)]
+    samples: usize,
+    /// New tokens per sample (T); EOS is ignored so every sample has exactly T.
+    #[arg(long, default_value_t = 128)]
+    new_tokens: usize,
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Skip the naive baseline.
+    #[arg(long)]
+    skip_naive: bool,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs a benchmark.
+pub fn run(bench: Bench) -> anyhow::Result<()> {
+    match bench {
+        Bench::Rollout(args) => rollout(args),
+    }
+}
+
+/// Fixed prompts: chat-formatted arithmetic word problems of varied length.
+fn prompts(policy: &Policy, num: usize) -> anyhow::Result<Vec<Vec<u32>>> {
+    (0..num)
+        .map(|i| {
+            let (a, b) = (17 + 13 * i, 5 + 7 * i);
+            let question = format!(
+                "Tom has {a} apples and buys {b} more.{} How many apples does he have now? Think step by step.",
+                " He counts them twice.".repeat(i % 4)
+            );
+            let text = match policy.tokenizer.chat_template() {
+                Some(_) => policy
+                    .tokenizer
+                    .apply_chat_template(&[ChatMessage::new("user", question)], true)?,
+                None => question,
+            };
+            Ok(policy.tokenizer.encode(&text, false)?)
+        })
+        .collect()
+}
+
+fn rollout(args: RolloutArgs) -> anyhow::Result<()> {
+    let device = Device::Cpu;
+    let policy = Policy::load(&args.model, &device)
+        .with_context(|| format!("loading --model {}", args.model))?;
+    let reqs: Vec<GenerateRequest> = prompts(&policy, args.prompts)?
+        .into_iter()
+        .enumerate()
+        .map(|(i, ids)| GenerateRequest {
+            sampling: SamplingParams {
+                temperature: 1.0,
+                seed: Some(i as u64),
+                ..SamplingParams::default()
+            },
+            ignore_eos: true,
+            ..GenerateRequest::new(ids, args.samples, args.new_tokens)
+        })
+        .collect();
+    let num_tokens = args.prompts * args.samples * args.new_tokens;
+    let cfg = EngineConfig {
+        block_size: args.block_size,
+        max_num_seqs: (args.prompts * args.samples).max(1),
+        ..EngineConfig::default()
+    };
+    let engine = Engine::new(&policy, cfg, device.clone())?;
+    let start = Instant::now();
+    engine.generate(reqs.clone())?;
+    let ours_s = start.elapsed().as_secs_f64();
+    let stats = engine.stats();
+    let bytes_per_token = 2
+        * policy.config.num_hidden_layers
+        * policy.config.num_key_value_heads
+        * policy.config.head_dim
+        * 4;
+    let peak_kv_mib =
+        (stats.peak_blocks_used * stats.block_size * bytes_per_token) as f64 / (1 << 20) as f64;
+    let naive_s = if args.skip_naive {
+        None
+    } else {
+        let model = policy.model()?;
+        let start = Instant::now();
+        generate_naive(&model, &reqs, policy.eos_token_ids(), &device)?;
+        Some(start.elapsed().as_secs_f64())
+    };
+    let flops_per_s = matmul_rate(&policy, &device)?;
+    let limit_tokens_per_s = flops_per_s / (2.0 * policy.config.num_parameters() as f64);
+    let tokens_per_s = num_tokens as f64 / ours_s;
+    let report = json!({
+        "model": args.model,
+        "prompts": args.prompts,
+        "samples": args.samples,
+        "new_tokens": args.new_tokens,
+        "tokens_per_s": tokens_per_s,
+        "requests_per_s": (args.prompts * args.samples) as f64 / ours_s,
+        "peak_kv_mib": peak_kv_mib,
+        "preemptions": stats.num_preemptions,
+        "naive_tokens_per_s": naive_s.map(|s| num_tokens as f64 / s),
+        "speedup_vs_naive": naive_s.map(|s| s / ours_s),
+        "matmul_gflops": flops_per_s / 1e9,
+        "compute_limit_tokens_per_s": limit_tokens_per_s,
+        "fraction_of_compute_limit": tokens_per_s / limit_tokens_per_s,
+    });
+    if args.json {
+        println!("{report}");
+    } else {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    }
+    Ok(())
+}
+
+/// Measured f32 matmul FLOP/s at the shape of a decode batch through the model's MLP.
+fn matmul_rate(policy: &Policy, device: &Device) -> anyhow::Result<f64> {
+    let (m, k, n) = (
+        128,
+        policy.config.hidden_size,
+        policy.config.intermediate_size,
+    );
+    let a = Tensor::randn(0f32, 1.0, (m, k), device)?;
+    let b = Tensor::randn(0f32, 1.0, (n, k), device)?;
+    a.matmul(&b.t()?)?; // warm-up
+    let reps = (2e10 / (2.0 * (m * k * n) as f64)).clamp(3.0, 2000.0) as usize;
+    let start = Instant::now();
+    for _ in 0..reps {
+        a.matmul(&b.t()?)?;
+    }
+    Ok(2.0 * (m * k * n * reps) as f64 / start.elapsed().as_secs_f64())
+}

@@ -1,0 +1,95 @@
+//! `dppo generate`: complete one prompt `n` times with the paged engine.
+
+use anyhow::Context;
+use candle_core::Device;
+use dppo_engine::{Engine, EngineConfig, GenerateRequest, SamplingParams};
+use dppo_model::{ChatMessage, Policy};
+use serde_json::json;
+
+/// Arguments of `dppo generate`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// `builtin:tiny`, an HF directory, or a `.gguf` file.
+    #[arg(long, default_value = "builtin:tiny")]
+    model: String,
+    /// The prompt text.
+    #[arg(long)]
+    prompt: String,
+    /// Wrap the prompt as a user message in the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// Samples of the prompt (they share its KV blocks).
+    #[arg(long, default_value_t = 1)]
+    n: usize,
+    #[arg(long, default_value_t = 64)]
+    max_tokens: usize,
+    /// 0 samples greedily.
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// 0 disables top-k.
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop strings (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Print one JSON object per sample.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Generates and prints the samples.
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let policy = Policy::load(&args.model, &Device::Cpu)
+        .with_context(|| format!("loading --model {}", args.model))?;
+    let text = if args.chat {
+        policy
+            .tokenizer
+            .apply_chat_template(&[ChatMessage::new("user", &args.prompt)], true)?
+    } else {
+        args.prompt.clone()
+    };
+    let prompt_ids = policy.tokenizer.encode(&text, !args.chat)?;
+    let engine = Engine::new(&policy, EngineConfig::default(), Device::Cpu)?;
+    let request = GenerateRequest {
+        prompt_ids,
+        n: args.n,
+        max_tokens: args.max_tokens,
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            seed: args.seed,
+            model_logprobs: false,
+        },
+        stop: args.stop.clone(),
+        ignore_eos: false,
+    };
+    let completions = engine.submit(request)?.wait();
+    for c in completions {
+        let mut text = policy.tokenizer.decode(&c.token_ids, true)?;
+        if let Some(at) = dppo_engine::request::find_stop(&text, &args.stop) {
+            text.truncate(at);
+        }
+        if args.json {
+            let line = json!({
+                "sample_index": c.sample_index,
+                "token_ids": c.token_ids,
+                "text": text,
+                "logprobs": c.logprobs,
+                "finish_reason": c.finish_reason,
+                "policy_version": c.policy_version,
+            });
+            println!("{line}");
+        } else {
+            println!(
+                "--- sample {} ({:?}) ---\n{text}",
+                c.sample_index, c.finish_reason
+            );
+        }
+    }
+    Ok(())
+}

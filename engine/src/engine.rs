@@ -1,0 +1,491 @@
+//! The [`Engine`] handle: a worker thread owns the scheduler and the runner; callers on
+//! any thread submit requests over a channel and receive streamed [`Event`]s. Weight swaps
+//! take effect between two iterations, never inside one.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use candle_core::Device;
+use dppo_model::{CausalLm, Policy, TextTokenizer, Weights};
+use parking_lot::Mutex;
+
+use crate::kv_pool::KvPool;
+use crate::paged_attn::CacheShape;
+use crate::request::{find_stop, Completion, Event, GenerateRequest};
+use crate::runner::Runner;
+use crate::sampler::{sample, SeqRng};
+use crate::scheduler::{Appended, Capacity, Scheduler, SchedulerConfig, SeqRequest};
+use crate::sequence::{FinishReason, RequestId};
+use crate::EngineError;
+
+/// Engine sizing; defaults suit a CPU box.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Token slots per KV block.
+    pub block_size: usize,
+    /// KV cache capacity in token slots (all layers); takes precedence over bytes.
+    pub kv_cache_tokens: Option<usize>,
+    /// KV cache capacity in bytes, used when `kv_cache_tokens` is not set.
+    pub kv_cache_bytes: usize,
+    pub max_num_seqs: usize,
+    pub max_batched_tokens: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            kv_cache_tokens: None,
+            kv_cache_bytes: 2 << 30,
+            max_num_seqs: 256,
+            max_batched_tokens: 2048,
+        }
+    }
+}
+
+/// Counters the worker keeps; read with [`Engine::stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub peak_blocks_used: usize,
+    pub num_preemptions: usize,
+    pub num_iterations: usize,
+    pub num_generated_tokens: usize,
+    pub policy_version: u64,
+}
+
+enum Command {
+    Submit {
+        request_id: RequestId,
+        req: GenerateRequest,
+        events: Sender<Event>,
+    },
+    Cancel(RequestId),
+    Swap {
+        model: Box<CausalLm>,
+        version: u64,
+    },
+}
+
+/// A submitted request: its id, its event stream, and a way to cancel it.
+pub struct RequestHandle {
+    pub request_id: RequestId,
+    pub n: usize,
+    pub events: Receiver<Event>,
+    commands: Sender<Command>,
+}
+
+impl RequestHandle {
+    /// Cancels the request; its blocks are freed before the next iteration.
+    pub fn cancel(&self) {
+        let _ = self.commands.send(Command::Cancel(self.request_id));
+    }
+
+    /// Waits for every sample to finish and returns them, ordered by sample index.
+    pub fn wait(self) -> Vec<Completion> {
+        Completion::from_events(self.n, self.events.iter())
+    }
+}
+
+/// Handle to a running engine; cheap to share behind an `Arc`.
+pub struct Engine {
+    commands: Mutex<Sender<Command>>,
+    worker: Option<JoinHandle<()>>,
+    next_request_id: AtomicU64,
+    limits: Limits,
+    stats: Arc<Mutex<EngineStats>>,
+    config: dppo_model::ModelConfig,
+}
+
+/// What a request is checked against before it is queued.
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    max_model_len: usize,
+    vocab_size: usize,
+    capacity: Capacity,
+}
+
+impl Engine {
+    /// Starts the worker thread for `policy` on `device`.
+    pub fn new(policy: &Policy, cfg: EngineConfig, device: Device) -> Result<Self, EngineError> {
+        let model = policy.model()?;
+        let mc = &policy.config;
+        let shape = CacheShape {
+            num_layers: mc.num_hidden_layers,
+            num_blocks: 0,
+            block_size: cfg.block_size,
+            num_kv_heads: mc.num_key_value_heads,
+            head_dim: mc.head_dim,
+        };
+        let num_blocks = num_blocks(&cfg, &shape)?;
+        let sched_cfg = SchedulerConfig {
+            max_num_seqs: cfg.max_num_seqs,
+            max_batched_tokens: cfg.max_batched_tokens,
+        };
+        let scheduler = Scheduler::new(sched_cfg, KvPool::new(num_blocks, cfg.block_size));
+        let capacity = scheduler.capacity();
+        let runner = Runner::new(model, num_blocks, cfg.block_size, device);
+        let stats = Arc::new(Mutex::new(EngineStats {
+            num_blocks,
+            block_size: cfg.block_size,
+            ..EngineStats::default()
+        }));
+        let (tx, rx) = mpsc::channel();
+        let worker = Worker {
+            scheduler,
+            runner,
+            tokenizer: policy.tokenizer.clone(),
+            eos_token_ids: policy.eos_token_ids().into(),
+            requests: HashMap::new(),
+            stats: stats.clone(),
+            policy_version: 0,
+        };
+        let handle = std::thread::Builder::new()
+            .name("dppo-engine".into())
+            .spawn(move || worker.run(rx))
+            .map_err(|e| {
+                EngineError::InvalidConfig(format!("cannot start the engine thread: {e}"))
+            })?;
+        Ok(Self {
+            commands: Mutex::new(tx),
+            worker: Some(handle),
+            next_request_id: AtomicU64::new(0),
+            limits: Limits {
+                max_model_len: mc.max_position_embeddings,
+                vocab_size: mc.vocab_size,
+                capacity,
+            },
+            stats,
+            config: mc.clone(),
+        })
+    }
+
+    /// Validates and queues a request; tokens stream back on the handle.
+    pub fn submit(&self, req: GenerateRequest) -> Result<RequestHandle, EngineError> {
+        self.check(&req)?;
+        let request_id = self.next_request_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::channel();
+        let n = req.n;
+        let commands = self.commands.lock().clone();
+        commands
+            .send(Command::Submit {
+                request_id,
+                req,
+                events: tx,
+            })
+            .map_err(|_| EngineError::Closed)?;
+        Ok(RequestHandle {
+            request_id,
+            n,
+            events: rx,
+            commands,
+        })
+    }
+
+    /// Runs a whole batch (e.g. a rollout step) and returns each request's completions.
+    pub fn generate(
+        &self,
+        reqs: Vec<GenerateRequest>,
+    ) -> Result<Vec<Vec<Completion>>, EngineError> {
+        let handles = reqs
+            .into_iter()
+            .map(|r| self.submit(r))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(handles.into_iter().map(RequestHandle::wait).collect())
+    }
+
+    /// Publishes new weights as `version`; running sequences continue with them from the
+    /// next iteration on.
+    pub fn swap_weights(&self, weights: &Weights, version: u64) -> Result<(), EngineError> {
+        let model = Box::new(CausalLm::new(&self.config, weights)?);
+        self.commands
+            .lock()
+            .send(Command::Swap { model, version })
+            .map_err(|_| EngineError::Closed)
+    }
+
+    /// A snapshot of the worker's counters.
+    pub fn stats(&self) -> EngineStats {
+        *self.stats.lock()
+    }
+
+    fn check(&self, req: &GenerateRequest) -> Result<(), EngineError> {
+        let bad = |r: String| Err(EngineError::InvalidRequest(r));
+        req.sampling
+            .validate()
+            .map_err(EngineError::InvalidRequest)?;
+        self.limits
+            .capacity
+            .check(req.prompt_ids.len(), req.n, req.max_tokens)?;
+        let total = req.prompt_ids.len() + req.max_tokens;
+        if total > self.limits.max_model_len {
+            return bad(format!(
+                "prompt ({} tokens) + max_tokens ({}) = {total} exceeds the model's context of {} tokens",
+                req.prompt_ids.len(),
+                req.max_tokens,
+                self.limits.max_model_len
+            ));
+        }
+        if let Some(&id) = req
+            .prompt_ids
+            .iter()
+            .find(|&&id| id as usize >= self.limits.vocab_size)
+        {
+            return bad(format!(
+                "token id {id} is outside the vocabulary ({})",
+                self.limits.vocab_size
+            ));
+        }
+        if req.stop.iter().any(String::is_empty) {
+            return bad("stop strings must not be empty".into());
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        // Closing the channel ends the worker once its queue is drained.
+        let (dead, _) = mpsc::channel();
+        *self.commands.lock() = dead;
+        if let Some(worker) = self.worker.take() {
+            let _ = worker.join();
+        }
+    }
+}
+
+fn num_blocks(cfg: &EngineConfig, shape: &CacheShape) -> Result<usize, EngineError> {
+    if cfg.block_size == 0 || cfg.max_num_seqs == 0 || cfg.max_batched_tokens == 0 {
+        return Err(EngineError::InvalidConfig(
+            "block_size, max_num_seqs and max_batched_tokens must be positive".into(),
+        ));
+    }
+    let tokens = cfg
+        .kv_cache_tokens
+        .unwrap_or(cfg.kv_cache_bytes / shape.bytes_per_token());
+    let blocks = tokens / cfg.block_size;
+    if blocks == 0 {
+        return Err(EngineError::InvalidConfig(format!(
+            "the KV cache holds no block of {} tokens ({} bytes per token)",
+            cfg.block_size,
+            shape.bytes_per_token()
+        )));
+    }
+    Ok(blocks)
+}
+
+/// Per-request state kept by the worker.
+struct RequestState {
+    req: GenerateRequest,
+    rngs: Vec<SeqRng>,
+    events: Sender<Event>,
+    /// Output tokens per sample (for stop strings).
+    outputs: Vec<Vec<u32>>,
+    num_live: usize,
+}
+
+struct Worker {
+    scheduler: Scheduler,
+    runner: Runner,
+    tokenizer: TextTokenizer,
+    eos_token_ids: Arc<[u32]>,
+    requests: HashMap<RequestId, RequestState>,
+    stats: Arc<Mutex<EngineStats>>,
+    policy_version: u64,
+}
+
+impl Worker {
+    fn run(mut self, rx: Receiver<Command>) {
+        loop {
+            // 1. Commands: block while idle, drain without blocking while busy.
+            if !self.scheduler.has_work() {
+                match rx.recv() {
+                    Ok(cmd) => self.apply(cmd),
+                    Err(_) => return,
+                }
+            }
+            while let Ok(cmd) = rx.try_recv() {
+                self.apply(cmd);
+            }
+            if !self.scheduler.has_work() {
+                continue;
+            }
+            // 2. One iteration.
+            if let Err(e) = self.step() {
+                tracing::error!("engine iteration failed: {e}");
+                self.fail_all();
+            }
+        }
+    }
+
+    fn apply(&mut self, cmd: Command) {
+        match cmd {
+            Command::Submit {
+                request_id,
+                req,
+                events,
+            } => self.admit(request_id, req, events),
+            Command::Cancel(request_id) => self.cancel(request_id),
+            Command::Swap { model, version } => {
+                self.runner.set_model(*model);
+                self.policy_version = version;
+                self.stats.lock().policy_version = version;
+            }
+        }
+    }
+
+    fn admit(&mut self, request_id: RequestId, req: GenerateRequest, events: Sender<Event>) {
+        let eos = if req.ignore_eos {
+            Arc::from(Vec::new())
+        } else {
+            self.eos_token_ids.clone()
+        };
+        let seq_req = SeqRequest {
+            request_id,
+            prompt_ids: req.prompt_ids.clone(),
+            n: req.n,
+            max_tokens: req.max_tokens,
+            eos_token_ids: eos,
+        };
+        if let Err(e) = self.scheduler.add_request(seq_req) {
+            tracing::warn!("request {request_id} rejected: {e}");
+            for sample_index in 0..req.n {
+                let _ = events.send(Event::Finished {
+                    sample_index,
+                    reason: FinishReason::Cancelled,
+                });
+            }
+            return;
+        }
+        let rngs = (0..req.n)
+            .map(|i| match req.sampling.seed {
+                Some(seed) => SeqRng::new(seed, i as u64),
+                None => SeqRng::from_entropy(),
+            })
+            .collect();
+        let state = RequestState {
+            outputs: vec![Vec::new(); req.n],
+            num_live: req.n,
+            req,
+            rngs,
+            events,
+        };
+        self.requests.insert(request_id, state);
+    }
+
+    fn cancel(&mut self, request_id: RequestId) {
+        self.scheduler.cancel(request_id);
+        if let Some(state) = self.requests.remove(&request_id) {
+            for sample_index in 0..state.req.n {
+                let _ = state.events.send(Event::Finished {
+                    sample_index,
+                    reason: FinishReason::Cancelled,
+                });
+            }
+        }
+    }
+
+    fn step(&mut self) -> Result<(), EngineError> {
+        let plan = self.scheduler.schedule();
+        if plan.is_empty() {
+            return Err(EngineError::InvalidConfig(
+                "no sequence could be scheduled (KV cache too small for any waiting request)"
+                    .into(),
+            ));
+        }
+        let logits = self.runner.run(&plan, &self.scheduler)?;
+        // Sample: the rows of a forking group draw with each sample's own RNG.
+        let mut sampled = Vec::with_capacity(plan.seqs.len());
+        let mut ids = Vec::with_capacity(plan.seqs.len());
+        for (s, row) in plan.seqs.iter().zip(&logits) {
+            let seq = self.scheduler.seq(s.seq_id).expect("live");
+            let state = self
+                .requests
+                .get_mut(&seq.request_id)
+                .expect("live request");
+            let first = if s.num_samples > 1 {
+                0
+            } else {
+                seq.sample_index
+            };
+            let draws: Vec<_> = match row {
+                Some(row) => (first..first + s.num_samples)
+                    .map(|i| sample(row, &state.req.sampling, &mut state.rngs[i]))
+                    .collect(),
+                None => Vec::new(),
+            };
+            ids.push(draws.iter().map(|d| d.token_id).collect::<Vec<_>>());
+            sampled.push(draws);
+        }
+        let appended = self.scheduler.postprocess(&plan, &ids);
+        self.update_stats(&plan, appended.len());
+        for a in appended {
+            self.emit(a, &sampled[a.plan_idx][a.sample_idx]);
+        }
+        Ok(())
+    }
+
+    fn update_stats(&self, plan: &crate::plan::Plan, num_new: usize) {
+        let pool = self.scheduler.pool();
+        let mut stats = self.stats.lock();
+        stats.num_iterations += 1;
+        stats.num_preemptions += plan.preempted.len();
+        stats.num_generated_tokens += num_new;
+        stats.peak_blocks_used = stats
+            .peak_blocks_used
+            .max(pool.num_blocks() - pool.num_free_blocks());
+    }
+
+    /// Streams one token and retires its sample on EOS, length or a stop string.
+    fn emit(&mut self, a: Appended, s: &crate::sampler::Sampled) {
+        let Some(state) = self.requests.get_mut(&a.request_id) else {
+            return;
+        };
+        let token = Event::Token {
+            sample_index: a.sample_index,
+            token_id: a.token_id,
+            logprob: s.logprob,
+            model_logprob: s.model_logprob,
+            policy_version: self.policy_version,
+        };
+        let receiver_gone = state.events.send(token).is_err();
+        state.outputs[a.sample_index].push(a.token_id);
+        let mut finish = a.finish;
+        if finish.is_none() && !state.req.stop.is_empty() {
+            // Decode only a tail long enough to hold any stop string.
+            let out = &state.outputs[a.sample_index];
+            let window = state.req.stop.iter().map(String::len).max().unwrap_or(0) + 4;
+            let tail = &out[out.len().saturating_sub(window)..];
+            let text = self.tokenizer.decode(tail, false).unwrap_or_default();
+            if find_stop(&text, &state.req.stop).is_some() {
+                self.scheduler.finish(a.seq_id, FinishReason::Stop);
+                finish = Some(FinishReason::Stop);
+            }
+        }
+        if receiver_gone {
+            self.cancel(a.request_id);
+            return;
+        }
+        if let Some(reason) = finish {
+            let _ = state.events.send(Event::Finished {
+                sample_index: a.sample_index,
+                reason,
+            });
+            state.num_live -= 1;
+            if state.num_live == 0 {
+                self.requests.remove(&a.request_id);
+            }
+        }
+    }
+
+    fn fail_all(&mut self) {
+        let ids: Vec<RequestId> = self.requests.keys().copied().collect();
+        for id in ids {
+            self.cancel(id);
+        }
+    }
+}

@@ -1,0 +1,564 @@
+//! Continuous batching: every iteration runs the sequences already running, admits waiting
+//! ones while blocks and budgets allow, and preempts the newest (recompute) when blocks run
+//! out. Plain bookkeeping; tensors live in the runner.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use crate::kv_pool::KvPool;
+use crate::plan::{Plan, ScheduledSeq};
+use crate::sequence::{FinishReason, RequestId, SeqId, SeqStatus, Sequence};
+use crate::EngineError;
+
+/// Limits of one iteration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Most sequences running at once (a group counts `n` from its admission).
+    pub max_num_seqs: usize,
+    /// Most tokens computed in one iteration (prefill chunks and decodes together).
+    pub max_batched_tokens: usize,
+}
+
+/// The sizes a request must fit in to ever run alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capacity {
+    pub max_num_seqs: usize,
+    pub num_blocks: usize,
+    pub block_size: usize,
+}
+
+impl Capacity {
+    /// Rejects a request that could never be scheduled (so none can deadlock the queue).
+    pub fn check(&self, prompt_len: usize, n: usize, max_tokens: usize) -> Result<(), EngineError> {
+        let bad = |reason: String| Err(EngineError::InvalidRequest(reason));
+        if prompt_len == 0 {
+            return bad("the prompt is empty".into());
+        }
+        if n == 0 || n > self.max_num_seqs {
+            return bad(format!(
+                "n must be between 1 and max_num_seqs ({}), got {n}",
+                self.max_num_seqs
+            ));
+        }
+        if max_tokens == 0 {
+            return bad("max_tokens must be at least 1".into());
+        }
+        let needed = (prompt_len + max_tokens).div_ceil(self.block_size);
+        if needed > self.num_blocks {
+            return bad(format!(
+                "prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {needed} KV blocks, the pool has {}",
+                self.num_blocks
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A request as the scheduler sees it.
+#[derive(Debug, Clone)]
+pub struct SeqRequest {
+    pub request_id: RequestId,
+    pub prompt_ids: Vec<u32>,
+    /// Samples of this prompt; they share the prompt's blocks.
+    pub n: usize,
+    pub max_tokens: usize,
+    pub eos_token_ids: Arc<[u32]>,
+}
+
+/// A token appended to a sequence by [`Scheduler::postprocess`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Appended {
+    pub seq_id: SeqId,
+    pub request_id: RequestId,
+    pub sample_index: usize,
+    pub token_id: u32,
+    /// Where the token came from: `sampled[plan_idx][sample_idx]`.
+    pub plan_idx: usize,
+    pub sample_idx: usize,
+    /// Set when this token ended the sequence (EOS or `max_tokens`).
+    pub finish: Option<FinishReason>,
+}
+
+/// The waiting and running queues over a [`KvPool`].
+#[derive(Debug)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    pool: KvPool,
+    waiting: VecDeque<SeqId>,
+    /// Oldest first; preemption takes from the back.
+    running: Vec<SeqId>,
+    seqs: HashMap<SeqId, Sequence>,
+    next_seq_id: SeqId,
+}
+
+impl Scheduler {
+    /// A scheduler over `pool`.
+    pub fn new(cfg: SchedulerConfig, pool: KvPool) -> Self {
+        Self {
+            cfg,
+            pool,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            seqs: HashMap::new(),
+            next_seq_id: 0,
+        }
+    }
+
+    /// The block pool (for accounting).
+    pub fn pool(&self) -> &KvPool {
+        &self.pool
+    }
+
+    /// A live sequence.
+    pub fn seq(&self, seq_id: SeqId) -> Option<&Sequence> {
+        self.seqs.get(&seq_id)
+    }
+
+    /// Whether any sequence is waiting or running.
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    /// Sequences waiting, running.
+    pub fn num_waiting_running(&self) -> (usize, usize) {
+        (self.waiting.len(), self.running.len())
+    }
+
+    /// What requests are checked against.
+    pub fn capacity(&self) -> Capacity {
+        Capacity {
+            max_num_seqs: self.cfg.max_num_seqs,
+            num_blocks: self.pool.num_blocks(),
+            block_size: self.pool.block_size(),
+        }
+    }
+
+    /// Queues a request as one sequence that forks into `n` when its prompt is computed.
+    pub fn add_request(&mut self, req: SeqRequest) -> Result<SeqId, EngineError> {
+        self.capacity()
+            .check(req.prompt_ids.len(), req.n, req.max_tokens)?;
+        let seq_id = self.next_seq_id;
+        self.next_seq_id += 1;
+        let seq = Sequence {
+            seq_id,
+            request_id: req.request_id,
+            sample_index: 0,
+            num_samples: req.n,
+            num_prompt_tokens: req.prompt_ids.len(),
+            token_ids: req.prompt_ids,
+            num_computed_tokens: 0,
+            block_table: Vec::new(),
+            max_tokens: req.max_tokens,
+            eos_token_ids: req.eos_token_ids,
+            status: SeqStatus::Waiting,
+        };
+        self.seqs.insert(seq_id, seq);
+        self.waiting.push_back(seq_id);
+        Ok(seq_id)
+    }
+
+    /// Plans one iteration: running sequences first (oldest first), then admissions.
+    pub fn schedule(&mut self) -> Plan {
+        let mut plan = Plan::default();
+        let mut budget = self.cfg.max_batched_tokens;
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let seq_id = self.running[i];
+            if self.make_room(seq_id, budget, &mut plan) {
+                budget -= plan.seqs.last().map_or(0, |s| s.num_new_tokens);
+                i += 1;
+            }
+        }
+        let mut seats = self.seats_taken();
+        while let Some(&seq_id) = self.waiting.front() {
+            let seq = &self.seqs[&seq_id];
+            let num_new = (seq.len() - seq.num_computed_tokens).min(budget);
+            if num_new == 0
+                || seats + seq.num_samples > self.cfg.max_num_seqs
+                || !self
+                    .pool
+                    .can_append(&seq.block_table, seq.num_computed_tokens, num_new)
+            {
+                break;
+            }
+            seats += seq.num_samples;
+            self.waiting.pop_front();
+            self.running.push(seq_id);
+            self.seqs.get_mut(&seq_id).expect("live").status = SeqStatus::Running;
+            self.push_scheduled(seq_id, num_new, &mut plan);
+            budget -= num_new;
+        }
+        plan
+    }
+
+    /// Schedules running `seq_id`, preempting newer sequences (or itself, when it is the
+    /// newest) until its blocks fit. Returns false when it was preempted itself.
+    fn make_room(&mut self, seq_id: SeqId, budget: usize, plan: &mut Plan) -> bool {
+        let seq = &self.seqs[&seq_id];
+        let num_new = (seq.len() - seq.num_computed_tokens).min(budget);
+        loop {
+            let seq = &self.seqs[&seq_id];
+            if self
+                .pool
+                .can_append(&seq.block_table, seq.num_computed_tokens, num_new)
+            {
+                self.push_scheduled(seq_id, num_new, plan);
+                return true;
+            }
+            let victim = *self.running.last().expect("seq_id itself is running");
+            self.preempt(victim);
+            plan.preempted.push(victim);
+            if victim == seq_id {
+                return false;
+            }
+        }
+    }
+
+    fn push_scheduled(&mut self, seq_id: SeqId, num_new: usize, plan: &mut Plan) {
+        let seq = self.seqs.get_mut(&seq_id).expect("live");
+        let copy = self
+            .pool
+            .append_slots(&mut seq.block_table, seq.num_computed_tokens, num_new)
+            .expect("caller checked can_append");
+        plan.block_copies.extend(copy);
+        let reaches_end = seq.num_computed_tokens + num_new == seq.len();
+        plan.seqs.push(ScheduledSeq {
+            seq_id,
+            num_computed_tokens: seq.num_computed_tokens,
+            num_new_tokens: num_new,
+            num_samples: if reaches_end { seq.num_samples } else { 0 },
+        });
+    }
+
+    /// Frees the blocks of `seq_id` and sends it to the front of the waiting queue; it
+    /// will be recomputed from its tokens (prompt and output so far).
+    fn preempt(&mut self, seq_id: SeqId) {
+        self.running.retain(|&s| s != seq_id);
+        let seq = self.seqs.get_mut(&seq_id).expect("live");
+        self.pool.free(&mut seq.block_table);
+        seq.num_computed_tokens = 0;
+        seq.status = SeqStatus::Waiting;
+        self.waiting.push_front(seq_id);
+        tracing::debug!(seq_id, "preempted (recompute)");
+    }
+
+    fn seats_taken(&self) -> usize {
+        self.running
+            .iter()
+            .map(|id| self.seqs[id].num_samples)
+            .sum()
+    }
+
+    /// Applies an iteration's results: marks the new tokens computed, appends the sampled
+    /// tokens (`sampled[i]` for `plan.seqs[i]`, `num_samples` of them), forks groups whose
+    /// prompt was just computed, and retires sequences that hit EOS or `max_tokens`.
+    pub fn postprocess(&mut self, plan: &Plan, sampled: &[Vec<u32>]) -> Vec<Appended> {
+        let mut appended = Vec::new();
+        for (plan_idx, (s, tokens)) in plan.seqs.iter().zip(sampled).enumerate() {
+            let Some(seq) = self.seqs.get_mut(&s.seq_id) else {
+                continue; // cancelled between schedule and postprocess
+            };
+            seq.num_computed_tokens += s.num_new_tokens;
+            debug_assert_eq!(tokens.len(), s.num_samples);
+            for (sample_idx, &token_id) in tokens.iter().enumerate().rev() {
+                let seq_id = if sample_idx == 0 {
+                    s.seq_id
+                } else {
+                    self.fork(s.seq_id, sample_idx)
+                };
+                let finish = self.append(seq_id, token_id);
+                let seq = &self.seqs[&seq_id];
+                appended.push(Appended {
+                    seq_id,
+                    request_id: seq.request_id,
+                    sample_index: seq.sample_index,
+                    token_id,
+                    plan_idx,
+                    sample_idx,
+                    finish,
+                });
+                if let Some(reason) = finish {
+                    self.finish(seq_id, reason);
+                }
+            }
+        }
+        appended
+    }
+
+    /// A new running sequence sharing every block of `parent` (before its first sample).
+    fn fork(&mut self, parent_id: SeqId, sample_index: usize) -> SeqId {
+        let parent = &self.seqs[&parent_id];
+        let mut child = parent.clone();
+        child.seq_id = self.next_seq_id;
+        child.sample_index = sample_index;
+        child.num_samples = 1;
+        child.block_table = self.pool.fork(&parent.block_table);
+        self.next_seq_id += 1;
+        let child_id = child.seq_id;
+        self.seqs.insert(child_id, child);
+        let pos = self
+            .running
+            .iter()
+            .position(|&s| s == parent_id)
+            .map_or(self.running.len(), |p| p + 1);
+        self.running.insert(pos, child_id);
+        child_id
+    }
+
+    fn append(&mut self, seq_id: SeqId, token_id: u32) -> Option<FinishReason> {
+        let seq = self.seqs.get_mut(&seq_id).expect("live");
+        seq.num_samples = 1;
+        seq.token_ids.push(token_id);
+        if seq.eos_token_ids.contains(&token_id) {
+            Some(FinishReason::Stop)
+        } else if seq.num_output_tokens() >= seq.max_tokens {
+            Some(FinishReason::Length)
+        } else {
+            None
+        }
+    }
+
+    /// Retires `seq_id` now (EOS, stop string, cancellation): its blocks return at once.
+    pub fn finish(&mut self, seq_id: SeqId, reason: FinishReason) -> Option<Sequence> {
+        let mut seq = self.seqs.remove(&seq_id)?;
+        self.running.retain(|&s| s != seq_id);
+        self.waiting.retain(|&s| s != seq_id);
+        self.pool.free(&mut seq.block_table);
+        seq.status = SeqStatus::Finished(reason);
+        Some(seq)
+    }
+
+    /// Cancels every sequence of `request_id`; returns the ids retired.
+    pub fn cancel(&mut self, request_id: RequestId) -> Vec<SeqId> {
+        let ids: Vec<SeqId> = self
+            .seqs
+            .values()
+            .filter(|s| s.request_id == request_id)
+            .map(|s| s.seq_id)
+            .collect();
+        for &id in &ids {
+            self.finish(id, FinishReason::Cancelled);
+        }
+        ids
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv_pool::BlockCopy;
+
+    fn request(
+        request_id: RequestId,
+        prompt_len: usize,
+        n: usize,
+        max_tokens: usize,
+    ) -> SeqRequest {
+        SeqRequest {
+            request_id,
+            prompt_ids: (0..prompt_len as u32).collect(),
+            n,
+            max_tokens,
+            eos_token_ids: Arc::from(vec![999u32]),
+        }
+    }
+
+    fn scheduler(num_blocks: usize, block_size: usize, max_batched_tokens: usize) -> Scheduler {
+        let cfg = SchedulerConfig {
+            max_num_seqs: 16,
+            max_batched_tokens,
+        };
+        Scheduler::new(cfg, KvPool::new(num_blocks, block_size))
+    }
+
+    /// Runs `plan` with a fake model that always samples `token`.
+    fn step(s: &mut Scheduler, token: u32) -> (Plan, Vec<Appended>) {
+        let plan = s.schedule();
+        let sampled: Vec<Vec<u32>> = plan
+            .seqs
+            .iter()
+            .map(|p| vec![token; p.num_samples])
+            .collect();
+        let appended = s.postprocess(&plan, &sampled);
+        (plan, appended)
+    }
+
+    #[test]
+    fn group_prefills_once_then_forks_with_copy_on_write() {
+        // Prompt of 20 tokens, blocks of 8: two full blocks and one holding 4 tokens.
+        let mut s = scheduler(16, 8, 64);
+        s.add_request(request(7, 20, 4, 5)).unwrap();
+        let (plan, appended) = step(&mut s, 1);
+        assert_eq!(plan.seqs.len(), 1, "the prompt is prefilled once");
+        assert_eq!(plan.seqs[0].num_new_tokens, 20);
+        assert_eq!(plan.seqs[0].num_samples, 4);
+        assert_eq!(appended.len(), 4);
+        let samples: Vec<usize> = appended.iter().map(|a| a.sample_index).collect();
+        assert_eq!(samples, vec![3, 2, 1, 0]);
+        // Prompt blocks stored once, referenced by all four samples.
+        assert_eq!(s.pool().num_free_blocks(), 16 - 3);
+        assert!((0..3).all(|b| s.pool().ref_count(b) == 4));
+        // First decode: the shared partial block 2 is copied for three samples; the last
+        // one to write owns it alone and writes in place.
+        let (plan, _) = step(&mut s, 1);
+        assert_eq!(plan.seqs.len(), 4);
+        assert!(plan
+            .seqs
+            .iter()
+            .all(|p| p.num_new_tokens == 1 && p.num_samples == 1));
+        let copies: Vec<BlockCopy> = plan.block_copies.clone();
+        assert_eq!(
+            copies,
+            vec![
+                BlockCopy {
+                    src: 2,
+                    dst: 3,
+                    num_tokens: 4
+                },
+                BlockCopy {
+                    src: 2,
+                    dst: 4,
+                    num_tokens: 4
+                },
+                BlockCopy {
+                    src: 2,
+                    dst: 5,
+                    num_tokens: 4
+                },
+            ]
+        );
+        assert_eq!((s.pool().ref_count(0), s.pool().ref_count(2)), (4, 1));
+        assert_eq!(s.pool().num_free_blocks(), 16 - 6);
+    }
+
+    #[test]
+    fn finished_and_cancelled_sequences_return_their_blocks() {
+        let mut s = scheduler(8, 4, 64);
+        s.add_request(request(1, 6, 2, 2)).unwrap();
+        s.add_request(request(2, 3, 1, 10)).unwrap();
+        step(&mut s, 1);
+        step(&mut s, 1);
+        // Request 1 hit max_tokens = 2: only request 2 holds blocks, one for its 4
+        // computed tokens (3 prompt + 1 output; the newest output is not computed yet).
+        assert_eq!(s.num_waiting_running(), (0, 1));
+        assert_eq!(s.pool().num_free_blocks(), 8 - 1);
+        assert_eq!(s.cancel(2).len(), 1);
+        assert_eq!(s.pool().num_free_blocks(), 8);
+        assert!(!s.has_work());
+    }
+
+    #[test]
+    fn eos_retires_a_sample() {
+        let mut s = scheduler(8, 4, 64);
+        s.add_request(request(1, 3, 1, 10)).unwrap();
+        let (_, appended) = step(&mut s, 999);
+        assert_eq!(appended[0].finish, Some(FinishReason::Stop));
+        assert!(!s.has_work());
+        assert_eq!(s.pool().num_free_blocks(), 8);
+    }
+
+    #[test]
+    fn long_prompts_are_prefilled_in_chunks_within_the_token_budget() {
+        let mut s = scheduler(16, 4, 8);
+        s.add_request(request(1, 19, 1, 3)).unwrap();
+        let chunks: Vec<(usize, usize)> = (0..3)
+            .map(|_| {
+                let (plan, _) = step(&mut s, 1);
+                (plan.seqs[0].num_new_tokens, plan.seqs[0].num_samples)
+            })
+            .collect();
+        assert_eq!(chunks, vec![(8, 0), (8, 0), (3, 1)]);
+    }
+
+    #[test]
+    fn out_of_blocks_preempts_the_newest_and_recomputes_it() {
+        // Two requests of 4 prompt tokens and 8 new tokens in a pool of 5 blocks of 4.
+        let mut s = scheduler(5, 4, 64);
+        s.add_request(request(1, 4, 1, 8)).unwrap();
+        s.add_request(request(2, 4, 1, 8)).unwrap();
+        let mut preempted = Vec::new();
+        let mut outputs: HashMap<RequestId, usize> = HashMap::new();
+        for _ in 0..40 {
+            if !s.has_work() {
+                break;
+            }
+            let (plan, appended) = step(&mut s, 1);
+            preempted.extend(plan.preempted);
+            for a in appended {
+                *outputs.entry(a.request_id).or_default() += 1;
+            }
+        }
+        assert!(!preempted.is_empty(), "the pool was meant to run out");
+        assert_eq!(outputs[&1], 8);
+        assert_eq!(outputs[&2], 8);
+        assert_eq!(s.pool().num_free_blocks(), 5);
+    }
+
+    #[test]
+    fn requests_that_can_never_fit_are_rejected() {
+        let mut s = scheduler(4, 4, 64);
+        let err = s.add_request(request(1, 10, 1, 7)).unwrap_err().to_string();
+        assert!(err.contains("needs 5 KV blocks, the pool has 4"), "{err}");
+        assert!(s.add_request(request(2, 0, 1, 1)).is_err());
+        assert!(s.add_request(request(3, 2, 0, 1)).is_err());
+        assert!(s.add_request(request(4, 2, 17, 1)).is_err());
+        assert!(!s.has_work());
+    }
+
+    /// Small deterministic generator for the random workload.
+    struct Lcg(u64);
+    impl Lcg {
+        fn below(&mut self, n: usize) -> usize {
+            self.0 = self
+                .0
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((self.0 >> 33) % n as u64) as usize
+        }
+    }
+
+    #[test]
+    fn random_workloads_return_every_block() {
+        for seed in 0..30 {
+            let mut rng = Lcg(seed);
+            let block_size = 1 + rng.below(6);
+            let num_blocks = 8 + rng.below(24);
+            let mut s = scheduler(num_blocks, block_size, 4 + rng.below(40));
+            let mut next_id = 0;
+            for _ in 0..200 {
+                // Arrivals, some cancellations, random EOS.
+                if rng.below(3) == 0 {
+                    let prompt = 1 + rng.below(12);
+                    let _ = s.add_request(request(
+                        next_id,
+                        prompt,
+                        1 + rng.below(4),
+                        1 + rng.below(10),
+                    ));
+                    next_id += 1;
+                }
+                if rng.below(10) == 0 && next_id > 0 {
+                    s.cancel(rng.below(next_id as usize) as RequestId);
+                }
+                if s.has_work() {
+                    let token = if rng.below(8) == 0 { 999 } else { 1 };
+                    step(&mut s, token);
+                }
+                let used: usize = s.seqs.values().map(|q| q.block_table.len()).sum();
+                assert!(
+                    num_blocks - s.pool().num_free_blocks() <= used,
+                    "seed {seed}: leaked blocks"
+                );
+            }
+            while s.has_work() {
+                step(&mut s, 1);
+            }
+            assert_eq!(
+                s.pool().num_free_blocks(),
+                num_blocks,
+                "seed {seed}: blocks not returned"
+            );
+            assert!((0..num_blocks as u32).all(|b| s.pool().ref_count(b) == 0));
+        }
+    }
+}

@@ -1,0 +1,217 @@
+//! The engine against the contiguous-cache reference: greedy outputs token for token
+//! (block sizes, preemption, staggered arrivals, groups), seeded sampling, cancellation,
+//! weight swaps and bad requests.
+
+use std::sync::Arc;
+
+use candle_core::Device;
+use dppo_engine::naive::generate_naive;
+use dppo_engine::{Engine, EngineConfig, FinishReason, GenerateRequest, SamplingParams};
+use dppo_model::{Arch, Policy};
+
+use crate::util::{random_policy, small_config};
+
+fn policy() -> Policy {
+    let mut cfg = small_config(Arch::Llama);
+    cfg.max_position_embeddings = 128;
+    random_policy(&cfg, 21)
+}
+
+fn greedy(prompt_ids: Vec<u32>, n: usize, max_tokens: usize) -> GenerateRequest {
+    let mut r = GenerateRequest::new(prompt_ids, n, max_tokens);
+    r.sampling.temperature = 0.0;
+    r.ignore_eos = true;
+    r
+}
+
+/// Prompts of lengths 1..=23 with varied contents.
+fn workload(num: usize, n: usize, vocab: usize) -> Vec<GenerateRequest> {
+    (0..num)
+        .map(|p| {
+            let len = 1 + (p * 7) % 23;
+            let ids = (0..len)
+                .map(|i| ((i * 11 + p * 5 + 3) % vocab) as u32)
+                .collect();
+            greedy(ids, n, 6 + p % 9)
+        })
+        .collect()
+}
+
+fn reference(policy: &Policy, reqs: &[GenerateRequest]) -> Vec<Vec<Vec<u32>>> {
+    let model = policy.model().unwrap();
+    generate_naive(&model, reqs, policy.eos_token_ids(), &Device::Cpu)
+        .unwrap()
+        .into_iter()
+        .map(|cs| cs.into_iter().map(|c| c.token_ids).collect())
+        .collect()
+}
+
+fn run(engine: &Engine, reqs: &[GenerateRequest]) -> Vec<Vec<Vec<u32>>> {
+    engine
+        .generate(reqs.to_vec())
+        .unwrap()
+        .into_iter()
+        .map(|cs| cs.into_iter().map(|c| c.token_ids).collect())
+        .collect()
+}
+
+fn config(block_size: usize, kv_cache_tokens: usize) -> EngineConfig {
+    EngineConfig {
+        block_size,
+        kv_cache_tokens: Some(kv_cache_tokens),
+        max_num_seqs: 32,
+        max_batched_tokens: 64,
+        ..EngineConfig::default()
+    }
+}
+
+#[test]
+fn greedy_paged_equals_contiguous_reference_for_every_block_size() {
+    let policy = policy();
+    let reqs = workload(10, 2, policy.config.vocab_size);
+    let want = reference(&policy, &reqs);
+    for block_size in [1, 16, 7] {
+        let engine = Engine::new(&policy, config(block_size, 4096), Device::Cpu).unwrap();
+        assert_eq!(run(&engine, &reqs), want, "block_size {block_size}");
+        let stats = engine.stats();
+        assert_eq!(stats.num_preemptions, 0);
+    }
+}
+
+#[test]
+fn preemption_keeps_greedy_outputs() {
+    let policy = policy();
+    let reqs = workload(12, 3, policy.config.vocab_size);
+    let want = reference(&policy, &reqs);
+    // 64 slots: far less than the workload needs at once.
+    let engine = Engine::new(&policy, config(4, 64), Device::Cpu).unwrap();
+    assert_eq!(run(&engine, &reqs), want);
+    assert!(
+        engine.stats().num_preemptions > 0,
+        "the pool was meant to run out"
+    );
+}
+
+#[test]
+fn staggered_arrivals_from_many_threads() {
+    let policy = policy();
+    let reqs = workload(8, 2, policy.config.vocab_size);
+    let want = reference(&policy, &reqs);
+    let engine = Arc::new(Engine::new(&policy, config(16, 2048), Device::Cpu).unwrap());
+    let threads: Vec<_> = reqs
+        .iter()
+        .cloned()
+        .enumerate()
+        .map(|(i, r)| {
+            let engine = engine.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(3 * i as u64));
+                engine
+                    .submit(r)
+                    .unwrap()
+                    .wait()
+                    .into_iter()
+                    .map(|c| c.token_ids)
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let got: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    assert_eq!(got, want);
+}
+
+#[test]
+fn seeded_group_samples_equal_reference_and_differ_from_each_other() {
+    let policy = policy();
+    let mut reqs = workload(4, 4, policy.config.vocab_size);
+    for (i, r) in reqs.iter_mut().enumerate() {
+        r.sampling = SamplingParams {
+            temperature: 1.0,
+            seed: Some(100 + i as u64),
+            ..SamplingParams::default()
+        };
+    }
+    let want = reference(&policy, &reqs);
+    let engine = Engine::new(&policy, config(4, 4096), Device::Cpu).unwrap();
+    let got = run(&engine, &reqs);
+    assert_eq!(
+        got, want,
+        "copy-on-write must not change any sibling's tokens"
+    );
+    assert!(
+        got.iter().any(|g| g.iter().any(|s| s != &g[0])),
+        "samples of a group should differ"
+    );
+    // Seeded results do not depend on the rest of the batch.
+    let alone = run(&engine, &reqs[1..2]);
+    assert_eq!(alone[0], got[1]);
+}
+
+#[test]
+fn cancellation_frees_blocks_at_once() {
+    let policy = policy();
+    let engine = Engine::new(&policy, config(4, 512), Device::Cpu).unwrap();
+    let mut req = greedy(vec![1, 2, 3, 4, 5], 3, 100);
+    req.max_tokens = 100;
+    let handle = engine.submit(req).unwrap();
+    let first = handle.events.recv().unwrap();
+    assert!(matches!(first, dppo_engine::Event::Token { .. }));
+    handle.cancel();
+    let completions = handle.wait();
+    assert!(completions
+        .iter()
+        .all(|c| c.finish_reason == FinishReason::Cancelled));
+    assert!(completions.iter().all(|c| c.token_ids.len() < 100));
+    // The next request runs in a pool with every block back.
+    let out = engine.generate(vec![greedy(vec![1, 2], 1, 3)]).unwrap();
+    assert_eq!(out[0][0].token_ids.len(), 3);
+}
+
+#[test]
+fn outputs_carry_the_policy_version_and_swaps_apply_between_iterations() {
+    let policy = policy();
+    let engine = Engine::new(&policy, config(16, 2048), Device::Cpu).unwrap();
+    let reqs = workload(2, 1, policy.config.vocab_size);
+    let before = engine.generate(reqs.clone()).unwrap();
+    assert!(before
+        .iter()
+        .flatten()
+        .all(|c| c.policy_version == 0 && c.last_policy_version == 0));
+    let other = random_policy(&policy.config, 99);
+    engine.swap_weights(&other.weights, 1).unwrap();
+    let after = engine.generate(reqs.clone()).unwrap();
+    assert!(after.iter().flatten().all(|c| c.policy_version == 1));
+    let want = reference(&other, &reqs);
+    let got: Vec<Vec<Vec<u32>>> = after
+        .into_iter()
+        .map(|cs| cs.into_iter().map(|c| c.token_ids).collect())
+        .collect();
+    assert_eq!(
+        got, want,
+        "after the swap the engine generates with the new weights"
+    );
+}
+
+#[test]
+fn bad_requests_get_clear_errors() {
+    let policy = policy();
+    let engine = Engine::new(&policy, config(16, 2048), Device::Cpu).unwrap();
+    let err = |r: GenerateRequest| {
+        engine
+            .submit(r)
+            .err()
+            .expect("must be rejected")
+            .to_string()
+    };
+    let long = greedy(vec![1; 120], 1, 20);
+    assert!(err(long).contains("exceeds the model's context of 128 tokens"));
+    assert!(err(greedy(vec![1, 2], 0, 4)).contains("n must be between 1"));
+    assert!(err(greedy(vec![], 1, 4)).contains("prompt is empty"));
+    let mut hot = greedy(vec![1], 1, 4);
+    hot.sampling.temperature = -1.0;
+    assert!(err(hot).contains("temperature"));
+    let mut nucleus = greedy(vec![1], 1, 4);
+    nucleus.sampling.top_p = 0.0;
+    assert!(err(nucleus).contains("top_p"));
+    assert!(err(greedy(vec![100_000], 1, 4)).contains("outside the vocabulary"));
+}
