@@ -215,3 +215,19 @@ fn bad_requests_get_clear_errors() {
     assert!(err(nucleus).contains("top_p"));
     assert!(err(greedy(vec![100_000], 1, 4)).contains("outside the vocabulary"));
 }
+
+#[test]
+fn smollm2_greedy_paged_equals_contiguous_reference() {
+    let path = crate::util::smollm2_gguf();
+    let policy = Policy::load(path.to_str().unwrap(), &Device::Cpu).unwrap();
+    let tok = &policy.tokenizer;
+    let reqs: Vec<GenerateRequest> = ["The capital of France is", "1, 2, 3, 4,", "def fib(n):"]
+        .iter()
+        .map(|p| greedy(tok.encode(p, false).unwrap(), 2, 12))
+        .collect();
+    let want = reference(&policy, &reqs);
+    for block_size in [16, 3] {
+        let engine = Engine::new(&policy, config(block_size, 1024), Device::Cpu).unwrap();
+        assert_eq!(run(&engine, &reqs), want, "block_size {block_size}");
+    }
+}

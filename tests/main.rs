@@ -11,3 +11,5 @@ mod model_train;
 mod model_files;
 // The generation engine against the contiguous-cache reference.
 mod engine;
+// The binary: JSON outputs and error messages.
+mod cli;

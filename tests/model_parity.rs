@@ -34,25 +34,31 @@ fn logits(policy: &Policy, ids: &[u32]) -> Vec<f32> {
 fn logits_match_transformers_on_tiny_checkpoints() {
     for name in ["llama", "llama_tied", "qwen2", "qwen3"] {
         let dir = fixture(&format!("hf/{name}"));
-        let policy = Policy::load(dir.to_str().unwrap(), &Device::Cpu)
+        let loaded = Policy::load(dir.to_str().unwrap(), &Device::Cpu)
             .unwrap_or_else(|e| panic!("{name}: {e}"));
+        // What we save must load back to the same numbers.
+        let tmp = tempfile::tempdir().unwrap();
+        loaded.save_hf(&tmp.path().join(name)).unwrap();
+        let resaved = Policy::load(tmp.path().join(name).to_str().unwrap(), &Device::Cpu).unwrap();
         let reference = json(&dir.join("reference.json"));
-        let seqs = reference["input_ids"].as_array().unwrap();
-        let want_all = reference["logits"].as_array().unwrap();
-        for (seq, want) in seqs.iter().zip(want_all) {
-            let want: Vec<f32> = want
-                .as_array()
-                .unwrap()
-                .iter()
-                .flat_map(|row| {
-                    row.as_array()
-                        .unwrap()
-                        .iter()
-                        .map(|x| x.as_f64().unwrap() as f32)
-                })
-                .collect();
-            let got = logits(&policy, &ids_of(seq));
-            assert_close!(got, want, 1e-4);
+        for policy in [&loaded, &resaved] {
+            let seqs = reference["input_ids"].as_array().unwrap();
+            let want_all = reference["logits"].as_array().unwrap();
+            for (seq, want) in seqs.iter().zip(want_all) {
+                let want: Vec<f32> = want
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .flat_map(|row| {
+                        row.as_array()
+                            .unwrap()
+                            .iter()
+                            .map(|x| x.as_f64().unwrap() as f32)
+                    })
+                    .collect();
+                let got = logits(policy, &ids_of(seq));
+                assert_close!(got, want, 1e-4);
+            }
         }
     }
 }

@@ -11,12 +11,14 @@ use std::thread::JoinHandle;
 use candle_core::Device;
 use dppo_model::{CausalLm, Policy, TextTokenizer, Weights};
 use parking_lot::Mutex;
+use rayon::prelude::*;
 
 use crate::kv_pool::KvPool;
 use crate::paged_attn::CacheShape;
+use crate::plan::Plan;
 use crate::request::{find_stop, Completion, Event, GenerateRequest};
 use crate::runner::Runner;
-use crate::sampler::{sample, SeqRng};
+use crate::sampler::{sample, Sampled, SamplingParams, SeqRng};
 use crate::scheduler::{Appended, Capacity, Scheduler, SchedulerConfig, SeqRequest};
 use crate::sequence::{FinishReason, RequestId};
 use crate::EngineError;
@@ -281,7 +283,8 @@ fn num_blocks(cfg: &EngineConfig, shape: &CacheShape) -> Result<usize, EngineErr
 /// Per-request state kept by the worker.
 struct RequestState {
     req: GenerateRequest,
-    rngs: Vec<SeqRng>,
+    /// One RNG per sample; lent out while a draw is under way.
+    rngs: Vec<Option<SeqRng>>,
     events: Sender<Event>,
     /// Output tokens per sample (for stop strings).
     outputs: Vec<Vec<u32>>,
@@ -363,8 +366,8 @@ impl Worker {
         }
         let rngs = (0..req.n)
             .map(|i| match req.sampling.seed {
-                Some(seed) => SeqRng::new(seed, i as u64),
-                None => SeqRng::from_entropy(),
+                Some(seed) => Some(SeqRng::new(seed, i as u64)),
+                None => Some(SeqRng::from_entropy()),
             })
             .collect();
         let state = RequestState {
@@ -398,29 +401,11 @@ impl Worker {
             ));
         }
         let logits = self.runner.run(&plan, &self.scheduler)?;
-        // Sample: the rows of a forking group draw with each sample's own RNG.
-        let mut sampled = Vec::with_capacity(plan.seqs.len());
-        let mut ids = Vec::with_capacity(plan.seqs.len());
-        for (s, row) in plan.seqs.iter().zip(&logits) {
-            let seq = self.scheduler.seq(s.seq_id).expect("live");
-            let state = self
-                .requests
-                .get_mut(&seq.request_id)
-                .expect("live request");
-            let first = if s.num_samples > 1 {
-                0
-            } else {
-                seq.sample_index
-            };
-            let draws: Vec<_> = match row {
-                Some(row) => (first..first + s.num_samples)
-                    .map(|i| sample(row, &state.req.sampling, &mut state.rngs[i]))
-                    .collect(),
-                None => Vec::new(),
-            };
-            ids.push(draws.iter().map(|d| d.token_id).collect::<Vec<_>>());
-            sampled.push(draws);
-        }
+        let sampled = self.draw_all(&plan, &logits);
+        let ids: Vec<Vec<u32>> = sampled
+            .iter()
+            .map(|draws| draws.iter().map(|d| d.token_id).collect())
+            .collect();
         let appended = self.scheduler.postprocess(&plan, &ids);
         self.update_stats(&plan, appended.len());
         for a in appended {
@@ -429,7 +414,75 @@ impl Worker {
         Ok(())
     }
 
-    fn update_stats(&self, plan: &crate::plan::Plan, num_new: usize) {
+    /// Samples every row of the iteration, in parallel. Each sample draws from its own RNG
+    /// (a forking group's row is drawn once per sample), so no result depends on the batch.
+    fn draw_all(&mut self, plan: &Plan, logits: &[Option<Vec<f32>>]) -> Vec<Vec<Sampled>> {
+        // 1. Lend each job the RNGs of the samples it draws for.
+        let jobs: Vec<(RequestId, usize, Vec<SeqRng>)> = plan
+            .seqs
+            .iter()
+            .zip(logits)
+            .map(|(s, row)| {
+                let seq = self.scheduler.seq(s.seq_id).expect("live");
+                let state = self
+                    .requests
+                    .get_mut(&seq.request_id)
+                    .expect("live request");
+                let first = if s.num_samples > 1 {
+                    0
+                } else {
+                    seq.sample_index
+                };
+                let count = if row.is_some() { s.num_samples } else { 0 };
+                let rngs = (first..first + count)
+                    .map(|i| state.rngs[i].take().expect("one draw per sample at a time"))
+                    .collect();
+                (seq.request_id, first, rngs)
+            })
+            .collect();
+        let params: Vec<SamplingParams> = jobs
+            .iter()
+            .map(|(r, _, _)| self.requests[r].req.sampling.clone())
+            .collect();
+        // 2. Draw.
+        let results: Vec<(Vec<Sampled>, Vec<SeqRng>)> = jobs
+            .into_par_iter()
+            .zip(logits.par_iter())
+            .zip(params.par_iter())
+            .map(|(((_, _, mut rngs), row), params)| {
+                let draws = match row {
+                    Some(row) => rngs
+                        .iter_mut()
+                        .map(|rng| sample(row, params, rng))
+                        .collect(),
+                    None => Vec::new(),
+                };
+                (draws, rngs)
+            })
+            .collect();
+        // 3. Give the RNGs back.
+        let mut sampled = Vec::with_capacity(results.len());
+        for (s, (draws, rngs)) in plan.seqs.iter().zip(results) {
+            if let Some(seq) = self.scheduler.seq(s.seq_id) {
+                let first = if s.num_samples > 1 {
+                    0
+                } else {
+                    seq.sample_index
+                };
+                let state = self
+                    .requests
+                    .get_mut(&seq.request_id)
+                    .expect("live request");
+                for (i, rng) in rngs.into_iter().enumerate() {
+                    state.rngs[first + i] = Some(rng);
+                }
+            }
+            sampled.push(draws);
+        }
+        sampled
+    }
+
+    fn update_stats(&self, plan: &Plan, num_new: usize) {
         let pool = self.scheduler.pool();
         let mut stats = self.stats.lock();
         stats.num_iterations += 1;
@@ -441,7 +494,7 @@ impl Worker {
     }
 
     /// Streams one token and retires its sample on EOS, length or a stop string.
-    fn emit(&mut self, a: Appended, s: &crate::sampler::Sampled) {
+    fn emit(&mut self, a: Appended, s: &Sampled) {
         let Some(state) = self.requests.get_mut(&a.request_id) else {
             return;
         };

@@ -158,10 +158,7 @@ impl Kernel<'_> {
         let offset = |j: usize| (block_table[j / bs] as usize * bs + j % bs) * row + kv_head * d;
         // scores = q . k_j * scale, then a max-shifted softmax
         let mut scores: Vec<f32> = (0..=pos)
-            .map(|j| {
-                let k = &self.k[offset(j)..offset(j) + d];
-                q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * self.scale
-            })
+            .map(|j| dot(q, &self.k[offset(j)..offset(j) + d]) * self.scale)
             .collect();
         let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0f32;
@@ -178,4 +175,23 @@ impl Kernel<'_> {
             }
         }
     }
+}
+
+/// Dot product with eight independent accumulators, so that the compiler can vectorise it
+/// (a single running sum is a dependency chain that float semantics forbid reordering).
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = a8
+        .remainder()
+        .iter()
+        .zip(b8.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in a8.zip(b8) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
 }

@@ -73,57 +73,70 @@ impl SeqRng {
 /// Samples one token.
 pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut SeqRng) -> Sampled {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = logits
-        .iter()
-        .map(|&l| (l as f64 - max).exp())
-        .sum::<f64>()
-        .ln()
-        + max;
-    let raw = |i: usize| (logits[i] as f64 - lse) as f32;
+    let raw = |i: usize| {
+        let lse = logits
+            .iter()
+            .map(|&l| (l as f64 - max).exp())
+            .sum::<f64>()
+            .ln()
+            + max;
+        (logits[i] as f64 - lse) as f32
+    };
     if params.is_greedy() {
         let best = (0..logits.len()).fold(0, |b, i| if logits[i] > logits[b] { i } else { b });
+        let lp = raw(best);
         return Sampled {
             token_id: best as u32,
-            logprob: raw(best),
-            model_logprob: params.model_logprobs.then(|| raw(best)),
+            logprob: lp,
+            model_logprob: params.model_logprobs.then_some(lp),
         };
     }
     let t = params.temperature as f64;
-    let mut idx: Vec<usize> = (0..logits.len()).collect();
-    idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-    if params.top_k > 0 {
-        idx.truncate(params.top_k);
-    }
-    let mut p: Vec<f64> = idx
-        .iter()
-        .map(|&i| ((logits[i] as f64 - max) / t).exp())
-        .collect();
-    let z: f64 = p.iter().sum();
-    let mut cum = 0.0;
-    let mut keep = p.len();
-    for (j, x) in p.iter().enumerate() {
-        cum += x / z;
-        if cum >= params.top_p as f64 {
-            keep = j + 1;
-            break;
+    let (idx, mut p): (Vec<usize>, Vec<f64>) = if params.top_k == 0 && params.top_p >= 1.0 {
+        (
+            (0..logits.len()).collect(),
+            logits
+                .iter()
+                .map(|&l| ((l as f64 - max) / t).exp())
+                .collect(),
+        )
+    } else {
+        let mut idx: Vec<usize> = (0..logits.len()).collect();
+        idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        if params.top_k > 0 {
+            idx.truncate(params.top_k);
         }
-    }
-    p.truncate(keep);
+        let p: Vec<f64> = idx
+            .iter()
+            .map(|&i| ((logits[i] as f64 - max) / t).exp())
+            .collect();
+        let z: f64 = p.iter().sum();
+        let mut cum = 0.0;
+        let keep = p
+            .iter()
+            .position(|x| {
+                cum += x / z;
+                cum >= params.top_p as f64
+            })
+            .map_or(p.len(), |j| j + 1);
+        (idx[..keep].to_vec(), p[..keep].to_vec())
+    };
     let z: f64 = p.iter().sum();
     let u: f64 = rng.0.random::<f64>() * z;
+    let mut pick = p.len() - 1;
     let mut acc = 0.0;
-    let mut pick = keep - 1;
-    for (j, x) in p.iter().enumerate() {
-        acc += x;
+    for (j, x) in p.iter_mut().enumerate() {
+        acc += *x;
         if u < acc {
             pick = j;
             break;
         }
     }
     let token = idx[pick];
+    let lp = ((logits[token] as f64 - max) / t - z.ln()) as f32;
     Sampled {
         token_id: token as u32,
-        logprob: (p[pick] / z).ln() as f32,
+        logprob: lp,
         model_logprob: params.model_logprobs.then(|| raw(token)),
     }
 }

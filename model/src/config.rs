@@ -121,6 +121,7 @@ impl ModelConfig {
         let hf: HfConfig = serde_json::from_value(raw.clone()).map_err(|e| bad(e.to_string()))?;
         let arch = resolve_arch(&hf).map_err(bad)?;
         refuse_unsupported(obj, arch).map_err(bad)?;
+        let rope_theta = rope_theta(obj, hf.rope_theta).map_err(bad)?;
         let eos_token_ids = match &hf.eos_token_id {
             None | Some(Value::Null) => Vec::new(),
             Some(v) => parse_token_ids(v).map_err(|e| bad(format!("eos_token_id: {e}")))?,
@@ -136,7 +137,7 @@ impl ModelConfig {
             head_dim: hf
                 .head_dim
                 .unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1)),
-            rope_theta: hf.rope_theta,
+            rope_theta,
             rms_norm_eps: hf.rms_norm_eps,
             // HF's PretrainedConfig defaults `tie_word_embeddings` to true; Qwen2 overrides it.
             tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(arch != Arch::Qwen2),
@@ -268,6 +269,29 @@ fn resolve_arch(hf: &HfConfig) -> std::result::Result<Arch, String> {
         })
 }
 
+/// `rope_theta`, top-level (transformers 4) or inside `rope_parameters` (transformers 5),
+/// where only the default rope type is supported.
+fn rope_theta(obj: &Map<String, Value>, top_level: f64) -> std::result::Result<f64, String> {
+    let Some(params) = obj.get("rope_parameters").filter(|v| !v.is_null()) else {
+        return Ok(top_level);
+    };
+    let kind = params
+        .get("rope_type")
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    if kind != "default" {
+        return Err(format!(
+            "unsupported rope_parameters {params} (only rope_type \"default\")"
+        ));
+    }
+    match params.get("rope_theta") {
+        None => Ok(top_level),
+        Some(v) => v
+            .as_f64()
+            .ok_or_else(|| format!("rope_parameters.rope_theta must be a number, got {v}")),
+    }
+}
+
 /// Refuses options that would change the maths if we ignored them.
 fn refuse_unsupported(obj: &Map<String, Value>, arch: Arch) -> std::result::Result<(), String> {
     let get = |k: &str| obj.get(k).filter(|v| !v.is_null());
@@ -371,6 +395,22 @@ mod tests {
                 "{err} lacks {needle}"
             );
         }
+    }
+
+    #[test]
+    fn reads_transformers5_rope_parameters() {
+        let text = r#"{"model_type":"llama","vocab_size":10,"hidden_size":8,
+            "intermediate_size":16,"num_hidden_layers":1,"num_attention_heads":2,
+            "rope_parameters":{"rope_theta":500000.0,"rope_type":"default"}}"#;
+        assert_eq!(
+            ModelConfig::from_hf_json(text, "c").unwrap().rope_theta,
+            500000.0
+        );
+        let yarn = text.replace("\"default\"", "\"yarn\"");
+        let err = ModelConfig::from_hf_json(&yarn, "c")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("unsupported rope_parameters"), "{err}");
     }
 
     #[test]
