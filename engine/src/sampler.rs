@@ -1,14 +1,20 @@
-//! Token sampling from one sequence's logits row (interim version; being replaced).
+//! Token sampling from one sequence's logits row. Each sample draws from its own RNG, so a
+//! seeded result never depends on what else is in the batch.
 
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
-/// Per-request sampling parameters.
+/// Per-request sampling parameters (OpenAI / vLLM vocabulary).
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
+    /// 0 samples greedily.
     pub temperature: f32,
+    /// Keep the `top_k` most likely tokens; 0 disables.
     pub top_k: usize,
+    /// Keep the smallest most-likely set with this much mass; 1 disables. In (0, 1].
     pub top_p: f32,
+    /// Per-request seed; sample `i` of the request draws from `SeqRng::new(seed, i)`.
     pub seed: Option<u64>,
+    /// Also return the untempered full-softmax logprob of each sampled token.
     pub model_logprobs: bool,
 }
 
@@ -25,7 +31,7 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
-    /// Checks ranges.
+    /// Checks ranges; the error names the field and the value.
     pub fn validate(&self) -> Result<(), String> {
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             return Err(format!(
@@ -39,7 +45,7 @@ impl SamplingParams {
         Ok(())
     }
 
-    /// Whether sampling is greedy.
+    /// Whether sampling is greedy (temperature 0).
     pub fn is_greedy(&self) -> bool {
         self.temperature == 0.0
     }
@@ -49,38 +55,57 @@ impl SamplingParams {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Sampled {
     pub token_id: u32,
+    /// Log-probability under the distribution sampled from (see [`sample`]).
     pub logprob: f32,
+    /// Untempered full-softmax log-probability, when requested.
     pub model_logprob: Option<f32>,
 }
 
-/// Per-sequence random stream.
+/// A sample's random stream.
+#[derive(Debug, Clone)]
 pub struct SeqRng(StdRng);
 
 impl SeqRng {
-    /// Stream for sample `index` of a seeded request.
+    /// The stream of sample `index` of a request seeded with `seed`: reproducible, and
+    /// different for the different samples of one request.
     pub fn new(seed: u64, index: u64) -> Self {
-        Self(StdRng::seed_from_u64(
-            seed ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15),
-        ))
+        let mixed = seed ^ index.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        Self(StdRng::seed_from_u64(mixed))
     }
 
-    /// Unseeded stream.
+    /// An unseeded stream.
     pub fn from_entropy() -> Self {
         Self(StdRng::from_os_rng())
     }
 }
 
-/// Samples one token.
+/// Samples one token from `logits` (one row, vocab-sized), in this order:
+/// 1. NaN logits count as -inf.
+/// 2. Greedy (temperature 0): the argmax, lowest id on ties. Its `logprob` is the untempered
+///    full-softmax logprob (a point mass would say 0, which tells nothing).
+/// 3. Otherwise divide by the temperature;
+/// 4. top-k: keep the k largest (ties broken by lower id);
+/// 5. top-p: keep the smallest prefix of the remaining tokens, most likely first, whose
+///    renormalised mass reaches `top_p` (at least one token);
+/// 6. draw with one uniform number by inverse CDF over the kept tokens.
+///
+/// `logprob` is the log-probability of the drawn token under the distribution of steps 3-5,
+/// renormalised: the behaviour policy's logprob that RL importance ratios need.
 pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut SeqRng) -> Sampled {
+    let cleaned: Vec<f32>;
+    let logits = if logits.iter().any(|x| x.is_nan()) {
+        cleaned = logits
+            .iter()
+            .map(|&x| if x.is_nan() { f32::NEG_INFINITY } else { x })
+            .collect();
+        &cleaned
+    } else {
+        logits
+    };
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let raw = |i: usize| {
-        let lse = logits
-            .iter()
-            .map(|&l| (l as f64 - max).exp())
-            .sum::<f64>()
-            .ln()
-            + max;
-        (logits[i] as f64 - lse) as f32
+        let z: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum();
+        (logits[i] as f64 - max - z.ln()) as f32
     };
     if params.is_greedy() {
         let best = (0..logits.len()).fold(0, |b, i| if logits[i] > logits[b] { i } else { b });
@@ -92,51 +117,199 @@ pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut SeqRng) -> Samp
         };
     }
     let t = params.temperature as f64;
-    let (idx, mut p): (Vec<usize>, Vec<f64>) = if params.top_k == 0 && params.top_p >= 1.0 {
-        (
-            (0..logits.len()).collect(),
-            logits
-                .iter()
-                .map(|&l| ((l as f64 - max) / t).exp())
-                .collect(),
-        )
-    } else {
-        let mut idx: Vec<usize> = (0..logits.len()).collect();
-        idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-        if params.top_k > 0 {
-            idx.truncate(params.top_k);
-        }
-        let p: Vec<f64> = idx
-            .iter()
-            .map(|&i| ((logits[i] as f64 - max) / t).exp())
-            .collect();
-        let z: f64 = p.iter().sum();
-        let mut cum = 0.0;
-        let keep = p
-            .iter()
-            .position(|x| {
-                cum += x / z;
-                cum >= params.top_p as f64
-            })
-            .map_or(p.len(), |j| j + 1);
-        (idx[..keep].to_vec(), p[..keep].to_vec())
-    };
-    let z: f64 = p.iter().sum();
-    let u: f64 = rng.0.random::<f64>() * z;
-    let mut pick = p.len() - 1;
+    let weight = |i: usize| ((logits[i] as f64 - max) / t).exp();
+    let (ids, weights) = candidates(logits, params, weight);
+    let z: f64 = weights.iter().sum();
+    let u = rng.0.random::<f64>() * z;
     let mut acc = 0.0;
-    for (j, x) in p.iter_mut().enumerate() {
-        acc += *x;
-        if u < acc {
-            pick = j;
-            break;
-        }
-    }
-    let token = idx[pick];
-    let lp = ((logits[token] as f64 - max) / t - z.ln()) as f32;
+    let pick = weights
+        .iter()
+        .position(|w| {
+            acc += w;
+            u < acc
+        })
+        .unwrap_or(weights.len() - 1);
+    let token = ids[pick];
     Sampled {
         token_id: token as u32,
-        logprob: lp,
+        logprob: (weights[pick] / z).ln() as f32,
         model_logprob: params.model_logprobs.then(|| raw(token)),
+    }
+}
+
+/// The tokens kept by top-k / top-p with their unnormalised weights. Without truncation
+/// every token is kept in id order (one pass, no sort).
+fn candidates(
+    logits: &[f32],
+    params: &SamplingParams,
+    weight: impl Fn(usize) -> f64,
+) -> (Vec<usize>, Vec<f64>) {
+    if params.top_k == 0 && params.top_p >= 1.0 {
+        return (
+            (0..logits.len()).collect(),
+            (0..logits.len()).map(weight).collect(),
+        );
+    }
+    let by_rank = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
+    let mut ids: Vec<usize> = (0..logits.len()).collect();
+    if params.top_k > 0 && params.top_k < ids.len() {
+        ids.select_nth_unstable_by(params.top_k - 1, by_rank);
+        ids.truncate(params.top_k);
+    }
+    ids.sort_unstable_by(by_rank);
+    let mut weights: Vec<f64> = ids.iter().map(|&i| weight(i)).collect();
+    if params.top_p < 1.0 {
+        let z: f64 = weights.iter().sum();
+        let mut mass = 0.0;
+        let keep = weights
+            .iter()
+            .position(|w| {
+                mass += w / z;
+                mass >= params.top_p as f64
+            })
+            .map_or(weights.len(), |j| j + 1);
+        ids.truncate(keep);
+        weights.truncate(keep);
+    }
+    (ids, weights)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LOGITS: [f32; 8] = [1.0, 3.0, -2.0, 3.0, 0.5, 2.0, -1.0, 2.5];
+
+    fn params(temperature: f32, top_k: usize, top_p: f32) -> SamplingParams {
+        SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            seed: Some(1),
+            model_logprobs: true,
+        }
+    }
+
+    /// Independent reference: probabilities after temperature, top-k and top-p by sorting.
+    fn reference(logits: &[f32], p: &SamplingParams) -> Vec<f64> {
+        let scaled: Vec<f64> = logits
+            .iter()
+            .map(|&l| l as f64 / p.temperature as f64)
+            .collect();
+        let mut order: Vec<usize> = (0..logits.len()).collect();
+        order.sort_by(|&a, &b| scaled[b].partial_cmp(&scaled[a]).unwrap().then(a.cmp(&b)));
+        if p.top_k > 0 {
+            order.truncate(p.top_k);
+        }
+        let z: f64 = order.iter().map(|&i| scaled[i].exp()).sum();
+        let mut kept = Vec::new();
+        let mut mass = 0.0;
+        for &i in &order {
+            kept.push(i);
+            mass += scaled[i].exp() / z;
+            if mass >= p.top_p as f64 {
+                break;
+            }
+        }
+        let z: f64 = kept.iter().map(|&i| scaled[i].exp()).sum();
+        let mut probs = vec![0.0; logits.len()];
+        for &i in &kept {
+            probs[i] = scaled[i].exp() / z;
+        }
+        probs
+    }
+
+    fn log_softmax(logits: &[f32], i: usize) -> f64 {
+        let z: f64 = logits.iter().map(|&l| (l as f64).exp()).sum();
+        logits[i] as f64 - z.ln()
+    }
+
+    #[test]
+    fn greedy_takes_the_lowest_argmax_with_its_model_logprob() {
+        let s = sample(&LOGITS, &params(0.0, 0, 1.0), &mut SeqRng::new(0, 0));
+        assert_eq!(s.token_id, 1);
+        assert!((s.logprob as f64 - log_softmax(&LOGITS, 1)).abs() < 1e-6);
+        assert_eq!(s.model_logprob, Some(s.logprob));
+    }
+
+    #[test]
+    fn draws_follow_the_truncated_distribution() {
+        for p in [
+            params(1.0, 0, 1.0),
+            params(0.7, 5, 1.0),
+            params(1.3, 0, 0.8),
+            params(0.7, 5, 0.8),
+        ] {
+            let want = reference(&LOGITS, &p);
+            let mut rng = SeqRng::new(42, 0);
+            let draws = 20_000;
+            let mut counts = [0usize; 8];
+            for _ in 0..draws {
+                let s = sample(&LOGITS, &p, &mut rng);
+                counts[s.token_id as usize] += 1;
+                // The returned logprobs are the reference ones.
+                let i = s.token_id as usize;
+                assert!((s.logprob as f64 - want[i].ln()).abs() < 1e-5, "{p:?}");
+                assert!((s.model_logprob.unwrap() as f64 - log_softmax(&LOGITS, i)).abs() < 1e-5);
+            }
+            for (i, &c) in counts.iter().enumerate() {
+                if want[i] == 0.0 {
+                    assert_eq!(c, 0, "token {i} is outside the support for {p:?}");
+                } else {
+                    let mean = draws as f64 * want[i];
+                    let sd = (draws as f64 * want[i] * (1.0 - want[i])).sqrt();
+                    assert!(
+                        (c as f64 - mean).abs() < 5.0 * sd + 1.0,
+                        "token {i}: {c} vs {mean} for {p:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn seeded_streams_reproduce_and_samples_differ() {
+        let p = params(1.0, 0, 1.0);
+        let run = |seed, index| {
+            let mut rng = SeqRng::new(seed, index);
+            (0..50)
+                .map(|_| sample(&LOGITS, &p, &mut rng).token_id)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(run(7, 0), run(7, 0));
+        assert_ne!(run(7, 0), run(7, 1));
+        assert_ne!(run(7, 0), run(8, 0));
+    }
+
+    #[test]
+    fn nan_logits_are_never_drawn() {
+        let mut logits = LOGITS;
+        logits[1] = f32::NAN;
+        let mut rng = SeqRng::new(3, 0);
+        for p in [
+            params(0.0, 0, 1.0),
+            params(1.0, 0, 1.0),
+            params(1.0, 3, 0.9),
+        ] {
+            for _ in 0..200 {
+                assert_ne!(sample(&logits, &p, &mut rng).token_id, 1);
+            }
+        }
+    }
+
+    #[test]
+    fn invalid_parameters_name_the_field() {
+        let bad = [
+            (params(-1.0, 0, 1.0), "temperature"),
+            (params(f32::NAN, 0, 1.0), "temperature"),
+            (params(1.0, 0, 0.0), "top_p"),
+            (params(1.0, 0, 1.5), "top_p"),
+            (params(1.0, 0, f32::NAN), "top_p"),
+        ];
+        for (p, field) in bad {
+            let err = p.validate().unwrap_err();
+            assert!(err.starts_with(field), "{err}");
+        }
+        assert!(params(0.0, 3, 0.5).validate().is_ok());
     }
 }
