@@ -189,6 +189,11 @@ impl CausalLm {
         })
     }
 
+    /// The device the weights live on.
+    pub fn device(&self) -> &candle_core::Device {
+        self.embed_tokens.device()
+    }
+
     /// The configuration the model was built with.
     pub fn config(&self) -> &ModelConfig {
         &self.cfg

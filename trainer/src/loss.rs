@@ -1,0 +1,208 @@
+//! The clipped surrogate loss of the GRPO family over one packed buffer, with per-token
+//! weights from pruning and normalisers computed once over the full, unpruned batch.
+
+use candle_core::{DType, Device, Result, Tensor, D};
+use dppo_model::ops::{log_softmax_last_dim, token_logprobs};
+use dppo_model::{CausalLm, PackedRow};
+use serde::{Deserialize, Serialize};
+
+/// How token losses are summed into the batch loss (`loss_agg`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LossAgg {
+    /// DAPO: `1/N_tok * sum of token losses` (default). Under prompt pruning `N_tok` is
+    /// itself estimated, so this mode is a ratio estimator (bias O(1/B)).
+    TokenMean,
+    /// GRPO: `1/N_seq * sum_seq 1/|o| * sum_t`.
+    SeqMeanTokenMean,
+    /// Dr. GRPO: `1/(N_seq * L_max) * sum_seq sum_t`.
+    SeqMeanTokenSumNorm,
+}
+
+/// Token-level ratios (PPO/GRPO) or sequence-level ratios (GSPO).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RatioLevel {
+    Token,
+    Sequence,
+}
+
+/// Loss hyper-parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LossConfig {
+    pub eps_low: f64,
+    pub eps_high: f64,
+    pub loss_agg: LossAgg,
+    pub ratio_level: RatioLevel,
+    /// Weight of the k3 KL penalty against the reference policy (0: none, no reference).
+    pub beta: f64,
+}
+
+/// The full-batch denominators, computed before packing (never from a buffer).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Normalisers {
+    /// All completions of all drawn prompts.
+    pub num_seqs: f64,
+    /// `sum over rolled-out prompts j of w_q(j) * T_j`.
+    pub num_tokens: f64,
+    /// `max_response_len` (Dr. GRPO's constant).
+    pub max_len: f64,
+}
+
+/// One kept sequence, ready for the learner.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainSeq {
+    /// Prompt then completion tokens.
+    pub tokens: Vec<u32>,
+    pub num_prompt_tokens: usize,
+    pub advantage: f64,
+    /// Pruning weight `w_q * w_o` (1 when unpruned).
+    pub weight: f64,
+    /// Rollout-policy logprob of each completion token.
+    pub rollout_logprobs: Vec<f32>,
+    /// Reference-policy logprob of each completion token (needed when `beta > 0`).
+    pub ref_logprobs: Option<Vec<f32>>,
+}
+
+impl TrainSeq {
+    /// Completion tokens (those that carry a loss).
+    pub fn num_completion_tokens(&self) -> usize {
+        self.tokens.len() - self.num_prompt_tokens
+    }
+}
+
+/// A buffer's loss and its metric sums.
+#[derive(Debug, Clone)]
+pub struct BufferLoss {
+    /// Scalar; its gradient is this buffer's share of the batch gradient.
+    pub loss: Tensor,
+    /// Sums over this buffer's completion tokens (for metrics).
+    pub num_tokens: usize,
+    pub num_clipped: usize,
+    pub entropy_sum: f64,
+}
+
+/// Forward of one packed buffer through `model` and its loss.
+pub fn buffer_loss(
+    model: &CausalLm,
+    seqs: &[&TrainSeq],
+    cfg: &LossConfig,
+    norm: &Normalisers,
+) -> Result<BufferLoss> {
+    let device = model.device().clone();
+    let tokens: Vec<&[u32]> = seqs.iter().map(|s| s.tokens.as_slice()).collect();
+    let row = PackedRow::new(&tokens, &device)?;
+    let hidden = model.forward(&row.input_ids, &row.positions, &mut row.attention())?;
+    // Rows whose next token is a completion token: positions P-1 .. len-2 of each sequence.
+    let mut rows = Vec::new();
+    let mut targets = Vec::new();
+    for (s, start) in seqs.iter().zip(&row.cu_seqlens) {
+        for p in s.num_prompt_tokens..s.tokens.len() {
+            rows.push((start + p - 1) as u32);
+            targets.push(s.tokens[p]);
+        }
+    }
+    let n = rows.len();
+    let rows = Tensor::from_vec(rows, n, &device)?;
+    let logits = model.logits(&hidden.index_select(&rows, 0)?)?;
+    let targets = Tensor::from_vec(targets, n, &device)?;
+    let logprobs = token_logprobs(&logits, &targets)?;
+    let entropy_sum = entropy(&logits.detach())?;
+    let mut out = token_loss(&logprobs, seqs, cfg, norm)?;
+    out.entropy_sum = entropy_sum;
+    Ok(out)
+}
+
+/// The loss given the current policy's logprobs `logprobs` (M,) of the completion tokens
+/// of `seqs`, in order. Separate from the forward so it can be checked by hand.
+pub fn token_loss(
+    logprobs: &Tensor,
+    seqs: &[&TrainSeq],
+    cfg: &LossConfig,
+    norm: &Normalisers,
+) -> Result<BufferLoss> {
+    let device = logprobs.device();
+    let dtype = logprobs.dtype();
+    let per_token = |f: &dyn Fn(&TrainSeq, usize) -> f64| -> Result<Tensor> {
+        let v: Vec<f64> = seqs
+            .iter()
+            .flat_map(|s| (0..s.num_completion_tokens()).map(move |t| f(s, t)))
+            .collect();
+        Tensor::new(v, device)?.to_dtype(dtype)
+    };
+    let old = per_token(&|s, t| s.rollout_logprobs[t] as f64)?;
+    let adv = per_token(&|s, _| s.advantage)?;
+    let coef =
+        per_token(&|s, _| s.weight * agg_factor(cfg.loss_agg, norm, s.num_completion_tokens()))?;
+    // 1. Ratios: per token, or GSPO's length-normalised sequence ratio shared by its tokens.
+    let log_ratio = (logprobs - &old)?;
+    let log_ratio = match cfg.ratio_level {
+        RatioLevel::Token => log_ratio,
+        RatioLevel::Sequence => sequence_mean(&log_ratio, seqs, device)?,
+    };
+    let ratio = log_ratio.exp()?;
+    // 2. Clipped surrogate: l = -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A).
+    let (lo, hi) = (1.0 - cfg.eps_low, 1.0 + cfg.eps_high);
+    let clipped = ratio.clamp(lo, hi)?;
+    let surr1 = (&ratio * &adv)?;
+    let surr2 = (&clipped * &adv)?;
+    let use_unclipped = surr1.le(&surr2)?;
+    let mut token_losses = use_unclipped.where_cond(&surr1, &surr2)?.neg()?;
+    // 3. k3 KL to the reference: exp(ref - lp) - (ref - lp) - 1.
+    if cfg.beta > 0.0 {
+        let reference = per_token(&|s, t| {
+            s.ref_logprobs
+                .as_ref()
+                .expect("beta > 0 needs reference logprobs")[t] as f64
+        })?;
+        let d = (reference - logprobs)?;
+        let kl = ((d.exp()? - &d)? - 1.0)?;
+        token_losses = (token_losses + (kl * cfg.beta)?)?;
+    }
+    let loss = (token_losses * coef)?.sum_all()?;
+    let num_clipped = use_unclipped
+        .to_dtype(DType::F32)?
+        .sum_all()?
+        .to_scalar::<f32>()?;
+    let num_tokens = logprobs.dim(0)?;
+    Ok(BufferLoss {
+        loss,
+        num_tokens,
+        num_clipped: num_tokens - num_clipped as usize,
+        entropy_sum: 0.0,
+    })
+}
+
+/// The coefficient of each token loss of a sequence with `len` completion tokens.
+fn agg_factor(agg: LossAgg, norm: &Normalisers, len: usize) -> f64 {
+    match agg {
+        LossAgg::TokenMean => 1.0 / norm.num_tokens,
+        LossAgg::SeqMeanTokenMean => 1.0 / (norm.num_seqs * len as f64),
+        LossAgg::SeqMeanTokenSumNorm => 1.0 / (norm.num_seqs * norm.max_len),
+    }
+}
+
+/// Each token gets the mean of its sequence's values: (M,) -> (M,), differentiable.
+fn sequence_mean(x: &Tensor, seqs: &[&TrainSeq], device: &Device) -> Result<Tensor> {
+    let m = x.dim(0)?;
+    // (S, M): row s averages the tokens of sequence s; then each token reads its row.
+    let mut avg = vec![0f32; seqs.len() * m];
+    let mut owner = Vec::with_capacity(m);
+    let mut start = 0;
+    for (i, s) in seqs.iter().enumerate() {
+        let len = s.num_completion_tokens();
+        avg[i * m + start..i * m + start + len].fill(1.0 / len as f32);
+        owner.extend(std::iter::repeat_n(i as u32, len));
+        start += len;
+    }
+    let avg = Tensor::from_vec(avg, (seqs.len(), m), device)?.to_dtype(x.dtype())?;
+    let means = avg.matmul(&x.unsqueeze(1)?)?.squeeze(1)?;
+    means.index_select(&Tensor::from_vec(owner, m, device)?, 0)
+}
+
+/// Sum over rows of the entropy of softmax(logits) (no gradient).
+fn entropy(logits: &Tensor) -> Result<f64> {
+    let logp = log_softmax_last_dim(logits)?;
+    let h = (logp.exp()? * &logp)?.sum(D::Minus1)?.neg()?;
+    h.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()
+}

@@ -1,0 +1,97 @@
+//! GRESO (selective rollouts, arXiv 2506.02177), a biased baseline: skip a prompt before
+//! rollout with probability `1 - max(p^z, 0.01)`, where `z` counts its most recent
+//! consecutive all-correct (p = p_easy) or all-wrong (p = p_hard) visits; `p_easy` and
+//! `p_hard` adapt toward a zero-variance target. No re-weighting.
+
+use std::collections::BTreeMap;
+
+use rand::Rng;
+use serde::{Deserialize, Serialize};
+
+use crate::rollout::Group;
+
+/// Mean reward at or above which a visit counts as all-correct.
+const EASY: f64 = 0.98;
+/// Mean reward at or below which a visit counts as all-wrong.
+const HARD: f64 = 0.11;
+/// Zero-variance target: 0.25 of the batch, split 1/3 easy and 2/3 hard.
+const TARGET_EASY: f64 = 0.25 / 3.0;
+const TARGET_HARD: f64 = 0.25 * 2.0 / 3.0;
+const STEP: f64 = 0.01;
+/// Visits remembered per prompt.
+const MEMORY: usize = 16;
+
+/// GRESO's state; serialisable for checkpoints.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Greso {
+    pub p_easy: f64,
+    pub p_hard: f64,
+    /// Mean reward of each recent visit, oldest first.
+    pub visits: BTreeMap<u64, Vec<f64>>,
+}
+
+impl Default for Greso {
+    fn default() -> Self {
+        Self {
+            p_easy: 0.5,
+            p_hard: 0.5,
+            visits: BTreeMap::new(),
+        }
+    }
+}
+
+impl Greso {
+    /// Probability of skipping `prompt_id` now.
+    pub fn skip_probability(&self, prompt_id: u64) -> f64 {
+        let Some(history) = self.visits.get(&prompt_id) else {
+            return 0.0;
+        };
+        let streak =
+            |pred: &dyn Fn(f64) -> bool| history.iter().rev().take_while(|&&m| pred(m)).count();
+        let (z, p) = match (streak(&|m| m >= EASY), streak(&|m| m <= HARD)) {
+            (0, 0) => return 0.0,
+            (easy, 0) => (easy, self.p_easy),
+            (_, hard) => (hard, self.p_hard),
+        };
+        1.0 - p.powi(z as i32).max(0.01)
+    }
+
+    /// Which of `prompt_ids` to roll out (true) or skip (false).
+    pub fn select<R: Rng>(&self, prompt_ids: &[u64], rng: &mut R) -> Vec<bool> {
+        prompt_ids
+            .iter()
+            .map(|&id| rng.random::<f64>() >= self.skip_probability(id))
+            .collect()
+    }
+
+    /// Records the step's groups and moves `p_easy`, `p_hard` toward the target.
+    pub fn update(&mut self, groups: &[Group]) {
+        if groups.is_empty() {
+            return;
+        }
+        let mut easy = 0usize;
+        let mut hard = 0usize;
+        for g in groups {
+            let mean =
+                g.samples.iter().map(|s| s.reward).sum::<f64>() / g.samples.len().max(1) as f64;
+            easy += usize::from(mean >= EASY);
+            hard += usize::from(mean <= HARD);
+            let h = self.visits.entry(g.prompt_id).or_default();
+            h.push(mean);
+            if h.len() > MEMORY {
+                h.remove(0);
+            }
+        }
+        let n = groups.len() as f64;
+        let adapt = |p: f64, observed: f64, target: f64| {
+            let p = if observed >= target {
+                p - STEP
+            } else {
+                p + STEP
+            };
+            p.clamp(0.05, 0.95)
+        };
+        self.p_easy = adapt(self.p_easy, easy as f64 / n, TARGET_EASY);
+        self.p_hard = adapt(self.p_hard, hard as f64 / n, TARGET_HARD);
+    }
+}
