@@ -13,3 +13,5 @@ mod model_files;
 mod engine;
 // The binary: JSON outputs and error messages.
 mod cli;
+// The learner: GRPO equivalence, unbiasedness, packing, progress.
+mod trainer;

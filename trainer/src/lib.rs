@@ -3,12 +3,27 @@
 //! learner that turns packed buffers into one optimizer step.
 
 pub mod advantages;
+pub mod learner;
 pub mod loss;
 pub mod optim;
 pub mod pack;
 pub mod prune;
 pub mod rollout;
+pub mod train_batch;
 
 pub use advantages::{compute_advantages, ScaleRewards};
 pub use prune::{Algorithm, Kept, LevelConfig};
 pub use rollout::{Group, Sample};
+
+/// Errors of the trainer; each says what to change.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error(transparent)]
+    Pack(#[from] pack::TooLong),
+    #[error(transparent)]
+    Model(#[from] dppo_model::ModelError),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    #[error("learner thread: {0}")]
+    Thread(String),
+}

@@ -206,3 +206,119 @@ fn entropy(logits: &Tensor) -> Result<f64> {
     let h = (logp.exp()? * &logp)?.sum(D::Minus1)?.neg()?;
     h.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Var;
+
+    /// Two sequences: A (+1 advantage, weight 2) and B (-0.5, weight 1). Log-ratios put
+    /// tokens on both clip sides: A0 clipped high, A1 inside, B0 clipped low, B1 inside,
+    /// B2 above the range but unclipped (negative advantage takes the smaller term).
+    const LOG_RATIOS: [f64; 5] = [0.5, -0.1, -0.5, 0.2, 0.4];
+    const OLD: [f32; 5] = [-1.0, -2.0, -0.5, -3.0, -1.5];
+    const REF: [f32; 5] = [-1.2, -1.9, -0.7, -2.5, -1.0];
+
+    fn seqs() -> Vec<TrainSeq> {
+        let make = |n: usize, adv: f64, weight: f64, off: usize| TrainSeq {
+            tokens: vec![0; 1 + n],
+            num_prompt_tokens: 1,
+            advantage: adv,
+            weight,
+            rollout_logprobs: OLD[off..off + n].to_vec(),
+            ref_logprobs: Some(REF[off..off + n].to_vec()),
+        };
+        vec![make(2, 1.0, 2.0, 0), make(3, -0.5, 1.0, 2)]
+    }
+
+    /// Independent f64 computation: (loss, d loss / d logprob per token, clipped tokens).
+    fn by_hand(cfg: &LossConfig, norm: &Normalisers) -> (f64, Vec<f64>, usize) {
+        let owner = [0usize, 0, 1, 1, 1];
+        let (adv, weight, len) = ([1.0, -0.5], [2.0, 1.0], [2.0, 3.0]);
+        let lp: Vec<f64> = (0..5).map(|t| OLD[t] as f64 + LOG_RATIOS[t]).collect();
+        let seq_mean = |s: usize| {
+            (0..5)
+                .filter(|&t| owner[t] == s)
+                .map(|t| LOG_RATIOS[t])
+                .sum::<f64>()
+                / len[s]
+        };
+        let (mut loss, mut grad, mut clipped) = (0.0, vec![0.0; 5], 0);
+        for t in 0..5 {
+            let s = owner[t];
+            let coef = weight[s]
+                * match cfg.loss_agg {
+                    LossAgg::TokenMean => 1.0 / norm.num_tokens,
+                    LossAgg::SeqMeanTokenMean => 1.0 / (norm.num_seqs * len[s]),
+                    LossAgg::SeqMeanTokenSumNorm => 1.0 / (norm.num_seqs * norm.max_len),
+                };
+            let log_ratio = match cfg.ratio_level {
+                RatioLevel::Token => LOG_RATIOS[t],
+                RatioLevel::Sequence => seq_mean(s),
+            };
+            let rho = log_ratio.exp();
+            let unclipped = rho * adv[s];
+            let clip = rho.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high) * adv[s];
+            let is_unclipped = unclipped <= clip;
+            loss -= coef * unclipped.min(clip);
+            clipped += usize::from(!is_unclipped);
+            if is_unclipped {
+                match cfg.ratio_level {
+                    RatioLevel::Token => grad[t] -= coef * adv[s] * rho,
+                    RatioLevel::Sequence => {
+                        for u in (0..5).filter(|&u| owner[u] == s) {
+                            grad[u] -= coef * adv[s] * rho / len[s];
+                        }
+                    }
+                }
+            }
+            let d = REF[t] as f64 - lp[t];
+            loss += coef * cfg.beta * (d.exp() - d - 1.0);
+            grad[t] += coef * cfg.beta * (1.0 - d.exp());
+        }
+        (loss, grad, clipped)
+    }
+
+    #[test]
+    fn loss_and_gradient_match_a_hand_computation() {
+        let norm = Normalisers {
+            num_seqs: 4.0,
+            num_tokens: 10.0,
+            max_len: 8.0,
+        };
+        let owned = seqs();
+        let refs: Vec<&TrainSeq> = owned.iter().collect();
+        for loss_agg in [
+            LossAgg::TokenMean,
+            LossAgg::SeqMeanTokenMean,
+            LossAgg::SeqMeanTokenSumNorm,
+        ] {
+            for ratio_level in [RatioLevel::Token, RatioLevel::Sequence] {
+                for beta in [0.0, 0.1] {
+                    let cfg = LossConfig {
+                        eps_low: 0.2,
+                        eps_high: 0.3,
+                        loss_agg,
+                        ratio_level,
+                        beta,
+                    };
+                    let lp: Vec<f64> = (0..5).map(|t| OLD[t] as f64 + LOG_RATIOS[t]).collect();
+                    let lp = Var::new(lp, &Device::Cpu).unwrap();
+                    let out = token_loss(lp.as_tensor(), &refs, &cfg, &norm).unwrap();
+                    let (want, want_grad, want_clipped) = by_hand(&cfg, &norm);
+                    let got = out.loss.to_scalar::<f64>().unwrap();
+                    assert!((got - want).abs() < 1e-6, "{cfg:?}: loss {got} vs {want}");
+                    let grad = out.loss.backward().unwrap();
+                    let grad = grad.get(&lp).unwrap().to_vec1::<f64>().unwrap();
+                    for (g, w) in grad.iter().zip(&want_grad) {
+                        assert!(
+                            (g - w).abs() < 1e-6,
+                            "{cfg:?}: grad {grad:?} vs {want_grad:?}"
+                        );
+                    }
+                    assert_eq!(out.num_clipped, want_clipped, "{cfg:?}");
+                }
+            }
+        }
+    }
+}

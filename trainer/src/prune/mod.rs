@@ -55,3 +55,23 @@ pub struct Kept {
     pub sample_idx: usize,
     pub weight: f64,
 }
+
+/// The completions `algorithm` learns from (after rollout). GRPO and GRESO keep every
+/// completion that carries signal; DPPO prunes at `level`; CPPO cuts the batch at
+/// `level.rate`.
+pub fn select_completions<R: rand::Rng>(
+    groups: &[crate::rollout::Group],
+    algorithm: Algorithm,
+    level: &LevelConfig,
+    scope: CompletionScope,
+    beta: f64,
+    rng: &mut R,
+) -> Vec<Kept> {
+    match algorithm {
+        Algorithm::Grpo | Algorithm::Greso => {
+            prune_completions(groups, &LevelConfig::off(), scope, beta, rng)
+        }
+        Algorithm::Dppo => prune_completions(groups, level, scope, beta, rng),
+        Algorithm::Cppo => cppo_completions(groups, level.rate, beta),
+    }
+}

@@ -1,0 +1,148 @@
+//! The learner: trainable parameters, packed forward/backward of every buffer with the
+//! gradients accumulated into one AdamW step.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use candle_core::{Tensor, Var};
+use dppo_model::{CausalLm, ModelConfig, Weights};
+
+use crate::loss::{buffer_loss, LossConfig, TrainSeq};
+use crate::optim::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule};
+use crate::pack::pack;
+use crate::train_batch::TrainBatch;
+use crate::TrainError;
+
+/// Learner settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LearnerConfig {
+    pub loss: LossConfig,
+    pub adamw: AdamWConfig,
+    pub schedule: LrSchedule,
+    /// Global-norm clip (`grad_clip`); 0 disables.
+    pub grad_clip: f64,
+    /// Tokens per packed buffer (`pack_tokens`).
+    pub pack_tokens: usize,
+    /// Sequences per first-fit-decreasing window (`pack_window`).
+    pub pack_window: usize,
+}
+
+/// What one optimizer step reports (`actor/*`, `pack/*`, `perf/train_tokens_per_s`).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct StepMetrics {
+    pub pg_loss: f64,
+    pub grad_norm: f64,
+    pub clipfrac: f64,
+    pub entropy: f64,
+    pub lr: f64,
+    pub num_buffers: usize,
+    pub pack_density: f64,
+    pub train_tokens_per_s: f64,
+}
+
+/// Stack for the backward pass: candle's graph walk recurses once per op.
+const BACKWARD_STACK: usize = 512 << 20;
+
+/// Trainable f32 master weights, the model reading them, and the optimizer.
+pub struct Learner {
+    pub cfg: LearnerConfig,
+    pub vars: BTreeMap<String, Var>,
+    pub model: CausalLm,
+    pub optimizer: AdamW,
+}
+
+impl Learner {
+    /// A learner over copies of `weights`.
+    pub fn new(
+        config: &ModelConfig,
+        weights: &Weights,
+        cfg: LearnerConfig,
+    ) -> Result<Self, TrainError> {
+        let (vars, trainable) = weights.to_vars()?;
+        let model = CausalLm::new(config, &trainable)?;
+        Ok(Self {
+            cfg,
+            vars,
+            model,
+            optimizer: AdamW::new(cfg.adamw),
+        })
+    }
+
+    /// The current weights (sharing the vars' storage: read them between steps only).
+    pub fn weights(&self) -> Result<Weights, TrainError> {
+        let tensors = self
+            .vars
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().detach()))
+            .collect();
+        Ok(Weights::from_tensors(
+            self.model.config(),
+            tensors,
+            "learner",
+        )?)
+    }
+
+    /// Gradients of the batch loss, summed over packed buffers, plus metric sums.
+    pub fn gradients(
+        &self,
+        batch: &TrainBatch,
+    ) -> Result<(BTreeMap<String, Tensor>, StepMetrics), TrainError> {
+        std::thread::scope(|scope| {
+            std::thread::Builder::new()
+                .name("dppo-backward".into())
+                .stack_size(BACKWARD_STACK)
+                .spawn_scoped(scope, || self.accumulate(batch))
+                .map_err(|e| TrainError::Thread(e.to_string()))?
+                .join()
+                .map_err(|_| TrainError::Thread("the backward thread panicked".into()))?
+        })
+    }
+
+    fn accumulate(
+        &self,
+        batch: &TrainBatch,
+    ) -> Result<(BTreeMap<String, Tensor>, StepMetrics), TrainError> {
+        let start = Instant::now();
+        let lengths: Vec<usize> = batch.seqs.iter().map(|s| s.tokens.len()).collect();
+        let buffers = pack(&lengths, self.cfg.pack_tokens, self.cfg.pack_window)?;
+        let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
+        let mut m = StepMetrics::default();
+        let (mut tokens, mut clipped) = (0usize, 0usize);
+        for buffer in &buffers {
+            let seqs: Vec<&TrainSeq> = buffer.iter().map(|&i| &batch.seqs[i]).collect();
+            let out = buffer_loss(&self.model, &seqs, &self.cfg.loss, &batch.norm)?;
+            m.pg_loss += out
+                .loss
+                .to_dtype(candle_core::DType::F64)?
+                .to_scalar::<f64>()?;
+            tokens += out.num_tokens;
+            clipped += out.num_clipped;
+            m.entropy += out.entropy_sum;
+            let store = out.loss.backward()?;
+            for (name, var) in &self.vars {
+                if let Some(g) = store.get(var) {
+                    let sum = match grads.remove(name) {
+                        Some(acc) => (acc + g)?,
+                        None => g.clone(),
+                    };
+                    grads.insert(name.clone(), sum);
+                }
+            }
+        }
+        m.num_buffers = buffers.len();
+        m.pack_density = crate::pack::density(&lengths, buffers.len(), self.cfg.pack_tokens);
+        m.clipfrac = clipped as f64 / tokens.max(1) as f64;
+        m.entropy /= tokens.max(1) as f64;
+        m.train_tokens_per_s = lengths.iter().sum::<usize>() as f64 / start.elapsed().as_secs_f64();
+        Ok((grads, m))
+    }
+
+    /// One optimizer step on `batch`: packed forward/backward, clipping, AdamW.
+    pub fn step(&mut self, batch: &TrainBatch) -> Result<StepMetrics, TrainError> {
+        let (mut grads, mut m) = self.gradients(batch)?;
+        m.grad_norm = clip_grad_norm(&mut grads, self.cfg.grad_clip)?;
+        m.lr = self.cfg.schedule.lr_at(self.optimizer.step);
+        self.optimizer.step(&self.vars, &grads, m.lr)?;
+        Ok(m)
+    }
+}

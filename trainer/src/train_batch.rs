@@ -1,0 +1,66 @@
+//! From pruned groups to what the learner consumes: the kept sequences with their weights,
+//! and the normalisers of the full batch (computed here, once, before packing).
+
+use crate::loss::{Normalisers, TrainSeq};
+use crate::prune::{Algorithm, Kept};
+use crate::rollout::Group;
+
+/// What one optimizer step trains on.
+#[derive(Debug, Clone)]
+pub struct TrainBatch {
+    pub seqs: Vec<TrainSeq>,
+    pub norm: Normalisers,
+}
+
+/// Builds the train batch. `num_drawn_prompts` counts every prompt drawn for the step
+/// (rolled out or pruned before rollout); `group_size` is `rollout.n`; `max_len` is
+/// `max_response_len`.
+///
+/// DPPO and GRPO normalise by the full batch (`N_seq` = all completions of all drawn
+/// prompts, `N_tok` = sum of `w_q * T_j` over rolled-out prompts); CPPO averages over the
+/// retained completions only, as its paper does.
+pub fn build_train_batch(
+    groups: &[Group],
+    kept: &[Kept],
+    num_drawn_prompts: usize,
+    group_size: usize,
+    max_len: usize,
+    algorithm: Algorithm,
+) -> TrainBatch {
+    let seqs: Vec<TrainSeq> = kept
+        .iter()
+        .map(|k| {
+            let group = &groups[k.group_idx];
+            let s = &group.samples[k.sample_idx];
+            let mut tokens = s.prompt_ids.clone();
+            tokens.extend_from_slice(&s.completion_ids);
+            TrainSeq {
+                tokens,
+                num_prompt_tokens: s.prompt_ids.len(),
+                advantage: group.advantages[k.sample_idx],
+                weight: k.weight,
+                rollout_logprobs: s.rollout_logprobs.clone(),
+                ref_logprobs: None,
+            }
+        })
+        .collect();
+    let norm = match algorithm {
+        Algorithm::Cppo => Normalisers {
+            num_seqs: seqs.len() as f64,
+            num_tokens: seqs
+                .iter()
+                .map(|s| s.num_completion_tokens())
+                .sum::<usize>() as f64,
+            max_len: max_len as f64,
+        },
+        Algorithm::Grpo | Algorithm::Dppo | Algorithm::Greso => Normalisers {
+            num_seqs: (num_drawn_prompts * group_size) as f64,
+            num_tokens: groups
+                .iter()
+                .map(|g| g.w_q * g.num_completion_tokens() as f64)
+                .sum(),
+            max_len: max_len as f64,
+        },
+    };
+    TrainBatch { seqs, norm }
+}
