@@ -516,3 +516,40 @@ fn repeated_steps_raise_the_advantage_weighted_logprob() {
     let after = objective(&learner.model);
     assert!(after > before + 1.0, "objective {before} -> {after}");
 }
+
+#[test]
+fn kl_reference_is_the_frozen_initial_policy() {
+    let plain = learner(LossAgg::TokenMean, 64);
+    let mut cfg = plain.cfg;
+    cfg.loss.beta = 0.5;
+    let model_cfg = plain.model.config().clone();
+    let mut with_kl = Learner::new(&model_cfg, &plain.weights().unwrap(), cfg).unwrap();
+    let groups = batch(&plain.model);
+    let tb = train_batch(&groups, &all_kept(&groups), Algorithm::Dppo);
+    // At the reference, k3 KL and its gradient are zero.
+    let (a, ma) = plain.gradients(&tb).unwrap();
+    let (b, mb) = with_kl.gradients(&tb).unwrap();
+    assert!((ma.pg_loss - mb.pg_loss).abs() < 1e-7);
+    for (name, g) in &a {
+        assert_close!(crate::util::flat(g), crate::util::flat(&b[name]), 1e-6);
+    }
+    // After steps the policy moves, the reference does not, and the KL term is positive.
+    let reference_before = logprobs_of(with_kl.reference.as_ref().unwrap(), &[1, 2], &[3, 4]);
+    for _ in 0..3 {
+        with_kl.step(&tb).unwrap();
+    }
+    assert_eq!(
+        logprobs_of(with_kl.reference.as_ref().unwrap(), &[1, 2], &[3, 4]),
+        reference_before
+    );
+    let mut without = learner(LossAgg::TokenMean, 64);
+    without.model = with_kl.model.clone();
+    let (_, m_kl) = with_kl.gradients(&tb).unwrap();
+    let (_, m_plain) = without.gradients(&tb).unwrap();
+    assert!(
+        m_kl.pg_loss > m_plain.pg_loss,
+        "{} vs {}",
+        m_kl.pg_loss,
+        m_plain.pg_loss
+    );
+}

@@ -138,7 +138,8 @@ fn rollout(args: RolloutArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Measured f32 matmul FLOP/s at the shape of a decode batch through the model's MLP.
+/// Measured f32 matmul FLOP/s (best of five) at the shape of a decode batch through the
+/// model's MLP.
 fn matmul_rate(policy: &Policy, device: &Device) -> anyhow::Result<f64> {
     let (m, k, n) = (
         128,
@@ -148,10 +149,15 @@ fn matmul_rate(policy: &Policy, device: &Device) -> anyhow::Result<f64> {
     let a = Tensor::randn(0f32, 1.0, (m, k), device)?;
     let b = Tensor::randn(0f32, 1.0, (n, k), device)?;
     a.matmul(&b.t()?)?; // warm-up
-    let reps = (2e10 / (2.0 * (m * k * n) as f64)).clamp(3.0, 2000.0) as usize;
-    let start = Instant::now();
-    for _ in 0..reps {
-        a.matmul(&b.t()?)?;
+    let reps = (4e9 / (2.0 * (m * k * n) as f64)).clamp(3.0, 1000.0) as usize;
+    // Best of five trials: the limit is what the machine can do, not an unlucky moment.
+    let mut best = 0f64;
+    for _ in 0..5 {
+        let start = Instant::now();
+        for _ in 0..reps {
+            a.matmul(&b.t()?)?;
+        }
+        best = best.max(2.0 * (m * k * n * reps) as f64 / start.elapsed().as_secs_f64());
     }
-    Ok(2.0 * (m * k * n * reps) as f64 / start.elapsed().as_secs_f64())
+    Ok(best)
 }

@@ -116,8 +116,9 @@ pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut SeqRng) -> Samp
             model_logprob: params.model_logprobs.then_some(lp),
         };
     }
-    let t = params.temperature as f64;
-    let weight = |i: usize| ((logits[i] as f64 - max) / t).exp();
+    // Weights exp((l - max) / t) in f32 (each in (0, 1]), summed in f64.
+    let (max32, inv_t) = (max as f32, 1.0 / params.temperature);
+    let weight = |i: usize| f64::from(((logits[i] - max32) * inv_t).exp());
     let (ids, weights) = candidates(logits, params, weight);
     let z: f64 = weights.iter().sum();
     let u = rng.0.random::<f64>() * z;

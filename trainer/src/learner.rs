@@ -43,11 +43,13 @@ pub struct StepMetrics {
 /// Stack for the backward pass: candle's graph walk recurses once per op.
 const BACKWARD_STACK: usize = 512 << 20;
 
-/// Trainable f32 master weights, the model reading them, and the optimizer.
+/// Trainable f32 master weights, the model reading them, the optimizer, and (when the KL
+/// term is on) a frozen copy of the initial policy as reference.
 pub struct Learner {
     pub cfg: LearnerConfig,
     pub vars: BTreeMap<String, Var>,
     pub model: CausalLm,
+    pub reference: Option<CausalLm>,
     pub optimizer: AdamW,
 }
 
@@ -60,10 +62,16 @@ impl Learner {
     ) -> Result<Self, TrainError> {
         let (vars, trainable) = weights.to_vars()?;
         let model = CausalLm::new(config, &trainable)?;
+        let reference = if cfg.loss.beta > 0.0 {
+            Some(CausalLm::new(config, &weights.deep_copy()?)?)
+        } else {
+            None
+        };
         Ok(Self {
             cfg,
             vars,
             model,
+            reference,
             optimizer: AdamW::new(cfg.adamw),
         })
     }
@@ -110,7 +118,13 @@ impl Learner {
         let (mut tokens, mut clipped) = (0usize, 0usize);
         for buffer in &buffers {
             let seqs: Vec<&TrainSeq> = buffer.iter().map(|&i| &batch.seqs[i]).collect();
-            let out = buffer_loss(&self.model, &seqs, &self.cfg.loss, &batch.norm)?;
+            let out = buffer_loss(
+                &self.model,
+                self.reference.as_ref(),
+                &seqs,
+                &self.cfg.loss,
+                &batch.norm,
+            )?;
             m.pg_loss += out
                 .loss
                 .to_dtype(candle_core::DType::F64)?

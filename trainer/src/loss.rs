@@ -60,8 +60,6 @@ pub struct TrainSeq {
     pub weight: f64,
     /// Rollout-policy logprob of each completion token.
     pub rollout_logprobs: Vec<f32>,
-    /// Reference-policy logprob of each completion token (needed when `beta > 0`).
-    pub ref_logprobs: Option<Vec<f32>>,
 }
 
 impl TrainSeq {
@@ -82,9 +80,11 @@ pub struct BufferLoss {
     pub entropy_sum: f64,
 }
 
-/// Forward of one packed buffer through `model` and its loss.
+/// Forward of one packed buffer through `model` (and through the frozen `reference`
+/// model when the KL term is on) and its loss.
 pub fn buffer_loss(
     model: &CausalLm,
+    reference: Option<&CausalLm>,
     seqs: &[&TrainSeq],
     cfg: &LossConfig,
     norm: &Normalisers,
@@ -92,7 +92,6 @@ pub fn buffer_loss(
     let device = model.device().clone();
     let tokens: Vec<&[u32]> = seqs.iter().map(|s| s.tokens.as_slice()).collect();
     let row = PackedRow::new(&tokens, &device)?;
-    let hidden = model.forward(&row.input_ids, &row.positions, &mut row.attention())?;
     // Rows whose next token is a completion token: positions P-1 .. len-2 of each sequence.
     let mut rows = Vec::new();
     let mut targets = Vec::new();
@@ -104,19 +103,31 @@ pub fn buffer_loss(
     }
     let n = rows.len();
     let rows = Tensor::from_vec(rows, n, &device)?;
-    let logits = model.logits(&hidden.index_select(&rows, 0)?)?;
     let targets = Tensor::from_vec(targets, n, &device)?;
+    let completion_logits = |m: &CausalLm| -> Result<Tensor> {
+        let hidden = m.forward(&row.input_ids, &row.positions, &mut row.attention())?;
+        m.logits(&hidden.index_select(&rows, 0)?)
+    };
+    let logits = completion_logits(model)?;
     let logprobs = token_logprobs(&logits, &targets)?;
+    let ref_logprobs = match reference {
+        Some(r) if cfg.beta > 0.0 => {
+            Some(token_logprobs(&completion_logits(r)?, &targets)?.detach())
+        }
+        _ => None,
+    };
     let entropy_sum = entropy(&logits.detach())?;
-    let mut out = token_loss(&logprobs, seqs, cfg, norm)?;
+    let mut out = token_loss(&logprobs, ref_logprobs.as_ref(), seqs, cfg, norm)?;
     out.entropy_sum = entropy_sum;
     Ok(out)
 }
 
 /// The loss given the current policy's logprobs `logprobs` (M,) of the completion tokens
-/// of `seqs`, in order. Separate from the forward so it can be checked by hand.
+/// of `seqs`, in order, and the reference policy's (M,) when `beta > 0`. Separate from the
+/// forward so it can be checked by hand.
 pub fn token_loss(
     logprobs: &Tensor,
+    reference: Option<&Tensor>,
     seqs: &[&TrainSeq],
     cfg: &LossConfig,
     norm: &Normalisers,
@@ -150,11 +161,9 @@ pub fn token_loss(
     let mut token_losses = use_unclipped.where_cond(&surr1, &surr2)?.neg()?;
     // 3. k3 KL to the reference: exp(ref - lp) - (ref - lp) - 1.
     if cfg.beta > 0.0 {
-        let reference = per_token(&|s, t| {
-            s.ref_logprobs
-                .as_ref()
-                .expect("beta > 0 needs reference logprobs")[t] as f64
-        })?;
+        let Some(reference) = reference else {
+            candle_core::bail!("beta > 0 needs the reference policy's logprobs");
+        };
         let d = (reference - logprobs)?;
         let kl = ((d.exp()? - &d)? - 1.0)?;
         token_losses = (token_losses + (kl * cfg.beta)?)?;
@@ -226,7 +235,6 @@ mod tests {
             advantage: adv,
             weight,
             rollout_logprobs: OLD[off..off + n].to_vec(),
-            ref_logprobs: Some(REF[off..off + n].to_vec()),
         };
         vec![make(2, 1.0, 2.0, 0), make(3, -0.5, 1.0, 2)]
     }
@@ -304,7 +312,10 @@ mod tests {
                     };
                     let lp: Vec<f64> = (0..5).map(|t| OLD[t] as f64 + LOG_RATIOS[t]).collect();
                     let lp = Var::new(lp, &Device::Cpu).unwrap();
-                    let out = token_loss(lp.as_tensor(), &refs, &cfg, &norm).unwrap();
+                    let reference: Vec<f64> = REF.iter().map(|&x| x as f64).collect();
+                    let reference = Tensor::new(reference, &Device::Cpu).unwrap();
+                    let out =
+                        token_loss(lp.as_tensor(), Some(&reference), &refs, &cfg, &norm).unwrap();
                     let (want, want_grad, want_clipped) = by_hand(&cfg, &norm);
                     let got = out.loss.to_scalar::<f64>().unwrap();
                     assert!((got - want).abs() < 1e-6, "{cfg:?}: loss {got} vs {want}");

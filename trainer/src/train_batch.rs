@@ -40,7 +40,6 @@ pub fn build_train_batch(
                 advantage: group.advantages[k.sample_idx],
                 weight: k.weight,
                 rollout_logprobs: s.rollout_logprobs.clone(),
-                ref_logprobs: None,
             }
         })
         .collect();

@@ -161,6 +161,19 @@ impl Weights {
         })
     }
 
+    /// An independent copy (new storage, no gradient tracking): frozen reference models.
+    pub fn deep_copy(&self) -> Result<Self> {
+        let tensors = self
+            .tensors
+            .iter()
+            .map(|(n, t)| Ok((n.clone(), t.copy()?.detach())))
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            tensors,
+            origin: self.origin.clone(),
+        })
+    }
+
     /// Trainable copies: one [`Var`] per parameter, plus weights that read those vars, so a
     /// model built from the returned weights is differentiable in every parameter.
     pub fn to_vars(&self) -> Result<(BTreeMap<String, Var>, Weights)> {

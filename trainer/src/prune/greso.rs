@@ -95,3 +95,64 @@ impl Greso {
         self.p_hard = adapt(self.p_hard, hard as f64 / n, TARGET_HARD);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rollout::Sample;
+    use rand::{rngs::StdRng, SeedableRng};
+
+    fn group(prompt_id: u64, rewards: &[f64]) -> Group {
+        let samples = rewards
+            .iter()
+            .map(|&reward| Sample {
+                prompt_ids: vec![1],
+                completion_ids: vec![2],
+                reward,
+                rollout_logprobs: vec![0.0],
+                policy_version: 0,
+            })
+            .collect();
+        Group::new(prompt_id, samples)
+    }
+
+    #[test]
+    fn skip_probability_follows_the_streak() {
+        let mut greso = Greso::default();
+        assert_eq!(
+            greso.skip_probability(1),
+            0.0,
+            "unseen prompts are always rolled out"
+        );
+        // Prompt 1 all right twice; prompt 2 all wrong three times; prompt 3 mixed last.
+        for _ in 0..2 {
+            greso.visits.entry(1).or_default().push(1.0);
+        }
+        greso.visits.insert(2, vec![0.5, 0.0, 0.1, 0.0]);
+        greso.visits.insert(3, vec![1.0, 1.0, 0.5]);
+        assert!((greso.skip_probability(1) - (1.0 - 0.25)).abs() < 1e-12);
+        assert!((greso.skip_probability(2) - (1.0 - 0.125)).abs() < 1e-12);
+        assert_eq!(greso.skip_probability(3), 0.0);
+        // The floor: never skipped with probability above 0.99.
+        greso.visits.insert(4, vec![0.0; 16]);
+        assert!((greso.skip_probability(4) - 0.99).abs() < 1e-12);
+        let mut rng = StdRng::seed_from_u64(1);
+        let kept = (0..4000)
+            .filter(|_| greso.select(&[1], &mut rng)[0])
+            .count();
+        assert!((kept as f64 / 4000.0 - 0.25).abs() < 0.03);
+    }
+
+    #[test]
+    fn exploration_probabilities_adapt_toward_the_target() {
+        let mut greso = Greso::default();
+        // Every group all right: too many easy ones (p_easy down), too few hard (p_hard up).
+        greso.update(&[group(1, &[1.0, 1.0]), group(2, &[1.0, 1.0])]);
+        assert!((greso.p_easy - 0.49).abs() < 1e-12 && (greso.p_hard - 0.51).abs() < 1e-12);
+        for _ in 0..100 {
+            greso.update(&[group(1, &[1.0, 1.0])]);
+        }
+        assert_eq!((greso.p_easy, greso.p_hard), (0.05, 0.95));
+        assert_eq!(greso.visits[&1].len(), MEMORY);
+    }
+}

@@ -100,3 +100,74 @@ impl PromptHistory {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::prune::{CandidateRule, PruneMode};
+    use crate::rollout::Sample;
+    use rand::{rngs::StdRng, SeedableRng};
+
+    fn group(prompt_id: u64, advantages: &[f64]) -> Group {
+        let samples = advantages
+            .iter()
+            .map(|_| Sample {
+                prompt_ids: vec![1],
+                completion_ids: vec![2],
+                reward: 0.0,
+                rollout_logprobs: vec![0.0],
+                policy_version: 0,
+            })
+            .collect();
+        Group {
+            advantages: advantages.to_vec(),
+            ..Group::new(prompt_id, samples)
+        }
+    }
+
+    #[test]
+    fn history_tracks_ema_visits_and_zero_variance_streaks() {
+        let mut h = PromptHistory::new(0.5);
+        h.update(&[group(7, &[1.0, -1.0])], 3);
+        h.update(&[group(7, &[0.0, 0.0])], 5);
+        h.update(&[group(7, &[0.0, 0.0])], 6);
+        let s = h.entries[&7];
+        assert_eq!((s.visits, s.last_step, s.zero_var_streak), (3, 6, 2));
+        assert!((s.score - 0.25).abs() < 1e-12);
+        // Serialisable for checkpoints.
+        let json = serde_json::to_string(&h).unwrap();
+        assert_eq!(serde_json::from_str::<PromptHistory>(&json).unwrap(), h);
+    }
+
+    #[test]
+    fn unseen_prompts_are_never_pruned_and_overdraw_keeps_the_batch_full() {
+        let mut h = PromptHistory::new(0.5);
+        h.update(
+            &[
+                group(1, &[0.1, -0.1]),
+                group(2, &[2.0, -2.0]),
+                group(3, &[0.0, 0.0]),
+            ],
+            0,
+        );
+        let level = LevelConfig {
+            rate: 0.5,
+            candidates: CandidateRule::BelowMean,
+            mode: PruneMode::FixedCount,
+        };
+        let mut rng = StdRng::seed_from_u64(3);
+        // Seen scores 0.1, 2.0, 0.0: candidates 1 and 3; one of them is dropped.
+        let w = h.select(&[1, 2, 3, 10, 11, 12], &level, &mut rng);
+        assert_eq!(w[1..2], [Some(1.0)]);
+        assert_eq!(
+            w[3..],
+            [Some(1.0); 3],
+            "unseen prompts are never candidates"
+        );
+        assert_eq!(w[0].is_none() as u8 + w[2].is_none() as u8, 1);
+        assert!(w.iter().flatten().all(|&x| x == 1.0 || x == 2.0));
+        assert!((h.last_candidate_fraction - 2.0 / 6.0).abs() < 1e-12);
+        // Over-draw: 1 / (1 - 0.5 * 1/3) = 1.2 times the batch.
+        assert_eq!(h.overdraw(10, 0.5), 12);
+    }
+}
