@@ -16,6 +16,32 @@ use serde_json::json;
 pub enum Bench {
     /// Rollout throughput: paged engine vs. the naive baseline.
     Rollout(RolloutArgs),
+    /// Learner throughput: one packed forward/backward + AdamW step on a synthetic batch.
+    Train(TrainArgs),
+}
+
+/// Arguments of `dppo bench train`.
+#[derive(Debug, clap::Args)]
+pub struct TrainArgs {
+    #[arg(long, default_value = "builtin:tiny")]
+    model: String,
+    /// Sequences in the batch.
+    #[arg(long, default_value_t = 32)]
+    seqs: usize,
+    /// Prompt tokens per sequence.
+    #[arg(long, default_value_t = 64)]
+    prompt_len: usize,
+    /// Completion tokens per sequence.
+    #[arg(long, default_value_t = 64)]
+    completion_len: usize,
+    /// Tokens per packed buffer.
+    #[arg(long, default_value_t = 1024)]
+    pack_tokens: usize,
+    /// Optimizer steps to time (after one warm-up step).
+    #[arg(long, default_value_t = 2)]
+    steps: usize,
+    #[arg(long)]
+    json: bool,
 }
 
 /// Arguments of `dppo bench rollout`.
@@ -46,6 +72,7 @@ pub struct RolloutArgs {
 pub fn run(bench: Bench) -> anyhow::Result<()> {
     match bench {
         Bench::Rollout(args) => rollout(args),
+        Bench::Train(args) => train(args),
     }
 }
 
@@ -160,4 +187,82 @@ fn matmul_rate(policy: &Policy, device: &Device) -> anyhow::Result<f64> {
         best = best.max(2.0 * (m * k * n * reps) as f64 / start.elapsed().as_secs_f64());
     }
     Ok(best)
+}
+
+fn train(args: TrainArgs) -> anyhow::Result<()> {
+    use dppo_trainer::learner::{Learner, LearnerConfig};
+    use dppo_trainer::loss::{LossAgg, LossConfig, Normalisers, RatioLevel, TrainSeq};
+    use dppo_trainer::optim::{AdamWConfig, LrSchedule};
+    use dppo_trainer::train_batch::TrainBatch;
+
+    let device = Device::Cpu;
+    let policy = Policy::load(&args.model, &device)
+        .with_context(|| format!("loading --model {}", args.model))?;
+    let vocab = policy.config.vocab_size as u32;
+    let seqs: Vec<TrainSeq> = (0..args.seqs)
+        .map(|i| TrainSeq {
+            tokens: (0..args.prompt_len + args.completion_len)
+                .map(|t| ((i * 31 + t * 7) as u32) % vocab)
+                .collect(),
+            num_prompt_tokens: args.prompt_len,
+            advantage: if i % 2 == 0 { 1.0 } else { -1.0 },
+            weight: 1.0,
+            rollout_logprobs: vec![-3.0; args.completion_len],
+        })
+        .collect();
+    let batch = TrainBatch {
+        seqs,
+        norm: Normalisers {
+            num_seqs: args.seqs as f64,
+            num_tokens: (args.seqs * args.completion_len) as f64,
+            max_len: args.completion_len as f64,
+        },
+    };
+    let cfg = LearnerConfig {
+        loss: LossConfig {
+            eps_low: 0.2,
+            eps_high: 0.28,
+            loss_agg: LossAgg::TokenMean,
+            ratio_level: RatioLevel::Token,
+            beta: 0.0,
+        },
+        adamw: AdamWConfig::default(),
+        schedule: LrSchedule {
+            lr: 1e-6,
+            warmup_steps: 0,
+            cosine_total_steps: None,
+            min_lr: 0.0,
+        },
+        grad_clip: 1.0,
+        pack_tokens: args.pack_tokens,
+        pack_window: 64,
+    };
+    let mut learner = Learner::new(&policy.config, &policy.weights, cfg)?;
+    learner.step(&batch)?; // warm-up
+    let start = Instant::now();
+    let mut density = 0.0;
+    for _ in 0..args.steps {
+        density = learner.step(&batch)?.pack_density;
+    }
+    let seconds = start.elapsed().as_secs_f64() / args.steps as f64;
+    let tokens = args.seqs * (args.prompt_len + args.completion_len);
+    let tokens_per_s = tokens as f64 / seconds;
+    let flops_per_s = matmul_rate(&policy, &device)?;
+    // Forward + backward: about 6 FLOPs per parameter per token.
+    let limit = flops_per_s / (6.0 * policy.config.num_parameters() as f64);
+    let report = json!({
+        "model": args.model,
+        "train_tokens_per_s": tokens_per_s,
+        "step_s": seconds,
+        "pack_density": density,
+        "matmul_gflops": flops_per_s / 1e9,
+        "compute_limit_tokens_per_s": limit,
+        "fraction_of_compute_limit": tokens_per_s / limit,
+    });
+    if args.json {
+        println!("{report}");
+    } else {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    }
+    Ok(())
 }
