@@ -50,12 +50,23 @@ fn prune_and_pack(c: &mut Criterion) {
     });
     c.bench_function("prune_completions_4096", |b| {
         b.iter(|| {
-            select_completions(&groups, Algorithm::Dppo, &level, CompletionScope::Group, 0.0, &mut rng)
+            select_completions(
+                &groups,
+                Algorithm::Dppo,
+                &level,
+                CompletionScope::Group,
+                0.0,
+                &mut rng,
+            )
         })
     });
     let lengths: Vec<usize> = groups
         .iter()
-        .flat_map(|g| g.samples.iter().map(|s| s.prompt_ids.len() + s.completion_ids.len()))
+        .flat_map(|g| {
+            g.samples
+                .iter()
+                .map(|s| s.prompt_ids.len() + s.completion_ids.len())
+        })
         .collect();
     c.bench_function("pack_4096_into_4096_token_buffers", |b| {
         b.iter(|| pack(&lengths, 4096, 64).unwrap())

@@ -11,9 +11,27 @@ fn sampler(c: &mut Criterion) {
     let mut seq_rng = SeqRng::new(0, 0);
     for (name, params) in [
         ("temperature_1", SamplingParams::default()),
-        ("top_k_50", SamplingParams { top_k: 50, ..SamplingParams::default() }),
-        ("top_p_0.9", SamplingParams { top_p: 0.9, ..SamplingParams::default() }),
-        ("greedy", SamplingParams { temperature: 0.0, ..SamplingParams::default() }),
+        (
+            "top_k_50",
+            SamplingParams {
+                top_k: 50,
+                ..SamplingParams::default()
+            },
+        ),
+        (
+            "top_p_0.9",
+            SamplingParams {
+                top_p: 0.9,
+                ..SamplingParams::default()
+            },
+        ),
+        (
+            "greedy",
+            SamplingParams {
+                temperature: 0.0,
+                ..SamplingParams::default()
+            },
+        ),
     ] {
         c.bench_function(&format!("sample_49152_{name}"), |b| {
             b.iter(|| sample(&logits, &params, &mut seq_rng))

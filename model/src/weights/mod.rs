@@ -161,6 +161,19 @@ impl Weights {
         })
     }
 
+    /// The same weights on `device` (a copy per tensor unless already there).
+    pub fn to_device(&self, device: &Device) -> Result<Self> {
+        let tensors = self
+            .tensors
+            .iter()
+            .map(|(n, t)| Ok((n.clone(), t.to_device(device)?)))
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            tensors,
+            origin: self.origin.clone(),
+        })
+    }
+
     /// An independent copy (new storage, no gradient tracking): frozen reference models.
     pub fn deep_copy(&self) -> Result<Self> {
         let tensors = self
