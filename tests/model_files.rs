@@ -7,9 +7,9 @@ use std::path::Path;
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use dppo_model::{Arch, CausalAttention, ModelConfig, Policy};
+use dppo_model::{Arch, ModelConfig, Policy};
 
-use crate::util::{flat, random_policy, small_config};
+use crate::util::{flat, logits, random_policy, small_config};
 
 fn load_err(path: &Path) -> String {
     format!(
@@ -299,14 +299,6 @@ fn gguf_test_config() -> ModelConfig {
     cfg
 }
 
-fn last_logits(policy: &Policy, ids: &[u32]) -> Vec<f32> {
-    let model = policy.model().unwrap();
-    let ids_t = Tensor::new(ids, &Device::Cpu).unwrap();
-    let pos = Tensor::arange(0u32, ids.len() as u32, &Device::Cpu).unwrap();
-    let h = model.forward(&ids_t, &pos, &mut CausalAttention).unwrap();
-    flat(&model.logits(&h).unwrap())
-}
-
 #[test]
 fn gguf_loads_quantised_llama_with_tokenizer() {
     let cfg = gguf_test_config();
@@ -324,11 +316,7 @@ fn gguf_loads_quantised_llama_with_tokenizer() {
     assert_eq!(loaded.config, cfg);
     // Same dequantised values, and q/k rows un-permuted: identical logits.
     let ids = [5u32, 17, 42, 8, 60, 3, 91];
-    assert_close!(
-        last_logits(&loaded, &ids),
-        last_logits(&expected, &ids),
-        1e-5
-    );
+    assert_close!(logits(&loaded, &ids), logits(&expected, &ids), 1e-5);
     // Tokenizer rebuilt from metadata: byte-level BPE with the merge and specials.
     let tok = &loaded.tokenizer;
     let ids = tok.encode("hi hi!<|im_end|>", false).unwrap();

@@ -6,7 +6,7 @@ use candle_core::{Device, Tensor};
 use dppo_model::{CausalAttention, ChatMessage, Policy};
 use serde_json::Value;
 
-use crate::util::{fixture, flat, smollm2_gguf};
+use crate::util::{fixture, logits, smollm2_gguf};
 
 fn json(path: &std::path::Path) -> Value {
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
@@ -19,15 +19,6 @@ fn ids_of(v: &Value) -> Vec<u32> {
         .iter()
         .map(|x| x.as_u64().unwrap() as u32)
         .collect()
-}
-
-/// Logits (tokens * vocab, flattened) of `ids` run as one sequence.
-fn logits(policy: &Policy, ids: &[u32]) -> Vec<f32> {
-    let model = policy.model().unwrap();
-    let ids_t = Tensor::new(ids, &Device::Cpu).unwrap();
-    let pos = Tensor::arange(0u32, ids.len() as u32, &Device::Cpu).unwrap();
-    let hidden = model.forward(&ids_t, &pos, &mut CausalAttention).unwrap();
-    flat(&model.logits(&hidden).unwrap())
 }
 
 #[test]

@@ -120,3 +120,14 @@ pub fn flat(t: &Tensor) -> Vec<f32> {
         .to_vec1()
         .unwrap()
 }
+
+/// Logits (tokens * vocab, flattened) of `ids` run as one sequence.
+pub fn logits(policy: &Policy, ids: &[u32]) -> Vec<f32> {
+    let model = policy.model().unwrap();
+    let ids_t = Tensor::new(ids, &Device::Cpu).unwrap();
+    let pos = Tensor::arange(0u32, ids.len() as u32, &Device::Cpu).unwrap();
+    let hidden = model
+        .forward(&ids_t, &pos, &mut dppo_model::CausalAttention)
+        .unwrap();
+    flat(&model.logits(&hidden).unwrap())
+}

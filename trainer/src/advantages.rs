@@ -51,20 +51,9 @@ fn std_of(xs: impl Iterator<Item = f64> + Clone) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rollout::Sample;
 
     fn group(rewards: &[f64]) -> Group {
-        let samples = rewards
-            .iter()
-            .map(|&reward| Sample {
-                prompt_ids: vec![1],
-                completion_ids: vec![2],
-                reward,
-                rollout_logprobs: vec![0.0],
-                policy_version: 0,
-            })
-            .collect();
-        Group::new(0, samples)
+        crate::rollout::test_group(0, rewards)
     }
 
     #[test]

@@ -47,3 +47,19 @@ impl Group {
         self.advantages.iter().map(|a| a.abs()).sum::<f64>() / self.advantages.len() as f64
     }
 }
+
+/// A group with one single-token sample per reward, for unit tests.
+#[cfg(test)]
+pub(crate) fn test_group(prompt_id: u64, rewards: &[f64]) -> Group {
+    let samples = rewards
+        .iter()
+        .map(|&reward| Sample {
+            prompt_ids: vec![1],
+            completion_ids: vec![2],
+            reward,
+            rollout_logprobs: vec![0.0],
+            policy_version: 0,
+        })
+        .collect();
+    Group::new(prompt_id, samples)
+}

@@ -150,36 +150,24 @@ impl Weights {
 
     /// The same weights cast to `dtype` (f64 for finite-difference checks, f16 on GPUs).
     pub fn to_dtype(&self, dtype: DType) -> Result<Self> {
-        let tensors = self
-            .tensors
-            .iter()
-            .map(|(n, t)| Ok((n.clone(), t.to_dtype(dtype)?)))
-            .collect::<Result<_>>()?;
-        Ok(Self {
-            tensors,
-            origin: self.origin.clone(),
-        })
+        self.map(|t| t.to_dtype(dtype))
     }
 
     /// The same weights on `device` (a copy per tensor unless already there).
     pub fn to_device(&self, device: &Device) -> Result<Self> {
-        let tensors = self
-            .tensors
-            .iter()
-            .map(|(n, t)| Ok((n.clone(), t.to_device(device)?)))
-            .collect::<Result<_>>()?;
-        Ok(Self {
-            tensors,
-            origin: self.origin.clone(),
-        })
+        self.map(|t| t.to_device(device))
     }
 
     /// An independent copy (new storage, no gradient tracking): frozen reference models.
     pub fn deep_copy(&self) -> Result<Self> {
+        self.map(|t| Ok(t.copy()?.detach()))
+    }
+
+    fn map(&self, f: impl Fn(&Tensor) -> candle_core::Result<Tensor>) -> Result<Self> {
         let tensors = self
             .tensors
             .iter()
-            .map(|(n, t)| Ok((n.clone(), t.copy()?.detach())))
+            .map(|(n, t)| Ok((n.clone(), f(t)?)))
             .collect::<Result<_>>()?;
         Ok(Self {
             tensors,

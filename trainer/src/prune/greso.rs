@@ -99,22 +99,8 @@ impl Greso {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rollout::Sample;
+    use crate::rollout::test_group as group;
     use rand::{rngs::StdRng, SeedableRng};
-
-    fn group(prompt_id: u64, rewards: &[f64]) -> Group {
-        let samples = rewards
-            .iter()
-            .map(|&reward| Sample {
-                prompt_ids: vec![1],
-                completion_ids: vec![2],
-                reward,
-                rollout_logprobs: vec![0.0],
-                policy_version: 0,
-            })
-            .collect();
-        Group::new(prompt_id, samples)
-    }
 
     #[test]
     fn skip_probability_follows_the_streak() {

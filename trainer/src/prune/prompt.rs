@@ -105,23 +105,12 @@ impl PromptHistory {
 mod tests {
     use super::*;
     use crate::prune::{CandidateRule, PruneMode};
-    use crate::rollout::Sample;
     use rand::{rngs::StdRng, SeedableRng};
 
     fn group(prompt_id: u64, advantages: &[f64]) -> Group {
-        let samples = advantages
-            .iter()
-            .map(|_| Sample {
-                prompt_ids: vec![1],
-                completion_ids: vec![2],
-                reward: 0.0,
-                rollout_logprobs: vec![0.0],
-                policy_version: 0,
-            })
-            .collect();
         Group {
             advantages: advantages.to_vec(),
-            ..Group::new(prompt_id, samples)
+            ..crate::rollout::test_group(prompt_id, &vec![0.0; advantages.len()])
         }
     }
 
