@@ -553,3 +553,40 @@ fn kl_reference_is_the_frozen_initial_policy() {
         m_plain.pg_loss
     );
 }
+
+/// Every gold answer of the real data sets parses, and a completion boxing it scores 1.
+#[test]
+fn verifier_accepts_every_real_gold_answer() {
+    let data = crate::util::repo_root().join("../shared/data");
+    let files = [
+        "gsm8k/test.jsonl",
+        "eval/math500.jsonl",
+        "eval/aime24.jsonl",
+        "eval/aime25.jsonl",
+        "eval/amc2023.jsonl",
+        "eval/minervamath.jsonl",
+        "eval/olympiadbench.jsonl",
+    ];
+    for file in files {
+        let path = data.join(file);
+        let text =
+            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        for (line_no, line) in text.lines().enumerate() {
+            let row: serde_json::Value = serde_json::from_str(line).unwrap();
+            let raw = row["answer"]
+                .as_str()
+                .map(str::to_string)
+                .unwrap_or_else(|| row["answer"].to_string());
+            let gold = dppo_trainer::rewards::parse_gold(&raw)
+                .unwrap_or_else(|e| panic!("{file}:{}: {e}", line_no + 1));
+            let final_answer = raw.rsplit("####").next().unwrap().trim();
+            let completion = format!("Reasoning... so the result is \\boxed{{{final_answer}}}.");
+            assert_eq!(
+                dppo_trainer::rewards::score(&completion, &gold),
+                1.0,
+                "{file}:{}: {raw:?}",
+                line_no + 1
+            );
+        }
+    }
+}

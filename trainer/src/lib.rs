@@ -8,6 +8,7 @@ pub mod loss;
 pub mod optim;
 pub mod pack;
 pub mod prune;
+pub mod rewards;
 pub mod rollout;
 pub mod train_batch;
 
