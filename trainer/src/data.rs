@@ -1,0 +1,206 @@
+//! Prompt datasets: JSONL files with configurable fields (GSM8K `#### n`, MATH answers), and
+//! the built-in synthetic arithmetic task with disjoint train and held-out splits.
+
+use std::path::Path;
+
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+use crate::rewards::{parse_gold, Answer};
+
+/// One prompt with its gold answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Problem {
+    /// Stable id (the line number for files, the index for built-in tasks), used by the
+    /// prompt history.
+    pub prompt_id: u64,
+    pub question: String,
+    pub answer: Answer,
+    /// A worked solution, when the source has one (supervised warm-up).
+    pub solution: Option<String>,
+}
+
+/// A dataset that cannot be used, with the file and line at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}:{line}: {reason}")]
+    Line {
+        path: String,
+        line: usize,
+        reason: String,
+    },
+    #[error("unknown built-in task {0:?} (available: builtin:arithmetic)")]
+    UnknownTask(String),
+}
+
+/// Which JSON fields hold the question and the answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fields {
+    pub question: String,
+    pub answer: String,
+}
+
+/// Reads a JSONL file; every line must be an object with both fields and a parseable answer.
+pub fn load_jsonl(path: &Path, fields: &Fields) -> Result<Vec<Problem>, DataError> {
+    let text = std::fs::read_to_string(path).map_err(|source| DataError::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
+    let mut problems = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let bad = |reason: String| DataError::Line {
+            path: path.display().to_string(),
+            line: i + 1,
+            reason,
+        };
+        let row: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| bad(format!("not valid JSON: {e}")))?;
+        let field = |name: &str| -> Result<String, DataError> {
+            match row.get(name) {
+                Some(serde_json::Value::String(s)) => Ok(s.clone()),
+                Some(v @ serde_json::Value::Number(_)) => Ok(v.to_string()),
+                Some(other) => Err(bad(format!("field {name:?} is not a string: {other}"))),
+                None => Err(bad(format!("missing field {name:?}"))),
+            }
+        };
+        let question = field(&fields.question)?;
+        let raw_answer = field(&fields.answer)?;
+        let answer = parse_gold(&raw_answer).map_err(|e| bad(e.to_string()))?;
+        problems.push(Problem {
+            prompt_id: i as u64,
+            question,
+            answer,
+            solution: raw_answer.contains("####").then_some(raw_answer),
+        });
+    }
+    Ok(problems)
+}
+
+/// A built-in task's train and held-out problems.
+pub fn builtin_task(
+    name: &str,
+    num_train: usize,
+    num_eval: usize,
+    seed: u64,
+) -> Result<(Vec<Problem>, Vec<Problem>), DataError> {
+    match name {
+        "arithmetic" => Ok(arithmetic(num_train, num_eval, seed)),
+        other => Err(DataError::UnknownTask(other.to_string())),
+    }
+}
+
+/// Two-digit additions and subtractions, `What is a+b?`, answered `Answer: c`. Held-out
+/// problems are operand pairs never drawn for training.
+fn arithmetic(num_train: usize, num_eval: usize, seed: u64) -> (Vec<Problem>, Vec<Problem>) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut seen = std::collections::BTreeSet::new();
+    let mut draw = |count: usize, offset: u64| {
+        let mut out = Vec::with_capacity(count);
+        while out.len() < count {
+            let (a, b) = (rng.random_range(10..100i64), rng.random_range(10..100i64));
+            let minus = rng.random_bool(0.3);
+            if !seen.insert((a, b, minus)) {
+                continue;
+            }
+            let (op, c) = if minus { ('-', a - b) } else { ('+', a + b) };
+            out.push(Problem {
+                prompt_id: offset + out.len() as u64,
+                question: format!("What is {a}{op}{b}?"),
+                answer: crate::rewards::normalise(&c.to_string()),
+                solution: Some(format!("Answer: {c}")),
+            });
+        }
+        out
+    };
+    let train = draw(num_train, 0);
+    let eval = draw(num_eval, 1 << 32);
+    (train, eval)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rewards::score;
+
+    #[test]
+    fn arithmetic_splits_are_disjoint_and_self_consistent() {
+        let (train, eval) = builtin_task("arithmetic", 500, 100, 7).unwrap();
+        assert_eq!((train.len(), eval.len()), (500, 100));
+        let questions: std::collections::HashSet<&str> =
+            train.iter().map(|p| p.question.as_str()).collect();
+        assert!(eval
+            .iter()
+            .all(|p| !questions.contains(p.question.as_str())));
+        for p in train.iter().chain(&eval) {
+            assert_eq!(
+                score(p.solution.as_deref().unwrap(), &p.answer),
+                1.0,
+                "{p:?}"
+            );
+        }
+        assert!(builtin_task("algebra", 1, 1, 0)
+            .unwrap_err()
+            .to_string()
+            .contains("algebra"));
+    }
+
+    #[test]
+    fn broken_lines_name_file_and_line() {
+        let dir = std::env::temp_dir().join(format!("dppo-data-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fields = Fields {
+            question: "question".into(),
+            answer: "answer".into(),
+        };
+        let cases = [
+            (
+                "{\"question\": \"q\", \"answer\": \"#### 4\"}\n{oops\n",
+                "bad.jsonl:2: not valid JSON",
+            ),
+            (
+                "{\"question\": \"q\"}\n",
+                "ok.jsonl:1: missing field \"answer\"",
+            ),
+            (
+                "{\"question\": \"q\", \"answer\": \"\"}\n",
+                "ok.jsonl:1: unparseable gold answer",
+            ),
+        ];
+        for (i, (content, want)) in cases.iter().enumerate() {
+            let name = if i == 0 { "bad.jsonl" } else { "ok.jsonl" };
+            let path = dir.join(name);
+            std::fs::write(&path, content).unwrap();
+            let err = load_jsonl(&path, &fields).unwrap_err().to_string();
+            assert!(err.contains(want), "{err} lacks {want}");
+        }
+        let path = dir.join("good.jsonl");
+        std::fs::write(
+            &path,
+            "{\"question\": \"2+2?\", \"answer\": \"So 4.\\n#### 4\"}\n\n",
+        )
+        .unwrap();
+        let problems = load_jsonl(&path, &fields).unwrap();
+        assert_eq!(problems.len(), 1);
+        assert_eq!(score("\\boxed{4}", &problems[0].answer), 1.0);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_real_gsm8k_train_file_loads() {
+        let path =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/gsm8k/train.jsonl");
+        let fields = Fields {
+            question: "question".into(),
+            answer: "answer".into(),
+        };
+        let problems = load_jsonl(&path, &fields).unwrap();
+        assert_eq!(problems.len(), 7473);
+    }
+}
