@@ -1,0 +1,320 @@
+//! The run configuration: TOML in the verl/TRL vocabulary, `--set key=value` overrides,
+//! unknown keys rejected, then validated once into a [`RunConfig`] the loop trusts.
+
+use serde::{Deserialize, Serialize};
+
+use crate::advantages::ScaleRewards;
+use crate::loss::{LossAgg, RatioLevel};
+use crate::prune::{Algorithm, CompletionScope};
+
+/// The configuration compiled into the binary (`dppo run` with no arguments).
+pub const DEFAULT_TOML: &str = include_str!("../../configs/default.toml");
+
+/// A configuration that cannot run, naming the key.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{origin}: {reason}")]
+    Parse { origin: String, reason: String },
+    #[error("--set {0:?}: expected key=value with a dotted key such as dppo.r_o=0.5")]
+    BadOverride(String),
+    #[error("invalid value for {key}: {reason}")]
+    Invalid { key: &'static str, reason: String },
+}
+
+/// Everything a run needs; field names are the TOML keys.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    /// `builtin:tiny`, an HF directory, or a `.gguf` file.
+    pub model: String,
+    pub algorithm: Algorithm,
+    pub seed: u64,
+    /// RL optimizer steps.
+    pub steps: u64,
+    pub data: DataConfig,
+    pub warmup: WarmupConfig,
+    pub rollout: RolloutConfig,
+    pub actor: ActorConfig,
+    pub dppo: DppoConfig,
+    pub pack: PackConfig,
+    pub eval: EvalConfig,
+}
+
+/// `[data]`
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    /// `builtin:arithmetic` or a JSONL path.
+    pub train: String,
+    /// Held-out JSONL path; built-in tasks bring their own held-out split.
+    #[serde(default)]
+    pub eval: Option<String>,
+    #[serde(default = "default_question")]
+    pub question_field: String,
+    #[serde(default = "default_answer")]
+    pub answer_field: String,
+    /// Sizes of a built-in task's splits.
+    #[serde(default = "default_num_train")]
+    pub num_train: usize,
+    #[serde(default = "default_num_eval")]
+    pub num_eval: usize,
+}
+
+/// `[warmup]`: supervised steps on demonstrations before RL (0 to skip).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WarmupConfig {
+    pub steps: u64,
+    pub batch_size: usize,
+    pub lr: f64,
+}
+
+/// `[rollout]`
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RolloutConfig {
+    /// Samples per prompt (G).
+    pub n: usize,
+    pub prompts_per_step: usize,
+    pub temperature: f32,
+    pub top_p: f32,
+    pub max_response_len: usize,
+}
+
+/// `[actor]`
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ActorConfig {
+    pub lr: f64,
+    pub grad_clip: f64,
+    pub eps_low: f64,
+    pub eps_high: f64,
+    pub beta: f64,
+    pub loss_agg: LossAgg,
+    pub scale_rewards: ScaleRewards,
+    pub ratio_level: RatioLevel,
+    pub warmup_steps: u64,
+    pub weight_decay: f64,
+}
+
+/// `[dppo]`: pruning rates (also the CPPO rate `r_o`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DppoConfig {
+    pub r_q: f64,
+    pub r_o: f64,
+    pub scope: CompletionScope,
+    pub history_decay: f64,
+}
+
+/// `[pack]`
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PackConfig {
+    /// Tokens per packed buffer (`pack_tokens`).
+    pub tokens: usize,
+    /// Sequences per first-fit-decreasing window (`pack_window`).
+    pub window: usize,
+}
+
+/// `[eval]`
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EvalConfig {
+    /// Held-out evaluation every this many steps (0: only before and after).
+    pub every: u64,
+}
+
+fn default_question() -> String {
+    "question".into()
+}
+fn default_answer() -> String {
+    "answer".into()
+}
+fn default_num_train() -> usize {
+    2000
+}
+fn default_num_eval() -> usize {
+    200
+}
+
+impl RunConfig {
+    /// Parses `text` (from `origin`), applies `overrides` (`a.b=value`, values in TOML
+    /// syntax, bare words taken as strings) and validates.
+    pub fn from_toml(text: &str, origin: &str, overrides: &[String]) -> Result<Self, ConfigError> {
+        let parse_err = |reason: String| ConfigError::Parse {
+            origin: origin.to_string(),
+            reason,
+        };
+        let mut doc: toml::Table = toml::from_str(text).map_err(|e| parse_err(e.to_string()))?;
+        for o in overrides {
+            apply_override(&mut doc, o)?;
+        }
+        let cfg: RunConfig = toml::Value::Table(doc)
+            .try_into()
+            .map_err(|e: toml::de::Error| parse_err(e.to_string()))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The built-in default with `overrides`.
+    pub fn default_with(overrides: &[String]) -> Result<Self, ConfigError> {
+        Self::from_toml(DEFAULT_TOML, "configs/default.toml (built in)", overrides)
+    }
+
+    /// The effective configuration as TOML (written to the run directory).
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).unwrap_or_else(|e| format!("# cannot serialise: {e}"))
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let check = |ok: bool, key: &'static str, reason: String| {
+            if ok {
+                Ok(())
+            } else {
+                Err(ConfigError::Invalid { key, reason })
+            }
+        };
+        let rate = |r: f64| (0.0..1.0).contains(&r);
+        check(
+            rate(self.dppo.r_q),
+            "dppo.r_q",
+            format!("must be in [0, 1), got {}", self.dppo.r_q),
+        )?;
+        check(
+            rate(self.dppo.r_o),
+            "dppo.r_o",
+            format!("must be in [0, 1), got {}", self.dppo.r_o),
+        )?;
+        check(
+            self.rollout.n >= 2,
+            "rollout.n",
+            format!("group advantages need n >= 2, got {}", self.rollout.n),
+        )?;
+        check(
+            self.rollout.prompts_per_step > 0,
+            "rollout.prompts_per_step",
+            "must be positive".into(),
+        )?;
+        check(
+            self.rollout.max_response_len > 0,
+            "rollout.max_response_len",
+            "must be positive".into(),
+        )?;
+        check(
+            self.rollout.temperature > 0.0 && self.rollout.temperature.is_finite(),
+            "rollout.temperature",
+            format!(
+                "must be positive for RL sampling, got {}",
+                self.rollout.temperature
+            ),
+        )?;
+        check(
+            self.rollout.top_p > 0.0 && self.rollout.top_p <= 1.0,
+            "rollout.top_p",
+            format!("must be in (0, 1], got {}", self.rollout.top_p),
+        )?;
+        check(
+            self.actor.lr > 0.0,
+            "actor.lr",
+            format!("must be positive, got {}", self.actor.lr),
+        )?;
+        check(
+            self.actor.eps_low >= 0.0 && self.actor.eps_low < 1.0,
+            "actor.eps_low",
+            format!("must be in [0, 1), got {}", self.actor.eps_low),
+        )?;
+        check(
+            self.actor.eps_high >= 0.0,
+            "actor.eps_high",
+            format!("must be >= 0, got {}", self.actor.eps_high),
+        )?;
+        check(
+            self.actor.beta >= 0.0,
+            "actor.beta",
+            format!("must be >= 0, got {}", self.actor.beta),
+        )?;
+        check(
+            self.pack.window > 0,
+            "pack.window",
+            "must be positive".into(),
+        )?;
+        check(
+            self.dppo.history_decay >= 0.0 && self.dppo.history_decay < 1.0,
+            "dppo.history_decay",
+            format!("must be in [0, 1), got {}", self.dppo.history_decay),
+        )?;
+        Ok(())
+    }
+}
+
+/// Sets `a.b.c = value` in `doc`; the value is parsed as TOML, or taken as a string.
+fn apply_override(doc: &mut toml::Table, spec: &str) -> Result<(), ConfigError> {
+    let bad = || ConfigError::BadOverride(spec.to_string());
+    let (key, raw) = spec.split_once('=').ok_or_else(bad)?;
+    let path: Vec<&str> = key.trim().split('.').collect();
+    if path.iter().any(|p| p.is_empty()) {
+        return Err(bad());
+    }
+    let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(raw.trim().to_string()));
+    let (last, parents) = path.split_last().ok_or_else(bad)?;
+    let mut table = doc;
+    for p in parents {
+        table = table
+            .entry(p.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+            .as_table_mut()
+            .ok_or_else(bad)?;
+    }
+    table.insert(last.to_string(), value);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_built_in_default_parses_and_round_trips() {
+        let cfg = RunConfig::default_with(&[]).unwrap();
+        assert_eq!(cfg.model, "builtin:tiny");
+        let again = RunConfig::from_toml(&cfg.to_toml(), "effective", &[]).unwrap();
+        assert_eq!(again, cfg);
+    }
+
+    #[test]
+    fn overrides_apply() {
+        let sets = [
+            "dppo.r_o=0.7".to_string(),
+            "algorithm=grpo".into(),
+            "model=builtin:tiny".into(),
+        ];
+        let cfg = RunConfig::default_with(&sets).unwrap();
+        assert_eq!((cfg.dppo.r_o, cfg.algorithm), (0.7, Algorithm::Grpo));
+    }
+
+    #[test]
+    fn bad_configs_name_the_key() {
+        let cases = [
+            ("dppo.r_o=1", "dppo.r_o: must be in [0, 1), got 1"),
+            ("dppo.r_0=0.5", "unknown field `r_0`"),
+            ("rollout.n=\"eight\"", "rollout.n"),
+            ("actor.loss_agg=\"mean\"", "unknown variant `mean`"),
+            ("rollout.n=1", "rollout.n"),
+            ("bogus", "expected key=value"),
+        ];
+        for (set, want) in cases {
+            let err = RunConfig::default_with(&[set.to_string()])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(want), "--set {set}: {err}");
+        }
+        let err = RunConfig::from_toml("model = ", "my.toml", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("my.toml:"), "{err}");
+    }
+}
