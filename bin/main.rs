@@ -14,6 +14,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Train a policy with DPPO (or a baseline) on the built-in default or a config.
+    Run(cmd::run::Args),
     /// Complete a prompt with the paged engine.
     Generate(cmd::generate::Args),
     /// Benchmarks (rollout throughput against a naive baseline).
@@ -32,6 +34,7 @@ fn main() {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Run(args) => cmd::run::run(args),
         Command::Generate(args) => cmd::generate::run(args),
         Command::Bench(bench) => cmd::bench::run(bench),
         Command::Convert(args) => cmd::convert::run(args),

@@ -3,3 +3,4 @@
 pub mod bench;
 pub mod convert;
 pub mod generate;
+pub mod run;

@@ -7,7 +7,7 @@ use std::time::Instant;
 use candle_core::{Tensor, Var};
 use dppo_model::{CausalLm, ModelConfig, Weights};
 
-use crate::loss::{buffer_loss, LossConfig, TrainSeq};
+use crate::loss::{buffer_loss, buffer_nll, LossConfig, TrainSeq};
 use crate::optim::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule};
 use crate::pack::pack;
 use crate::train_batch::TrainBatch;
@@ -132,16 +132,7 @@ impl Learner {
             tokens += out.num_tokens;
             clipped += out.num_clipped;
             m.entropy += out.entropy_sum;
-            let store = out.loss.backward()?;
-            for (name, var) in &self.vars {
-                if let Some(g) = store.get(var) {
-                    let sum = match grads.remove(name) {
-                        Some(acc) => (acc + g)?,
-                        None => g.clone(),
-                    };
-                    grads.insert(name.clone(), sum);
-                }
-            }
+            accumulate(&mut grads, &self.vars, &out.loss.backward()?)?;
         }
         m.num_buffers = buffers.len();
         m.pack_density = crate::pack::density(&lengths, buffers.len(), self.cfg.pack_tokens);
@@ -149,6 +140,36 @@ impl Learner {
         m.entropy /= tokens.max(1) as f64;
         m.train_tokens_per_s = lengths.iter().sum::<usize>() as f64 / start.elapsed().as_secs_f64();
         Ok((grads, m))
+    }
+
+    /// One supervised step on demonstrations (mean NLL of their completion tokens) at
+    /// learning rate `lr`; returns the loss. Shares the optimizer with RL steps.
+    pub fn sft_step(&mut self, seqs: &[TrainSeq], lr: f64) -> Result<f64, TrainError> {
+        let lengths: Vec<usize> = seqs.iter().map(|s| s.tokens.len()).collect();
+        let buffers = pack(&lengths, self.cfg.pack_tokens, self.cfg.pack_window)?;
+        let num_tokens: usize = seqs.iter().map(TrainSeq::num_completion_tokens).sum();
+        let run = || -> Result<(BTreeMap<String, Tensor>, f64), TrainError> {
+            let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
+            let mut total = 0.0;
+            for buffer in &buffers {
+                let refs: Vec<&TrainSeq> = buffer.iter().map(|&i| &seqs[i]).collect();
+                let loss = (buffer_nll(&self.model, &refs)? / num_tokens.max(1) as f64)?;
+                total += loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+                accumulate(&mut grads, &self.vars, &loss.backward()?)?;
+            }
+            Ok((grads, total))
+        };
+        let (mut grads, loss) = std::thread::scope(|scope| {
+            std::thread::Builder::new()
+                .stack_size(BACKWARD_STACK)
+                .spawn_scoped(scope, run)
+                .map_err(|e| TrainError::Thread(e.to_string()))?
+                .join()
+                .map_err(|_| TrainError::Thread("the backward thread panicked".into()))?
+        })?;
+        clip_grad_norm(&mut grads, self.cfg.grad_clip)?;
+        self.optimizer.step(&self.vars, &grads, lr)?;
+        Ok(loss)
     }
 
     /// One optimizer step on `batch`: packed forward/backward, clipping, AdamW.
@@ -159,4 +180,22 @@ impl Learner {
         self.optimizer.step(&self.vars, &grads, m.lr)?;
         Ok(m)
     }
+}
+
+/// Adds the gradients in `store` of every var to `grads`.
+fn accumulate(
+    grads: &mut BTreeMap<String, Tensor>,
+    vars: &BTreeMap<String, Var>,
+    store: &candle_core::backprop::GradStore,
+) -> Result<(), TrainError> {
+    for (name, var) in vars {
+        if let Some(g) = store.get(var) {
+            let sum = match grads.remove(name) {
+                Some(acc) => (acc + g)?,
+                None => g.clone(),
+            };
+            grads.insert(name.clone(), sum);
+        }
+    }
+    Ok(())
 }

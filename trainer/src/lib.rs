@@ -12,6 +12,7 @@ pub mod pack;
 pub mod prune;
 pub mod rewards;
 pub mod rollout;
+pub mod step;
 pub mod train_batch;
 
 pub use advantages::{compute_advantages, ScaleRewards};
@@ -29,4 +30,8 @@ pub enum TrainError {
     Candle(#[from] candle_core::Error),
     #[error("learner thread: {0}")]
     Thread(String),
+    #[error(transparent)]
+    Engine(#[from] dppo_engine::EngineError),
+    #[error("rollout came from policy version {got}, the step expected {expected}")]
+    Version { expected: u64, got: u64 },
 }

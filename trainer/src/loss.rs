@@ -89,37 +89,63 @@ pub fn buffer_loss(
     cfg: &LossConfig,
     norm: &Normalisers,
 ) -> Result<BufferLoss> {
-    let device = model.device().clone();
-    let tokens: Vec<&[u32]> = seqs.iter().map(|s| s.tokens.as_slice()).collect();
-    let row = PackedRow::new(&tokens, &device)?;
-    // Rows whose next token is a completion token: positions P-1 .. len-2 of each sequence.
-    let mut rows = Vec::new();
-    let mut targets = Vec::new();
-    for (s, start) in seqs.iter().zip(&row.cu_seqlens) {
-        for p in s.num_prompt_tokens..s.tokens.len() {
-            rows.push((start + p - 1) as u32);
-            targets.push(s.tokens[p]);
-        }
-    }
-    let n = rows.len();
-    let rows = Tensor::from_vec(rows, n, &device)?;
-    let targets = Tensor::from_vec(targets, n, &device)?;
-    let completion_logits = |m: &CausalLm| -> Result<Tensor> {
-        let hidden = m.forward(&row.input_ids, &row.positions, &mut row.attention())?;
-        m.logits(&hidden.index_select(&rows, 0)?)
-    };
-    let logits = completion_logits(model)?;
-    let logprobs = token_logprobs(&logits, &targets)?;
+    let row = CompletionRows::new(seqs, model.device())?;
+    let logits = row.logits(model)?;
+    let logprobs = token_logprobs(&logits, &row.targets)?;
     let ref_logprobs = match reference {
-        Some(r) if cfg.beta > 0.0 => {
-            Some(token_logprobs(&completion_logits(r)?, &targets)?.detach())
-        }
+        Some(r) if cfg.beta > 0.0 => Some(token_logprobs(&row.logits(r)?, &row.targets)?.detach()),
         _ => None,
     };
     let entropy_sum = entropy(&logits.detach())?;
     let mut out = token_loss(&logprobs, ref_logprobs.as_ref(), seqs, cfg, norm)?;
     out.entropy_sum = entropy_sum;
     Ok(out)
+}
+
+/// Summed negative log-likelihood of the completion tokens of one packed buffer
+/// (supervised warm-up on demonstrations).
+pub fn buffer_nll(model: &CausalLm, seqs: &[&TrainSeq]) -> Result<Tensor> {
+    let row = CompletionRows::new(seqs, model.device())?;
+    token_logprobs(&row.logits(model)?, &row.targets)?
+        .sum_all()?
+        .neg()
+}
+
+/// A packed row and the rows of it whose next token is a completion token.
+struct CompletionRows {
+    row: PackedRow,
+    /// (M,) u32: positions `P-1 .. len-2` of each sequence.
+    rows: Tensor,
+    /// (M,) u32: the completion tokens they predict.
+    targets: Tensor,
+}
+
+impl CompletionRows {
+    fn new(seqs: &[&TrainSeq], device: &Device) -> Result<Self> {
+        let tokens: Vec<&[u32]> = seqs.iter().map(|s| s.tokens.as_slice()).collect();
+        let row = PackedRow::new(&tokens, device)?;
+        let mut rows = Vec::new();
+        let mut targets = Vec::new();
+        for (s, start) in seqs.iter().zip(&row.cu_seqlens) {
+            for p in s.num_prompt_tokens..s.tokens.len() {
+                rows.push((start + p - 1) as u32);
+                targets.push(s.tokens[p]);
+            }
+        }
+        let n = rows.len();
+        Ok(Self {
+            rows: Tensor::from_vec(rows, n, device)?,
+            targets: Tensor::from_vec(targets, n, device)?,
+            row,
+        })
+    }
+
+    /// Logits (M, vocab) of `model` at the completion rows; the lm_head runs on those only.
+    fn logits(&self, model: &CausalLm) -> Result<Tensor> {
+        let r = &self.row;
+        let hidden = model.forward(&r.input_ids, &r.positions, &mut r.attention())?;
+        model.logits(&hidden.index_select(&self.rows, 0)?)
+    }
 }
 
 /// The loss given the current policy's logprobs `logprobs` (M,) of the completion tokens

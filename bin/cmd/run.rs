@@ -1,0 +1,142 @@
+//! `dppo run`: supervised warm-up, then RL steps with the configured algorithm, held-out
+//! evaluation before and after; `metrics.jsonl`, `config.toml` and `summary.json` in the
+//! run directory.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use candle_core::Device;
+use dppo_model::weights::write_atomic;
+use dppo_model::Policy;
+use dppo_trainer::config::RunConfig;
+use dppo_trainer::data::{builtin_task, load_jsonl, Fields};
+use dppo_trainer::step::Trainer;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+
+/// Arguments of `dppo run`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// A TOML config; the built-in default (configs/default.toml) when absent.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Override a config key, e.g. `--set dppo.r_o=0.5` (repeatable).
+    #[arg(long = "set")]
+    sets: Vec<String>,
+    /// Run directory.
+    #[arg(long, default_value = "runs/default")]
+    out: PathBuf,
+}
+
+/// Trains and writes the run directory.
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let cfg = match &args.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading --config {}", path.display()))?;
+            RunConfig::from_toml(&text, &path.display().to_string(), &args.sets)?
+        }
+        None => RunConfig::default_with(&args.sets)?,
+    };
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating the run directory {}", args.out.display()))?;
+    write_atomic(&args.out.join("config.toml"), cfg.to_toml().as_bytes())?;
+    let policy = Policy::load(&cfg.model, &Device::Cpu)
+        .with_context(|| format!("loading model {}", cfg.model))?;
+    let (train, eval) = load_data(&cfg)?;
+    let started = Instant::now();
+    let mut trainer = Trainer::new(cfg.clone(), &policy, train, eval)?;
+
+    let bar = |len: u64, what: &str| {
+        let pb = ProgressBar::new(len);
+        pb.set_style(
+            ProgressStyle::with_template(&format!("{what} {{bar:30}} {{pos}}/{{len}} {{msg}}"))
+                .expect("valid template"),
+        );
+        pb
+    };
+    let warm = bar(cfg.warmup.steps, "warm-up");
+    for _ in 0..cfg.warmup.steps {
+        let loss = trainer.warmup_step()?;
+        warm.set_message(format!("nll {loss:.3}"));
+        warm.inc(1);
+    }
+    warm.finish();
+    let eval_before = trainer.evaluate()?;
+    tracing::info!(eval_before, "held-out accuracy after warm-up");
+
+    let metrics_path = args.out.join("metrics.jsonl");
+    let mut metrics = std::fs::File::create(&metrics_path)
+        .with_context(|| format!("creating {}", metrics_path.display()))?;
+    let pb = bar(cfg.steps, &format!("{:?}", cfg.algorithm).to_lowercase());
+    for _ in 0..cfg.steps {
+        let mut line = trainer.step()?;
+        if cfg.eval.every > 0 && trainer.step % cfg.eval.every == 0 {
+            line.insert("eval/acc".into(), json!(trainer.evaluate()?));
+        }
+        writeln!(metrics, "{}", serde_json::Value::Object(line.clone()))?;
+        metrics.flush()?;
+        let get = |k: &str| line.get(k).and_then(|v| v.as_f64()).unwrap_or(0.0);
+        pb.set_message(format!(
+            "reward {:.2} kept {:.2}/{:.2} step {:.1}s",
+            get("reward/mean"),
+            get("prune/prompts_kept"),
+            get("prune/completions_kept"),
+            get("timing_s/step")
+        ));
+        pb.inc(1);
+    }
+    pb.finish();
+    let eval_after = trainer.evaluate()?;
+    let summary = json!({
+        "algorithm": cfg.algorithm,
+        "steps": cfg.steps,
+        "eval_before": eval_before,
+        "eval_after": eval_after,
+        "wall_s": started.elapsed().as_secs_f64(),
+        "policy_version": trainer.policy_version,
+    });
+    write_atomic(
+        &args.out.join("summary.json"),
+        serde_json::to_string_pretty(&summary)?.as_bytes(),
+    )?;
+    println!("\n| held-out accuracy | before RL | after RL |\n|---|---|---|");
+    println!(
+        "| {} | {:.1}% | {:.1}% |",
+        cfg.model,
+        100.0 * eval_before,
+        100.0 * eval_after
+    );
+    println!("run directory: {}", args.out.display());
+    Ok(())
+}
+
+fn load_data(
+    cfg: &RunConfig,
+) -> anyhow::Result<(
+    Vec<dppo_trainer::data::Problem>,
+    Vec<dppo_trainer::data::Problem>,
+)> {
+    if let Some(task) = cfg.data.train.strip_prefix("builtin:") {
+        return Ok(builtin_task(
+            task,
+            cfg.data.num_train,
+            cfg.data.num_eval,
+            cfg.seed,
+        )?);
+    }
+    let fields = Fields {
+        question: cfg.data.question_field.clone(),
+        answer: cfg.data.answer_field.clone(),
+    };
+    let train = load_jsonl(std::path::Path::new(&cfg.data.train), &fields)?;
+    let eval_path = cfg
+        .data
+        .eval
+        .as_ref()
+        .context("data.eval: a held-out JSONL file is required with a JSONL train set")?;
+    let eval = load_jsonl(std::path::Path::new(eval_path), &fields)?;
+    Ok((train, eval))
+}

@@ -1,0 +1,370 @@
+//! The step loop of DESIGN.md: draw -> prune prompts -> rollout -> reward -> advantages ->
+//! prune completions -> pack + learn -> publish -> metrics. Each phase is a method that
+//! takes and returns typed values and is timed into `timing_s/*`.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use candle_core::Device;
+use dppo_engine::{Engine, EngineConfig, GenerateRequest, SamplingParams};
+use dppo_model::{ChatMessage, Policy, TextTokenizer};
+use rand::{rngs::StdRng, seq::SliceRandom, SeedableRng};
+use serde_json::{json, Map, Value};
+
+use crate::advantages::compute_advantages;
+use crate::config::RunConfig;
+use crate::data::Problem;
+use crate::learner::{Learner, LearnerConfig};
+use crate::loss::{LossConfig, TrainSeq};
+use crate::optim::{AdamWConfig, LrSchedule};
+use crate::prune::{
+    select_completions, Algorithm, CandidateRule, Greso, LevelConfig, PromptHistory, PruneMode,
+};
+use crate::rewards::score;
+use crate::rollout::{Group, Sample};
+use crate::train_batch::build_train_batch;
+use crate::TrainError;
+
+/// Everything the loop carries from step to step.
+pub struct Trainer {
+    pub cfg: RunConfig,
+    pub learner: Learner,
+    engine: Engine,
+    tokenizer: TextTokenizer,
+    eos: Vec<u32>,
+    train: Vec<Problem>,
+    eval: Vec<Problem>,
+    history: PromptHistory,
+    greso: Greso,
+    rng: StdRng,
+    order: Vec<usize>,
+    cursor: usize,
+    pub step: u64,
+    pub policy_version: u64,
+}
+
+/// The prompts drawn for a step and what prompt pruning made of them.
+struct Drawn {
+    problems: Vec<usize>,
+    /// `w_q` of each drawn prompt; `None` when it is not rolled out.
+    w_q: Vec<Option<f64>>,
+}
+
+impl Trainer {
+    /// Builds the engine and the learner over `policy`.
+    pub fn new(
+        cfg: RunConfig,
+        policy: &Policy,
+        train: Vec<Problem>,
+        eval: Vec<Problem>,
+    ) -> Result<Self, TrainError> {
+        let learner_cfg = LearnerConfig {
+            loss: LossConfig {
+                eps_low: cfg.actor.eps_low,
+                eps_high: cfg.actor.eps_high,
+                loss_agg: cfg.actor.loss_agg,
+                ratio_level: cfg.actor.ratio_level,
+                beta: cfg.actor.beta,
+            },
+            adamw: AdamWConfig {
+                weight_decay: cfg.actor.weight_decay,
+                ..AdamWConfig::default()
+            },
+            schedule: LrSchedule {
+                lr: cfg.actor.lr,
+                warmup_steps: cfg.actor.warmup_steps,
+                cosine_total_steps: None,
+                min_lr: 0.0,
+            },
+            grad_clip: cfg.actor.grad_clip,
+            pack_tokens: cfg.pack.tokens,
+            pack_window: cfg.pack.window,
+        };
+        let learner = Learner::new(&policy.config, &policy.weights, learner_cfg)?;
+        let engine_cfg = EngineConfig {
+            kv_cache_bytes: 1 << 30,
+            ..EngineConfig::default()
+        };
+        let engine = Engine::new(policy, engine_cfg, Device::Cpu)?;
+        let mut rng = StdRng::seed_from_u64(cfg.seed);
+        let mut order: Vec<usize> = (0..train.len()).collect();
+        order.shuffle(&mut rng);
+        Ok(Self {
+            history: PromptHistory::new(cfg.dppo.history_decay),
+            greso: Greso::default(),
+            learner,
+            engine,
+            tokenizer: policy.tokenizer.clone(),
+            eos: policy.eos_token_ids().to_vec(),
+            train,
+            eval,
+            rng,
+            order,
+            cursor: 0,
+            step: 0,
+            policy_version: 0,
+            cfg,
+        })
+    }
+
+    /// Prompt ids of a problem, chat-formatted when the model has a template.
+    fn prompt_ids(&self, p: &Problem) -> Result<Vec<u32>, TrainError> {
+        Ok(match self.tokenizer.chat_template() {
+            Some(_) => {
+                let text = self
+                    .tokenizer
+                    .apply_chat_template(&[ChatMessage::new("user", &p.question)], true)?;
+                self.tokenizer.encode(&text, false)?
+            }
+            None => self.tokenizer.encode(&p.question, true)?,
+        })
+    }
+
+    /// One supervised warm-up step on a batch of demonstrations; returns the mean NLL.
+    pub fn warmup_step(&mut self) -> Result<f64, TrainError> {
+        let idx = self.next_problems(self.cfg.warmup.batch_size);
+        let eos = self.eos.first().copied();
+        let mut seqs = Vec::with_capacity(idx.len());
+        for i in idx {
+            let p = &self.train[i];
+            let Some(solution) = &p.solution else {
+                continue;
+            };
+            let mut tokens = self.prompt_ids(p)?;
+            let num_prompt_tokens = tokens.len();
+            tokens.extend(self.tokenizer.encode(solution, false)?);
+            tokens.extend(eos);
+            seqs.push(TrainSeq {
+                num_prompt_tokens,
+                rollout_logprobs: vec![0.0; tokens.len() - num_prompt_tokens],
+                tokens,
+                advantage: 0.0,
+                weight: 1.0,
+            });
+        }
+        let loss = self.learner.sft_step(&seqs, self.cfg.warmup.lr)?;
+        self.publish()?;
+        Ok(loss)
+    }
+
+    /// Greedy accuracy on the held-out problems.
+    pub fn evaluate(&self) -> Result<f64, TrainError> {
+        let reqs = self
+            .eval
+            .iter()
+            .map(|p| {
+                let mut r =
+                    GenerateRequest::new(self.prompt_ids(p)?, 1, self.cfg.rollout.max_response_len);
+                r.sampling.temperature = 0.0;
+                Ok(r)
+            })
+            .collect::<Result<Vec<_>, TrainError>>()?;
+        let outs = self.engine.generate(reqs)?;
+        let mut correct = 0.0;
+        for (p, out) in self.eval.iter().zip(outs) {
+            correct += score(&self.tokenizer.decode(&out[0].token_ids, true)?, &p.answer);
+        }
+        Ok(correct / self.eval.len().max(1) as f64)
+    }
+
+    /// One RL step; returns its metrics line.
+    pub fn step(&mut self) -> Result<Map<String, Value>, TrainError> {
+        let mut timings = BTreeMap::new();
+        let start = Instant::now();
+        let mut timed = |name: &str, since: Instant| {
+            timings.insert(format!("timing_s/{name}"), since.elapsed().as_secs_f64());
+        };
+        let t = Instant::now();
+        let drawn = self.draw_and_prune_prompts();
+        timed("prune", t);
+        let t = Instant::now();
+        let (mut groups, gen_tokens) = self.rollout(&drawn)?;
+        timed("gen", t);
+        let gen_s = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        compute_advantages(&mut groups, self.cfg.actor.scale_rewards);
+        self.history.update(&groups, self.step);
+        self.greso.update(&groups);
+        let level = LevelConfig {
+            rate: self.cfg.dppo.r_o,
+            candidates: CandidateRule::BelowMean,
+            mode: PruneMode::FixedCount,
+        };
+        let kept = select_completions(
+            &groups,
+            self.cfg.algorithm,
+            &level,
+            self.cfg.dppo.scope,
+            self.cfg.actor.beta,
+            &mut self.rng,
+        );
+        let batch = build_train_batch(
+            &groups,
+            &kept,
+            drawn.problems.len(),
+            self.cfg.rollout.n,
+            self.cfg.rollout.max_response_len,
+            self.cfg.algorithm,
+        );
+        timed("reward", t);
+        let t = Instant::now();
+        let m = self.learner.step(&batch)?;
+        timed("train", t);
+        let t = Instant::now();
+        self.publish()?;
+        timed("sync", t);
+        timings.insert("timing_s/step".into(), start.elapsed().as_secs_f64());
+        self.step += 1;
+        let rewards: Vec<f64> = groups
+            .iter()
+            .flat_map(|g| g.samples.iter().map(|s| s.reward))
+            .collect();
+        let completions = (groups.len() * self.cfg.rollout.n).max(1);
+        let mut line = Map::new();
+        let mut put = |k: &str, v: Value| {
+            line.insert(k.to_string(), v);
+        };
+        put("step", json!(self.step));
+        put("policy_version", json!(self.policy_version));
+        put(
+            "reward/mean",
+            json!(rewards.iter().sum::<f64>() / rewards.len().max(1) as f64),
+        );
+        put(
+            "acc/mean",
+            json!(
+                rewards.iter().filter(|&&r| r >= 1.0).count() as f64 / rewards.len().max(1) as f64
+            ),
+        );
+        put(
+            "prune/prompts_kept",
+            json!(groups.len() as f64 / drawn.problems.len().max(1) as f64),
+        );
+        put(
+            "prune/completions_kept",
+            json!(kept.len() as f64 / completions as f64),
+        );
+        put("pack/density", json!(m.pack_density));
+        put("pack/buffers", json!(m.num_buffers));
+        put("perf/gen_tokens_per_s", json!(gen_tokens as f64 / gen_s));
+        put("perf/train_tokens_per_s", json!(m.train_tokens_per_s));
+        put("actor/pg_loss", json!(m.pg_loss));
+        put("actor/grad_norm", json!(m.grad_norm));
+        put("actor/clipfrac", json!(m.clipfrac));
+        put("actor/entropy", json!(m.entropy));
+        put("actor/lr", json!(m.lr));
+        for (k, v) in timings {
+            line.insert(k, json!(v));
+        }
+        Ok(line)
+    }
+
+    /// The next `count` training problems (reshuffled each epoch).
+    fn next_problems(&mut self, count: usize) -> Vec<usize> {
+        (0..count)
+            .map(|_| {
+                if self.cursor == self.order.len() {
+                    self.order.shuffle(&mut self.rng);
+                    self.cursor = 0;
+                }
+                self.cursor += 1;
+                self.order[self.cursor - 1]
+            })
+            .collect()
+    }
+
+    fn draw_and_prune_prompts(&mut self) -> Drawn {
+        let p = self.cfg.rollout.prompts_per_step;
+        let level = LevelConfig {
+            rate: self.cfg.dppo.r_q,
+            candidates: CandidateRule::BelowMean,
+            mode: PruneMode::FixedCount,
+        };
+        let count = match self.cfg.algorithm {
+            Algorithm::Dppo => self.history.overdraw(p, level.rate),
+            _ => p,
+        };
+        let problems = self.next_problems(count);
+        let ids: Vec<u64> = problems.iter().map(|&i| self.train[i].prompt_id).collect();
+        let w_q = match self.cfg.algorithm {
+            Algorithm::Dppo => self.history.select(&ids, &level, &mut self.rng),
+            Algorithm::Greso => self
+                .greso
+                .select(&ids, &mut self.rng)
+                .into_iter()
+                .map(|keep| keep.then_some(1.0))
+                .collect(),
+            Algorithm::Grpo | Algorithm::Cppo => vec![Some(1.0); ids.len()],
+        };
+        Drawn { problems, w_q }
+    }
+
+    /// Generates `n` samples of every kept prompt and scores them; checks that every
+    /// sample came from the policy version this step expects.
+    fn rollout(&mut self, drawn: &Drawn) -> Result<(Vec<Group>, usize), TrainError> {
+        let kept: Vec<(usize, f64)> = drawn
+            .problems
+            .iter()
+            .zip(&drawn.w_q)
+            .filter_map(|(&i, w)| w.map(|w| (i, w)))
+            .collect();
+        let mut prompts = Vec::with_capacity(kept.len());
+        let mut reqs = Vec::with_capacity(kept.len());
+        for (k, &(i, _)) in kept.iter().enumerate() {
+            let ids = self.prompt_ids(&self.train[i])?;
+            reqs.push(GenerateRequest {
+                sampling: SamplingParams {
+                    temperature: self.cfg.rollout.temperature,
+                    top_p: self.cfg.rollout.top_p,
+                    seed: Some(self.cfg.seed ^ (self.step << 20) ^ k as u64),
+                    ..SamplingParams::default()
+                },
+                ..GenerateRequest::new(
+                    ids.clone(),
+                    self.cfg.rollout.n,
+                    self.cfg.rollout.max_response_len,
+                )
+            });
+            prompts.push(ids);
+        }
+        let outs = self.engine.generate(reqs)?;
+        let mut groups = Vec::with_capacity(kept.len());
+        let mut gen_tokens = 0;
+        for ((&(i, w_q), prompt), completions) in kept.iter().zip(prompts).zip(outs) {
+            let problem = &self.train[i];
+            let mut samples = Vec::with_capacity(completions.len());
+            for c in completions {
+                if c.policy_version != self.policy_version
+                    || c.last_policy_version != self.policy_version
+                {
+                    return Err(TrainError::Version {
+                        expected: self.policy_version,
+                        got: c.last_policy_version,
+                    });
+                }
+                gen_tokens += c.token_ids.len();
+                let text = self.tokenizer.decode(&c.token_ids, true)?;
+                samples.push(Sample {
+                    prompt_ids: prompt.clone(),
+                    reward: score(&text, &problem.answer),
+                    completion_ids: c.token_ids,
+                    rollout_logprobs: c.logprobs,
+                    policy_version: c.policy_version,
+                });
+            }
+            groups.push(Group {
+                w_q,
+                ..Group::new(problem.prompt_id, samples)
+            });
+        }
+        Ok((groups, gen_tokens))
+    }
+
+    /// Publishes the learner's weights to the engine as the next policy version.
+    fn publish(&mut self) -> Result<(), TrainError> {
+        self.policy_version += 1;
+        self.engine
+            .swap_weights(&self.learner.weights()?, self.policy_version)?;
+        Ok(())
+    }
+}
