@@ -94,3 +94,69 @@ fn bench_rollout_json_reports_both_engines() {
     }
     assert!(report["peak_kv_mib"].as_f64().unwrap() > 0.0);
 }
+
+#[test]
+fn run_writes_metrics_summary_and_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let (ok, _, stderr) = dppo(&[
+        "run",
+        "--set",
+        "warmup.steps=3",
+        "--set",
+        "steps=3",
+        "--set",
+        "data.num_train=64",
+        "--set",
+        "data.num_eval=8",
+        "--set",
+        "rollout.prompts_per_step=4",
+        "--set",
+        "eval.every=2",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    let lines: Vec<Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3);
+    for (i, line) in lines.iter().enumerate() {
+        assert_eq!(line["step"], i + 1);
+        for key in [
+            "reward/mean",
+            "prune/prompts_kept",
+            "prune/completions_kept",
+            "pack/density",
+            "timing_s/gen",
+            "timing_s/train",
+            "timing_s/step",
+            "actor/lr",
+            "perf/gen_tokens_per_s",
+        ] {
+            assert!(line[key].is_number(), "{key} missing in {line}");
+        }
+        // One publication per warm-up step and per RL step, in order.
+        assert_eq!(line["policy_version"], 3 + i + 1);
+    }
+    assert!(lines[1]["eval/acc"].is_number());
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    for key in ["eval_before", "eval_after"] {
+        let acc = summary[key].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&acc));
+    }
+    assert_eq!(summary["algorithm"], "dppo");
+    let config = std::fs::read_to_string(out.join("config.toml")).unwrap();
+    assert!(config.contains("prompts_per_step = 4"));
+}
+
+#[test]
+fn run_rejects_bad_configs_naming_the_key() {
+    let (ok, _, stderr) = dppo(&["run", "--set", "dppo.r_o=1"]);
+    assert!(!ok && stderr.contains("dppo.r_o"), "{stderr}");
+    let (ok, _, stderr) = dppo(&["run", "--set", "rollout.nn=3"]);
+    assert!(!ok && stderr.contains("unknown field `nn`"), "{stderr}");
+}
