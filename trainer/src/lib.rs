@@ -32,6 +32,8 @@ pub enum TrainError {
     Thread(String),
     #[error(transparent)]
     Engine(#[from] dppo_engine::EngineError),
+    #[error(transparent)]
+    Sync(#[from] dppo_sync::SyncError),
     #[error("rollout came from policy version {got}, the step expected {expected}")]
     Version { expected: u64, got: u64 },
 }

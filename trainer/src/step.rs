@@ -5,9 +5,10 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use candle_core::Device;
+use candle_core::{DType, Device};
 use dppo_engine::{Engine, EngineConfig, GenerateRequest, SamplingParams};
 use dppo_model::{ChatMessage, Policy, TextTokenizer};
+use dppo_sync::PolicyStore;
 use rand::{rngs::StdRng, seq::SliceRandom, SeedableRng};
 use serde_json::{json, Map, Value};
 
@@ -39,6 +40,7 @@ pub struct Trainer {
     rng: StdRng,
     order: Vec<usize>,
     cursor: usize,
+    store: PolicyStore,
     pub step: u64,
     pub policy_version: u64,
 }
@@ -86,6 +88,7 @@ impl Trainer {
             ..EngineConfig::default()
         };
         let engine = Engine::new(policy, engine_cfg, Device::Cpu)?;
+        let store = PolicyStore::new(&policy.weights, Device::Cpu, DType::F32)?;
         let mut rng = StdRng::seed_from_u64(cfg.seed);
         let mut order: Vec<usize> = (0..train.len()).collect();
         order.shuffle(&mut rng);
@@ -101,6 +104,7 @@ impl Trainer {
             rng,
             order,
             cursor: 0,
+            store,
             step: 0,
             policy_version: 0,
             cfg,
@@ -360,11 +364,14 @@ impl Trainer {
         Ok((groups, gen_tokens))
     }
 
-    /// Publishes the learner's weights to the engine as the next policy version.
+    /// Publishes the learner's weights as the next policy version and hands them to the
+    /// engine, which swaps them in before its next iteration. Zero-copy on CPU f32: the
+    /// loop is synchronous, so the optimizer never writes while the engine reads.
     fn publish(&mut self) -> Result<(), TrainError> {
-        self.policy_version += 1;
+        self.policy_version = self.store.publish(&self.learner.weights()?)?;
+        let published = self.store.latest();
         self.engine
-            .swap_weights(&self.learner.weights()?, self.policy_version)?;
+            .swap_weights(&published.weights, published.version)?;
         Ok(())
     }
 }
