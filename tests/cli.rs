@@ -159,4 +159,11 @@ fn run_rejects_bad_configs_naming_the_key() {
     assert!(!ok && stderr.contains("dppo.r_o"), "{stderr}");
     let (ok, _, stderr) = dppo(&["run", "--set", "rollout.nn=3"]);
     assert!(!ok && stderr.contains("unknown field `nn`"), "{stderr}");
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run").to_str().unwrap().to_string();
+    let (ok, _, stderr) = dppo(&["run", "--set", "pack.tokens=16", "--out", &out]);
+    assert!(
+        !ok && stderr.contains("pack.tokens = 16 is smaller than the longest prompt"),
+        "{stderr}"
+    );
 }

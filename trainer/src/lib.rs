@@ -34,6 +34,8 @@ pub enum TrainError {
     Engine(#[from] dppo_engine::EngineError),
     #[error(transparent)]
     Sync(#[from] dppo_sync::SyncError),
+    #[error("invalid config: {0}")]
+    Config(String),
     #[error("rollout came from policy version {got}, the step expected {expected}")]
     Version { expected: u64, got: u64 },
 }

@@ -90,6 +90,7 @@ impl Trainer {
         let engine = Engine::new(policy, engine_cfg, Device::Cpu)?;
         let store = PolicyStore::new(&policy.weights, Device::Cpu, DType::F32)?;
         let mut rng = StdRng::seed_from_u64(cfg.seed);
+        check_pack_tokens(&cfg, &policy.tokenizer, train.iter().chain(&eval))?;
         let mut order: Vec<usize> = (0..train.len()).collect();
         order.shuffle(&mut rng);
         Ok(Self {
@@ -374,4 +375,31 @@ impl Trainer {
             .swap_weights(&published.weights, published.version)?;
         Ok(())
     }
+}
+
+/// Start-up check: every prompt plus `max_response_len` must fit one packed buffer.
+fn check_pack_tokens<'a>(
+    cfg: &RunConfig,
+    tokenizer: &TextTokenizer,
+    problems: impl Iterator<Item = &'a Problem>,
+) -> Result<(), TrainError> {
+    let mut longest = 0;
+    for p in problems {
+        let text = match tokenizer.chat_template() {
+            Some(_) => {
+                tokenizer.apply_chat_template(&[ChatMessage::new("user", &p.question)], true)?
+            }
+            None => p.question.clone(),
+        };
+        longest = longest.max(tokenizer.encode(&text, true)?.len());
+    }
+    let needed = longest + cfg.rollout.max_response_len;
+    if needed > cfg.pack.tokens {
+        return Err(TrainError::Config(format!(
+            "pack.tokens = {} is smaller than the longest prompt ({longest} tokens) plus \
+             rollout.max_response_len ({}); set pack.tokens >= {needed}",
+            cfg.pack.tokens, cfg.rollout.max_response_len
+        )));
+    }
+    Ok(())
 }
