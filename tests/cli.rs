@@ -167,3 +167,80 @@ fn run_rejects_bad_configs_naming_the_key() {
         "{stderr}"
     );
 }
+
+/// Small, fast run settings for the binary.
+const SMALL: [&str; 12] = [
+    "--set",
+    "warmup.steps=2",
+    "--set",
+    "data.num_train=64",
+    "--set",
+    "data.num_eval=8",
+    "--set",
+    "rollout.prompts_per_step=4",
+    "--set",
+    "checkpoint.every=2",
+    "--set",
+    "checkpoint.keep=5",
+];
+
+#[test]
+fn resumed_run_ends_with_the_weights_of_an_uninterrupted_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    let run = |out: &std::path::Path, extra: &[&str]| {
+        let mut args = vec!["run", "--out", out.to_str().unwrap()];
+        args.extend_from_slice(&SMALL);
+        args.extend_from_slice(extra);
+        let (ok, _, stderr) = dppo(&args);
+        assert!(ok, "{stderr}");
+    };
+    // The KL term moves the weights every step, whatever the rewards of this barely trained
+    // model (its reference is the policy after warm-up, which two steps leave behind).
+    run(&a, &["--set", "steps=4", "--set", "actor.beta=0.1"]);
+    // Stopped after step 2, then resumed to step 4.
+    run(&b, &["--set", "steps=2", "--set", "actor.beta=0.1"]);
+    let ckpt = b.join("checkpoints/step-000002");
+    run(
+        &b,
+        &["--resume", ckpt.to_str().unwrap(), "--set", "steps=4"],
+    );
+    let weights = |run: &std::path::Path, step: &str| {
+        std::fs::read(run.join(format!(
+            "checkpoints/step-00000{step}/model/model.safetensors"
+        )))
+        .unwrap()
+    };
+    assert!(
+        weights(&a, "2") != weights(&a, "4"),
+        "RL steps must change the weights"
+    );
+    for file in ["model/model.safetensors", "optimizer.safetensors"] {
+        let x = std::fs::read(a.join("checkpoints/step-000004").join(file)).unwrap();
+        let y = std::fs::read(b.join("checkpoints/step-000004").join(file)).unwrap();
+        assert!(
+            x == y,
+            "{file} differs between the uninterrupted and the resumed run"
+        );
+    }
+    let lines = std::fs::read_to_string(b.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .count();
+    assert_eq!(lines, 4, "the resumed run appends to metrics.jsonl");
+    // The checkpoint's model loads like any HF directory.
+    let (ok, stdout, stderr) = dppo(&[
+        "generate",
+        "--model",
+        b.join("checkpoints/step-000004/model").to_str().unwrap(),
+        "--prompt",
+        "What is 12+34?",
+        "--chat",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "4",
+        "--json",
+    ]);
+    assert!(ok && stdout.contains("token_ids"), "{stderr}");
+}

@@ -534,12 +534,13 @@ fn kl_reference_is_the_frozen_initial_policy() {
         assert_close!(crate::util::flat(g), crate::util::flat(&b[name]), 1e-6);
     }
     // After steps the policy moves, the reference does not, and the KL term is positive.
-    let reference_before = logprobs_of(with_kl.reference.as_ref().unwrap(), &[1, 2], &[3, 4]);
+    let reference_before =
+        logprobs_of(&with_kl.reference.as_ref().unwrap().model, &[1, 2], &[3, 4]);
     for _ in 0..3 {
         with_kl.step(&tb).unwrap();
     }
     assert_eq!(
-        logprobs_of(with_kl.reference.as_ref().unwrap(), &[1, 2], &[3, 4]),
+        logprobs_of(&with_kl.reference.as_ref().unwrap().model, &[1, 2], &[3, 4]),
         reference_before
     );
     let mut without = learner(LossAgg::TokenMean, 64);

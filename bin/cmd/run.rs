@@ -10,6 +10,7 @@ use anyhow::Context;
 use candle_core::Device;
 use dppo_model::weights::write_atomic;
 use dppo_model::Policy;
+use dppo_trainer::checkpoint;
 use dppo_trainer::config::RunConfig;
 use dppo_trainer::data::{builtin_task, load_jsonl, Fields};
 use dppo_trainer::step::Trainer;
@@ -28,50 +29,56 @@ pub struct Args {
     /// Run directory.
     #[arg(long, default_value = "runs/default")]
     out: PathBuf,
+    /// Continue from a checkpoint (`<run>/checkpoints/step-NNNNNN`); its config is used,
+    /// with `--set` overrides (e.g. more `steps`).
+    #[arg(long)]
+    resume: Option<PathBuf>,
 }
 
 /// Trains and writes the run directory.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let cfg = match &args.config {
-        Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading --config {}", path.display()))?;
-            RunConfig::from_toml(&text, &path.display().to_string(), &args.sets)?
-        }
-        None => RunConfig::default_with(&args.sets)?,
+    let cfg = match (&args.resume, &args.config) {
+        (Some(ckpt), _) => read_config(&ckpt.join(checkpoint::CONFIG), &args.sets)?,
+        (None, Some(path)) => read_config(path, &args.sets)?,
+        (None, None) => RunConfig::default_with(&args.sets)?,
     };
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating the run directory {}", args.out.display()))?;
     write_atomic(&args.out.join("config.toml"), cfg.to_toml().as_bytes())?;
-    let policy = Policy::load(&cfg.model, &Device::Cpu)
-        .with_context(|| format!("loading model {}", cfg.model))?;
+    let model = match &args.resume {
+        Some(ckpt) => ckpt.join(checkpoint::MODEL_DIR).display().to_string(),
+        None => cfg.model.clone(),
+    };
+    let policy =
+        Policy::load(&model, &Device::Cpu).with_context(|| format!("loading model {model}"))?;
     let (train, eval) = load_data(&cfg)?;
     let started = Instant::now();
     let mut trainer = Trainer::new(cfg.clone(), &policy, train, eval)?;
-
-    let bar = |len: u64, what: &str| {
-        let pb = ProgressBar::new(len);
-        pb.set_style(
-            ProgressStyle::with_template(&format!("{what} {{bar:30}} {{pos}}/{{len}} {{msg}}"))
-                .expect("valid template"),
-        );
-        pb
+    let eval_before = match &args.resume {
+        Some(ckpt) => match trainer.restore(ckpt)?.eval_before {
+            Some(acc) => acc,
+            None => trainer.evaluate()?,
+        },
+        None => {
+            warm_up(&mut trainer, cfg.warmup.steps)?;
+            trainer.finish_warmup()?;
+            trainer.evaluate()?
+        }
     };
-    let warm = bar(cfg.warmup.steps, "warm-up");
-    for _ in 0..cfg.warmup.steps {
-        let loss = trainer.warmup_step()?;
-        warm.set_message(format!("nll {loss:.3}"));
-        warm.inc(1);
-    }
-    warm.finish();
-    let eval_before = trainer.evaluate()?;
-    tracing::info!(eval_before, "held-out accuracy after warm-up");
+    tracing::info!(eval_before, "held-out accuracy before RL");
 
     let metrics_path = args.out.join("metrics.jsonl");
-    let mut metrics = std::fs::File::create(&metrics_path)
-        .with_context(|| format!("creating {}", metrics_path.display()))?;
+    let mut metrics = std::fs::OpenOptions::new()
+        .create(true)
+        .append(args.resume.is_some())
+        .write(true)
+        .truncate(args.resume.is_none())
+        .open(&metrics_path)
+        .with_context(|| format!("opening {}", metrics_path.display()))?;
     let pb = bar(cfg.steps, &format!("{:?}", cfg.algorithm).to_lowercase());
-    for _ in 0..cfg.steps {
+    pb.set_position(trainer.step);
+    let checkpoints = args.out.join("checkpoints");
+    while trainer.step < cfg.steps {
         let mut line = trainer.step()?;
         if cfg.eval.every > 0 && trainer.step % cfg.eval.every == 0 {
             line.insert("eval/acc".into(), json!(trainer.evaluate()?));
@@ -87,6 +94,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             get("timing_s/step")
         ));
         pb.inc(1);
+        let every = cfg.checkpoint.every;
+        if (every > 0 && trainer.step % every == 0) || trainer.step == cfg.steps {
+            trainer.save_checkpoint(&checkpoints, cfg.checkpoint.keep, Some(eval_before))?;
+        }
     }
     pb.finish();
     let eval_after = trainer.evaluate()?;
@@ -110,6 +121,37 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         100.0 * eval_after
     );
     println!("run directory: {}", args.out.display());
+    Ok(())
+}
+
+fn read_config(path: &std::path::Path, sets: &[String]) -> anyhow::Result<RunConfig> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading config {}", path.display()))?;
+    Ok(RunConfig::from_toml(
+        &text,
+        &path.display().to_string(),
+        sets,
+    )?)
+}
+
+fn bar(len: u64, what: &str) -> ProgressBar {
+    let pb = ProgressBar::new(len);
+    pb.set_style(
+        ProgressStyle::with_template(&format!("{what} {{bar:30}} {{pos}}/{{len}} {{msg}}"))
+            .expect("valid template"),
+    );
+    pb
+}
+
+/// Supervised warm-up on demonstrations.
+fn warm_up(trainer: &mut Trainer, steps: u64) -> anyhow::Result<()> {
+    let warm = bar(steps, "warm-up");
+    for _ in 0..steps {
+        let loss = trainer.warmup_step()?;
+        warm.set_message(format!("nll {loss:.3}"));
+        warm.inc(1);
+    }
+    warm.finish();
     Ok(())
 }
 

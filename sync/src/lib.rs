@@ -58,6 +58,13 @@ impl PolicyStore {
         Ok(latest.version)
     }
 
+    /// Sets the newest version to `weights` as `version` (resuming from a checkpoint).
+    pub fn restore(&self, weights: &Weights, version: u64) -> Result<(), SyncError> {
+        let weights = transfer(weights, &self.device, self.dtype)?;
+        *self.latest.lock() = Published { version, weights };
+        Ok(())
+    }
+
     /// The newest version.
     pub fn latest(&self) -> Published {
         self.latest.lock().clone()

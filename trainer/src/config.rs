@@ -38,6 +38,24 @@ pub struct RunConfig {
     pub dppo: DppoConfig,
     pub pack: PackConfig,
     pub eval: EvalConfig,
+    #[serde(default)]
+    pub checkpoint: CheckpointConfig,
+}
+
+/// `[checkpoint]`
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointConfig {
+    /// Save every this many RL steps (0: only at the end).
+    pub every: u64,
+    /// Checkpoints kept (the newest).
+    pub keep: usize,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        Self { every: 50, keep: 2 }
+    }
 }
 
 /// `[data]`

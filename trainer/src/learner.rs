@@ -40,6 +40,20 @@ pub struct StepMetrics {
     pub train_tokens_per_s: f64,
 }
 
+/// A frozen policy for the KL term: its own copy of the weights and the model over them.
+pub struct Reference {
+    pub weights: Weights,
+    pub model: CausalLm,
+}
+
+impl Reference {
+    fn new(config: &ModelConfig, weights: &Weights) -> Result<Self, TrainError> {
+        let weights = weights.deep_copy()?;
+        let model = CausalLm::new(config, &weights)?;
+        Ok(Self { weights, model })
+    }
+}
+
 /// Stack for the backward pass: candle's graph walk recurses once per op.
 const BACKWARD_STACK: usize = 512 << 20;
 
@@ -49,7 +63,7 @@ pub struct Learner {
     pub cfg: LearnerConfig,
     pub vars: BTreeMap<String, Var>,
     pub model: CausalLm,
-    pub reference: Option<CausalLm>,
+    pub reference: Option<Reference>,
     pub optimizer: AdamW,
 }
 
@@ -63,7 +77,7 @@ impl Learner {
         let (vars, trainable) = weights.to_vars()?;
         let model = CausalLm::new(config, &trainable)?;
         let reference = if cfg.loss.beta > 0.0 {
-            Some(CausalLm::new(config, &weights.deep_copy()?)?)
+            Some(Reference::new(config, weights)?)
         } else {
             None
         };
@@ -74,6 +88,15 @@ impl Learner {
             reference,
             optimizer: AdamW::new(cfg.adamw),
         })
+    }
+
+    /// Makes `weights` the KL reference (e.g. the policy after supervised warm-up, or the
+    /// reference saved in a checkpoint). No-op when the KL term is off.
+    pub fn set_reference(&mut self, weights: &Weights) -> Result<(), TrainError> {
+        if self.reference.is_some() {
+            self.reference = Some(Reference::new(self.model.config(), weights)?);
+        }
+        Ok(())
     }
 
     /// The current weights (sharing the vars' storage: read them between steps only).
@@ -120,7 +143,7 @@ impl Learner {
             let seqs: Vec<&TrainSeq> = buffer.iter().map(|&i| &batch.seqs[i]).collect();
             let out = buffer_loss(
                 &self.model,
-                self.reference.as_ref(),
+                self.reference.as_ref().map(|r| &r.model),
                 &seqs,
                 &self.cfg.loss,
                 &batch.norm,

@@ -3,6 +3,7 @@
 //! learner that turns packed buffers into one optimizer step.
 
 pub mod advantages;
+pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod learner;

@@ -35,11 +35,12 @@ pub struct Trainer {
     eos: Vec<u32>,
     train: Vec<Problem>,
     eval: Vec<Problem>,
-    history: PromptHistory,
-    greso: Greso,
-    rng: StdRng,
-    order: Vec<usize>,
-    cursor: usize,
+    pub(crate) history: PromptHistory,
+    pub(crate) greso: Greso,
+    /// Training problems drawn so far (the data position; epochs reshuffle by seed).
+    pub(crate) drawn: u64,
+    /// The shuffled order of the current epoch: (epoch, order).
+    epoch_order: (u64, Vec<usize>),
     store: PolicyStore,
     pub step: u64,
     pub policy_version: u64,
@@ -89,10 +90,8 @@ impl Trainer {
         };
         let engine = Engine::new(policy, engine_cfg, Device::Cpu)?;
         let store = PolicyStore::new(&policy.weights, Device::Cpu, DType::F32)?;
-        let mut rng = StdRng::seed_from_u64(cfg.seed);
         check_pack_tokens(&cfg, &policy.tokenizer, train.iter().chain(&eval))?;
-        let mut order: Vec<usize> = (0..train.len()).collect();
-        order.shuffle(&mut rng);
+        let epoch_order = (0, epoch_order(cfg.seed, 0, train.len()));
         Ok(Self {
             history: PromptHistory::new(cfg.dppo.history_decay),
             greso: Greso::default(),
@@ -102,9 +101,8 @@ impl Trainer {
             eos: policy.eos_token_ids().to_vec(),
             train,
             eval,
-            rng,
-            order,
-            cursor: 0,
+            drawn: 0,
+            epoch_order,
             store,
             step: 0,
             policy_version: 0,
@@ -150,6 +148,12 @@ impl Trainer {
         let loss = self.learner.sft_step(&seqs, self.cfg.warmup.lr)?;
         self.publish()?;
         Ok(loss)
+    }
+
+    /// Ends the supervised warm-up: the KL term (if on) is measured against this policy.
+    pub fn finish_warmup(&mut self) -> Result<(), TrainError> {
+        let weights = self.learner.weights()?;
+        self.learner.set_reference(&weights)
     }
 
     /// Greedy accuracy on the held-out problems.
@@ -201,7 +205,7 @@ impl Trainer {
             &level,
             self.cfg.dppo.scope,
             self.cfg.actor.beta,
-            &mut self.rng,
+            &mut self.phase_rng(2),
         );
         let batch = build_train_batch(
             &groups,
@@ -264,18 +268,26 @@ impl Trainer {
         Ok(line)
     }
 
-    /// The next `count` training problems (reshuffled each epoch).
+    /// The next `count` training problems (each epoch in its own seeded order).
     fn next_problems(&mut self, count: usize) -> Vec<usize> {
+        let n = self.train.len() as u64;
         (0..count)
             .map(|_| {
-                if self.cursor == self.order.len() {
-                    self.order.shuffle(&mut self.rng);
-                    self.cursor = 0;
+                let epoch = self.drawn / n;
+                if self.epoch_order.0 != epoch {
+                    self.epoch_order = (epoch, epoch_order(self.cfg.seed, epoch, self.train.len()));
                 }
-                self.cursor += 1;
-                self.order[self.cursor - 1]
+                let i = self.epoch_order.1[(self.drawn % n) as usize];
+                self.drawn += 1;
+                i
             })
             .collect()
+    }
+
+    /// The random stream of one phase of the current step: a function of (seed, step,
+    /// phase) only, so that a resumed run draws exactly what the uninterrupted run drew.
+    fn phase_rng(&self, phase: u64) -> StdRng {
+        StdRng::seed_from_u64(mix(self.cfg.seed, self.step, phase))
     }
 
     fn draw_and_prune_prompts(&mut self) -> Drawn {
@@ -292,10 +304,10 @@ impl Trainer {
         let problems = self.next_problems(count);
         let ids: Vec<u64> = problems.iter().map(|&i| self.train[i].prompt_id).collect();
         let w_q = match self.cfg.algorithm {
-            Algorithm::Dppo => self.history.select(&ids, &level, &mut self.rng),
+            Algorithm::Dppo => self.history.select(&ids, &level, &mut self.phase_rng(1)),
             Algorithm::Greso => self
                 .greso
-                .select(&ids, &mut self.rng)
+                .select(&ids, &mut self.phase_rng(1))
                 .into_iter()
                 .map(|keep| keep.then_some(1.0))
                 .collect(),
@@ -321,7 +333,7 @@ impl Trainer {
                 sampling: SamplingParams {
                     temperature: self.cfg.rollout.temperature,
                     top_p: self.cfg.rollout.top_p,
-                    seed: Some(self.cfg.seed ^ (self.step << 20) ^ k as u64),
+                    seed: Some(mix(self.cfg.seed, self.step, 1000 + k as u64)),
                     ..SamplingParams::default()
                 },
                 ..GenerateRequest::new(
@@ -365,6 +377,21 @@ impl Trainer {
         Ok((groups, gen_tokens))
     }
 
+    /// The tokenizer of the policy being trained.
+    pub fn tokenizer(&self) -> &TextTokenizer {
+        &self.tokenizer
+    }
+
+    /// After a restore: the learner's weights become policy `version` in the store and the
+    /// engine, so that the next rollout is checked against the right version.
+    pub(crate) fn resume_version(&mut self, version: u64) -> Result<(), TrainError> {
+        let weights = self.learner.weights()?;
+        self.store.restore(&weights, version)?;
+        self.policy_version = version;
+        self.engine.swap_weights(&weights, version)?;
+        Ok(())
+    }
+
     /// Publishes the learner's weights as the next policy version and hands them to the
     /// engine, which swaps them in before its next iteration. Zero-copy on CPU f32: the
     /// loop is synchronous, so the optimizer never writes while the engine reads.
@@ -402,4 +429,22 @@ fn check_pack_tokens<'a>(
         )));
     }
     Ok(())
+}
+
+/// The order of epoch `epoch` of `n` problems.
+fn epoch_order(seed: u64, epoch: u64, n: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    order.shuffle(&mut StdRng::seed_from_u64(mix(seed, epoch, u64::MAX)));
+    order
+}
+
+/// A well-spread 64-bit seed from three numbers (splitmix64 rounds).
+fn mix(a: u64, b: u64, c: u64) -> u64 {
+    let round = |mut z: u64| {
+        z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    round(round(round(a) ^ b) ^ c)
 }
