@@ -60,12 +60,17 @@ pub struct EngineStats {
     pub policy_version: u64,
 }
 
+/// A request on its way to the worker.
+struct Submission {
+    request_id: RequestId,
+    req: GenerateRequest,
+    events: Sender<Event>,
+}
+
 enum Command {
-    Submit {
-        request_id: RequestId,
-        req: GenerateRequest,
-        events: Sender<Event>,
-    },
+    /// Requests admitted together, before the worker's next iteration: a batch's
+    /// composition then never depends on thread timing (reproducible rollouts).
+    Submit(Vec<Submission>),
     Cancel(RequestId),
     Swap {
         model: Box<CausalLm>,
@@ -168,24 +173,39 @@ impl Engine {
 
     /// Validates and queues a request; tokens stream back on the handle.
     pub fn submit(&self, req: GenerateRequest) -> Result<RequestHandle, EngineError> {
-        self.check(&req)?;
-        let request_id = self.next_request_id.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = mpsc::channel();
-        let n = req.n;
+        Ok(self.submit_all(vec![req])?.remove(0))
+    }
+
+    /// Validates every request, then queues them as one batch.
+    pub fn submit_all(
+        &self,
+        reqs: Vec<GenerateRequest>,
+    ) -> Result<Vec<RequestHandle>, EngineError> {
+        for req in &reqs {
+            self.check(req)?;
+        }
         let commands = self.commands.lock().clone();
-        commands
-            .send(Command::Submit {
+        let mut batch = Vec::with_capacity(reqs.len());
+        let mut handles = Vec::with_capacity(reqs.len());
+        for req in reqs {
+            let request_id = self.next_request_id.fetch_add(1, Ordering::Relaxed);
+            let (tx, rx) = mpsc::channel();
+            handles.push(RequestHandle {
+                request_id,
+                n: req.n,
+                events: rx,
+                commands: commands.clone(),
+            });
+            batch.push(Submission {
                 request_id,
                 req,
                 events: tx,
-            })
+            });
+        }
+        commands
+            .send(Command::Submit(batch))
             .map_err(|_| EngineError::Closed)?;
-        Ok(RequestHandle {
-            request_id,
-            n,
-            events: rx,
-            commands,
-        })
+        Ok(handles)
     }
 
     /// Runs a whole batch (e.g. a rollout step) and returns each request's completions.
@@ -193,10 +213,7 @@ impl Engine {
         &self,
         reqs: Vec<GenerateRequest>,
     ) -> Result<Vec<Vec<Completion>>, EngineError> {
-        let handles = reqs
-            .into_iter()
-            .map(|r| self.submit(r))
-            .collect::<Result<Vec<_>, _>>()?;
+        let handles = self.submit_all(reqs)?;
         Ok(handles.into_iter().map(RequestHandle::wait).collect())
     }
 
@@ -327,11 +344,11 @@ impl Worker {
 
     fn apply(&mut self, cmd: Command) {
         match cmd {
-            Command::Submit {
-                request_id,
-                req,
-                events,
-            } => self.admit(request_id, req, events),
+            Command::Submit(batch) => {
+                for s in batch {
+                    self.admit(s.request_id, s.req, s.events);
+                }
+            }
             Command::Cancel(request_id) => self.cancel(request_id),
             Command::Swap { model, version } => {
                 self.runner.set_model(*model);
