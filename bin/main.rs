@@ -16,6 +16,8 @@ struct Cli {
 enum Command {
     /// Train a policy with DPPO (or a baseline) on the built-in default or a config.
     Run(cmd::run::Args),
+    /// Evaluate a model on a held-out set (avg@n, pass@k).
+    Eval(cmd::eval::Args),
     /// Complete a prompt with the paged engine.
     Generate(cmd::generate::Args),
     /// Benchmarks (rollout throughput against a naive baseline).
@@ -35,6 +37,7 @@ fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(args) => cmd::run::run(args),
+        Command::Eval(args) => cmd::eval::run(args),
         Command::Generate(args) => cmd::generate::run(args),
         Command::Bench(bench) => cmd::bench::run(bench),
         Command::Convert(args) => cmd::convert::run(args),

@@ -243,4 +243,32 @@ fn resumed_run_ends_with_the_weights_of_an_uninterrupted_run() {
         "--json",
     ]);
     assert!(ok && stdout.contains("token_ids"), "{stderr}");
+    // ... and `dppo eval` scores it on the run's held-out split.
+    let (ok, stdout, stderr) = dppo(&[
+        "eval",
+        "--model",
+        b.join("checkpoints/step-000004/model").to_str().unwrap(),
+        "--data",
+        "builtin:arithmetic",
+        "--limit",
+        "8",
+        "--n",
+        "2",
+        "--k",
+        "2",
+        "--temperature",
+        "1",
+        "--max-tokens",
+        "8",
+    ]);
+    assert!(ok, "{stderr}");
+    let report: Value = serde_json::from_str(stdout.trim()).unwrap();
+    let (avg, pass) = (
+        report["avg@2"].as_f64().unwrap(),
+        report["pass@2"].as_f64().unwrap(),
+    );
+    assert!(
+        (0.0..=1.0).contains(&avg) && pass >= avg && pass <= 1.0,
+        "{report}"
+    );
 }

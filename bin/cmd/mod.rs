@@ -2,5 +2,6 @@
 
 pub mod bench;
 pub mod convert;
+pub mod eval;
 pub mod generate;
 pub mod run;

@@ -5,6 +5,8 @@ use std::path::Path;
 
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
+use dppo_model::{ChatMessage, TextTokenizer};
+
 use crate::rewards::{parse_gold, Answer};
 
 /// One prompt with its gold answer.
@@ -42,6 +44,22 @@ pub enum DataError {
 pub struct Fields {
     pub question: String,
     pub answer: String,
+}
+
+/// Token ids of a question as the model is prompted: chat-formatted (user turn, generation
+/// prompt) when the tokenizer has a chat template, plain text with special tokens otherwise.
+pub fn prompt_ids(
+    tokenizer: &TextTokenizer,
+    question: &str,
+) -> Result<Vec<u32>, dppo_model::ModelError> {
+    match tokenizer.chat_template() {
+        Some(_) => {
+            let text =
+                tokenizer.apply_chat_template(&[ChatMessage::new("user", question)], true)?;
+            tokenizer.encode(&text, false)
+        }
+        None => tokenizer.encode(question, true),
+    }
 }
 
 /// Reads a JSONL file; every line must be an object with both fields and a parseable answer.

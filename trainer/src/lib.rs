@@ -6,6 +6,7 @@ pub mod advantages;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod eval;
 pub mod learner;
 pub mod loss;
 pub mod optim;

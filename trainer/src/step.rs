@@ -7,14 +7,15 @@ use std::time::Instant;
 
 use candle_core::{DType, Device};
 use dppo_engine::{Engine, EngineConfig, GenerateRequest, SamplingParams};
-use dppo_model::{ChatMessage, Policy, TextTokenizer};
+use dppo_model::{Policy, TextTokenizer};
 use dppo_sync::PolicyStore;
 use rand::{rngs::StdRng, seq::SliceRandom, SeedableRng};
 use serde_json::{json, Map, Value};
 
 use crate::advantages::compute_advantages;
 use crate::config::RunConfig;
-use crate::data::Problem;
+use crate::data::{prompt_ids, Problem};
+use crate::eval::{evaluate, EvalSpec};
 use crate::learner::{Learner, LearnerConfig};
 use crate::loss::{LossConfig, TrainSeq};
 use crate::optim::{AdamWConfig, LrSchedule};
@@ -112,15 +113,7 @@ impl Trainer {
 
     /// Prompt ids of a problem, chat-formatted when the model has a template.
     fn prompt_ids(&self, p: &Problem) -> Result<Vec<u32>, TrainError> {
-        Ok(match self.tokenizer.chat_template() {
-            Some(_) => {
-                let text = self
-                    .tokenizer
-                    .apply_chat_template(&[ChatMessage::new("user", &p.question)], true)?;
-                self.tokenizer.encode(&text, false)?
-            }
-            None => self.tokenizer.encode(&p.question, true)?,
-        })
+        Ok(prompt_ids(&self.tokenizer, &p.question)?)
     }
 
     /// One supervised warm-up step on a batch of demonstrations; returns the mean NLL.
@@ -158,22 +151,16 @@ impl Trainer {
 
     /// Greedy accuracy on the held-out problems.
     pub fn evaluate(&self) -> Result<f64, TrainError> {
-        let reqs = self
-            .eval
-            .iter()
-            .map(|p| {
-                let mut r =
-                    GenerateRequest::new(self.prompt_ids(p)?, 1, self.cfg.rollout.max_response_len);
-                r.sampling.temperature = 0.0;
-                Ok(r)
-            })
-            .collect::<Result<Vec<_>, TrainError>>()?;
-        let outs = self.engine.generate(reqs)?;
-        let mut correct = 0.0;
-        for (p, out) in self.eval.iter().zip(outs) {
-            correct += score(&self.tokenizer.decode(&out[0].token_ids, true)?, &p.answer);
-        }
-        Ok(correct / self.eval.len().max(1) as f64)
+        let spec = EvalSpec {
+            sampling: SamplingParams {
+                temperature: 0.0,
+                ..SamplingParams::default()
+            },
+            n: 1,
+            k: 1,
+            max_tokens: self.cfg.rollout.max_response_len,
+        };
+        Ok(evaluate(&self.engine, &self.tokenizer, &self.eval, &spec)?.avg)
     }
 
     /// One RL step; returns its metrics line.
@@ -412,13 +399,7 @@ fn check_pack_tokens<'a>(
 ) -> Result<(), TrainError> {
     let mut longest = 0;
     for p in problems {
-        let text = match tokenizer.chat_template() {
-            Some(_) => {
-                tokenizer.apply_chat_template(&[ChatMessage::new("user", &p.question)], true)?
-            }
-            None => p.question.clone(),
-        };
-        longest = longest.max(tokenizer.encode(&text, true)?.len());
+        longest = longest.max(prompt_ids(tokenizer, &p.question)?.len());
     }
     let needed = longest + cfg.rollout.max_response_len;
     if needed > cfg.pack.tokens {

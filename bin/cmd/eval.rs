@@ -1,0 +1,89 @@
+//! `dppo eval`: accuracy of a model on a held-out set: avg@n and unbiased pass@k, greedy or
+//! sampled, through the paged engine.
+
+use anyhow::Context;
+use candle_core::Device;
+use dppo_engine::{Engine, EngineConfig, SamplingParams};
+use dppo_model::Policy;
+use dppo_trainer::data::{builtin_task, load_jsonl, Fields};
+use dppo_trainer::eval::{evaluate, EvalSpec};
+use serde_json::json;
+
+/// Arguments of `dppo eval`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// `builtin:tiny`, an HF directory (a checkpoint's `model/`), or a `.gguf` file.
+    #[arg(long)]
+    model: String,
+    /// A JSONL file, or `builtin:arithmetic` (its held-out split).
+    #[arg(long)]
+    data: String,
+    #[arg(long, default_value = "question")]
+    question_field: String,
+    #[arg(long, default_value = "answer")]
+    answer_field: String,
+    /// Samples per problem (avg@n).
+    #[arg(long, default_value_t = 1)]
+    n: usize,
+    /// pass@k (at most n).
+    #[arg(long, default_value_t = 1)]
+    k: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// Evaluate only the first N problems.
+    #[arg(long)]
+    limit: Option<usize>,
+    /// Seed of a built-in task (must match the run's `seed` for its held-out split).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+/// Evaluates and prints one JSON object.
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let policy = Policy::load(&args.model, &Device::Cpu)
+        .with_context(|| format!("loading --model {}", args.model))?;
+    let mut problems = match args.data.strip_prefix("builtin:") {
+        Some(task) => builtin_task(task, 2000, 200, args.seed)?.1,
+        None => {
+            let fields = Fields {
+                question: args.question_field.clone(),
+                answer: args.answer_field.clone(),
+            };
+            load_jsonl(std::path::Path::new(&args.data), &fields)?
+        }
+    };
+    if let Some(limit) = args.limit {
+        problems.truncate(limit);
+    }
+    anyhow::ensure!(
+        args.n >= 1 && args.k >= 1 && args.k <= args.n,
+        "need 1 <= --k <= --n"
+    );
+    let engine = Engine::new(&policy, EngineConfig::default(), Device::Cpu)?;
+    let spec = EvalSpec {
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_p: args.top_p,
+            seed: Some(args.seed),
+            ..SamplingParams::default()
+        },
+        n: args.n,
+        k: args.k,
+        max_tokens: args.max_tokens,
+    };
+    let r = evaluate(&engine, &policy.tokenizer, &problems, &spec)?;
+    let report = json!({
+        "model": args.model,
+        "data": args.data,
+        "problems": problems.len(),
+        format!("avg@{}", r.n): r.avg,
+        format!("pass@{}", r.k): r.pass_at_k,
+    });
+    println!("{report}");
+    Ok(())
+}

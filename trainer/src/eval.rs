@@ -1,0 +1,110 @@
+//! Held-out evaluation through the engine: avg@n and unbiased pass@k (Chen et al. 2021).
+
+use dppo_engine::{Engine, GenerateRequest, SamplingParams};
+use dppo_model::TextTokenizer;
+
+use crate::data::{prompt_ids, Problem};
+use crate::rewards::score;
+use crate::TrainError;
+
+/// Accuracy figures of one evaluation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EvalResult {
+    /// Mean reward over all `n` samples of all problems (avg@n; accuracy when n = 1).
+    pub avg: f64,
+    /// Unbiased pass@k averaged over problems.
+    pub pass_at_k: f64,
+    pub k: usize,
+    pub n: usize,
+}
+
+/// `1 - C(n - c, k) / C(n, k)`: the probability that at least one of `k` samples drawn
+/// without replacement from `n` (of which `c` are correct) is correct.
+pub fn pass_at_k(n: usize, c: usize, k: usize) -> f64 {
+    if n - c < k {
+        return 1.0;
+    }
+    // Product form, stable for large n.
+    1.0 - ((n - c + 1)..=n)
+        .map(|i| 1.0 - k as f64 / i as f64)
+        .product::<f64>()
+}
+
+/// How to sample for an evaluation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EvalSpec {
+    pub sampling: SamplingParams,
+    /// Samples per problem.
+    pub n: usize,
+    /// The k of pass@k (at most n).
+    pub k: usize,
+    pub max_tokens: usize,
+}
+
+/// Generates `n` samples per problem and scores them.
+pub fn evaluate(
+    engine: &Engine,
+    tokenizer: &TextTokenizer,
+    problems: &[Problem],
+    spec: &EvalSpec,
+) -> Result<EvalResult, TrainError> {
+    let reqs = problems
+        .iter()
+        .map(|p| {
+            Ok(GenerateRequest {
+                sampling: spec.sampling.clone(),
+                ..GenerateRequest::new(prompt_ids(tokenizer, &p.question)?, spec.n, spec.max_tokens)
+            })
+        })
+        .collect::<Result<Vec<_>, TrainError>>()?;
+    let (n, k) = (spec.n, spec.k);
+    let outs = engine.generate(reqs)?;
+    let (mut total, mut pass) = (0.0, 0.0);
+    for (p, completions) in problems.iter().zip(outs) {
+        let mut correct = 0;
+        for c in completions {
+            let r = score(&tokenizer.decode(&c.token_ids, true)?, &p.answer);
+            total += r;
+            correct += usize::from(r >= 1.0);
+        }
+        pass += pass_at_k(n, correct, k.min(n));
+    }
+    let m = problems.len().max(1) as f64;
+    Ok(EvalResult {
+        avg: total / (m * n as f64),
+        pass_at_k: pass / m,
+        k: k.min(n),
+        n,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn binomial(n: u64, k: u64) -> f64 {
+        if k > n {
+            return 0.0;
+        }
+        (0..k).map(|i| (n - i) as f64 / (i + 1) as f64).product()
+    }
+
+    #[test]
+    fn pass_at_k_matches_the_combinatorial_definition() {
+        for n in 1..12usize {
+            for c in 0..=n {
+                for k in 1..=n {
+                    let want =
+                        1.0 - binomial((n - c) as u64, k as u64) / binomial(n as u64, k as u64);
+                    assert!(
+                        (pass_at_k(n, c, k) - want).abs() < 1e-12,
+                        "n={n} c={c} k={k}"
+                    );
+                }
+            }
+        }
+        assert_eq!(pass_at_k(10, 0, 1), 0.0);
+        assert_eq!(pass_at_k(10, 10, 1), 1.0);
+        assert!((pass_at_k(10, 3, 1) - 0.3).abs() < 1e-12);
+    }
+}
