@@ -15,3 +15,5 @@ mod engine;
 mod cli;
 // The learner: GRPO equivalence, unbiasedness, packing, progress.
 mod trainer;
+// The shipped configs.
+mod configs;

@@ -179,6 +179,7 @@ fn load_data(
         .eval
         .as_ref()
         .context("data.eval: a held-out JSONL file is required with a JSONL train set")?;
-    let eval = load_jsonl(std::path::Path::new(eval_path), &fields)?;
+    let mut eval = load_jsonl(std::path::Path::new(eval_path), &fields)?;
+    eval.truncate(cfg.data.num_eval);
     Ok((train, eval))
 }

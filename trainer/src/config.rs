@@ -71,7 +71,7 @@ pub struct DataConfig {
     pub question_field: String,
     #[serde(default = "default_answer")]
     pub answer_field: String,
-    /// Sizes of a built-in task's splits.
+    /// Sizes of a built-in task's splits; `num_eval` also caps a held-out file.
     #[serde(default = "default_num_train")]
     pub num_train: usize,
     #[serde(default = "default_num_eval")]
