@@ -149,6 +149,8 @@ fn run_writes_metrics_summary_and_config() {
         assert!((0.0..=1.0).contains(&acc));
     }
     assert_eq!(summary["algorithm"], "dppo");
+    let svg = std::fs::read_to_string(out.join("metrics.svg")).unwrap();
+    assert!(svg.contains("<polyline"));
     let config = std::fs::read_to_string(out.join("config.toml")).unwrap();
     assert!(config.contains("prompts_per_step = 4"));
 }

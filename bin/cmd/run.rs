@@ -101,6 +101,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     pb.finish();
     let eval_after = trainer.evaluate()?;
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&metrics_path)?
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    write_atomic(
+        &args.out.join("metrics.svg"),
+        dppo_trainer::plot::render(&lines).as_bytes(),
+    )?;
     let summary = json!({
         "algorithm": cfg.algorithm,
         "steps": cfg.steps,

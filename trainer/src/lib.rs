@@ -11,6 +11,7 @@ pub mod learner;
 pub mod loss;
 pub mod optim;
 pub mod pack;
+pub mod plot;
 pub mod prune;
 pub mod rewards;
 pub mod rollout;
