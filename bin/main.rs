@@ -20,6 +20,8 @@ enum Command {
     Eval(cmd::eval::Args),
     /// Complete a prompt with the paged engine.
     Generate(cmd::generate::Args),
+    /// Serve a model over the OpenAI API (completions, chat, streaming).
+    Serve(cmd::serve::Args),
     /// Benchmarks (rollout throughput against a naive baseline).
     #[command(subcommand)]
     Bench(cmd::bench::Bench),
@@ -39,6 +41,7 @@ fn main() {
         Command::Run(args) => cmd::run::run(args),
         Command::Eval(args) => cmd::eval::run(args),
         Command::Generate(args) => cmd::generate::run(args),
+        Command::Serve(args) => cmd::serve::run(args),
         Command::Bench(bench) => cmd::bench::run(bench),
         Command::Convert(args) => cmd::convert::run(args),
     };

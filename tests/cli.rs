@@ -274,3 +274,82 @@ fn resumed_run_ends_with_the_weights_of_an_uninterrupted_run() {
         "{report}"
     );
 }
+
+/// `dppo run --serve`: clients hammering the server while it trains see the policy versions
+/// advance, and the trained weights equal those of a run without a server.
+#[test]
+fn serving_during_training_leaves_the_trained_weights_unchanged() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    let extra = ["--set", "steps=4", "--set", "actor.beta=0.1"];
+    let mut args = vec!["run", "--out", a.to_str().unwrap()];
+    args.extend_from_slice(&SMALL);
+    args.extend_from_slice(&extra);
+    let (ok, _, stderr) = dppo(&args);
+    assert!(ok, "{stderr}");
+
+    let mut args = vec!["run", "--out", b.to_str().unwrap()];
+    args.extend_from_slice(&SMALL);
+    args.extend_from_slice(&extra);
+    args.extend_from_slice(&["--serve", "127.0.0.1:0", "--served-model-name", "live"]);
+    let mut child = crate::server::Child::start(&args);
+    let addr = child.addr;
+    let stop = Arc::new(AtomicBool::new(false));
+    let versions = Arc::new(Mutex::new(std::collections::BTreeSet::new()));
+    let clients: Vec<_> = (0..4)
+        .map(|i| {
+            let (stop, versions) = (stop.clone(), versions.clone());
+            std::thread::spawn(move || {
+                let mut answered = 0;
+                while !stop.load(Ordering::SeqCst) {
+                    let body = serde_json::json!({"model": "live", "prompt": "What is 12+34?",
+                        "n": 2, "max_tokens": 8, "stream": i % 2 == 0});
+                    let Ok(r) = crate::http::try_request(
+                        addr,
+                        "POST",
+                        "/v1/completions",
+                        Some(&body.to_string()),
+                    ) else {
+                        break; // the run ended and took the server with it
+                    };
+                    if r.status != 200 {
+                        // 503 while the server shuts down; anything else is a failure.
+                        assert_eq!(r.status, 503, "{}", r.body);
+                        break;
+                    }
+                    let chunks = if i % 2 == 0 {
+                        r.sse()
+                    } else {
+                        vec![r.body.clone()]
+                    };
+                    for c in chunks.iter().filter(|c| c.starts_with('{')) {
+                        // (A stream cut by the shutdown ends with an error object.)
+                        let v: Value = serde_json::from_str(c).unwrap();
+                        for version in v["policy_versions"].as_array().into_iter().flatten() {
+                            versions.lock().unwrap().insert(version.as_u64().unwrap());
+                        }
+                    }
+                    answered += 1;
+                }
+                answered
+            })
+        })
+        .collect();
+    child.wait_success(600);
+    stop.store(true, Ordering::SeqCst);
+    let answered: usize = clients.into_iter().map(|c| c.join().unwrap()).sum();
+    assert!(answered > 0, "no request was answered during training");
+    let seen = versions.lock().unwrap().clone();
+    assert!(
+        seen.len() >= 2,
+        "responses should span policy versions, saw {seen:?}"
+    );
+    for file in ["model/model.safetensors", "optimizer.safetensors"] {
+        let x = std::fs::read(a.join("checkpoints/step-000004").join(file)).unwrap();
+        let y = std::fs::read(b.join("checkpoints/step-000004").join(file)).unwrap();
+        assert!(x == y, "{file}: serving changed the trained weights");
+    }
+}

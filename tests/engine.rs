@@ -6,7 +6,9 @@ use std::sync::Arc;
 
 use candle_core::Device;
 use dppo_engine::naive::generate_naive;
-use dppo_engine::{Engine, EngineConfig, FinishReason, GenerateRequest, SamplingParams};
+use dppo_engine::{
+    Engine, EngineConfig, Event, FinishReason, GenerateRequest, Priority, SamplingParams,
+};
 use dppo_model::{Arch, Policy};
 
 use crate::util::{random_policy, small_config};
@@ -153,9 +155,9 @@ fn cancellation_frees_blocks_at_once() {
     let engine = Engine::new(&policy, config(4, 512), Device::Cpu).unwrap();
     let mut req = greedy(vec![1, 2, 3, 4, 5], 3, 100);
     req.max_tokens = 100;
-    let handle = engine.submit(req).unwrap();
-    let first = handle.events.recv().unwrap();
-    assert!(matches!(first, dppo_engine::Event::Token { .. }));
+    let mut handle = engine.submit(req).unwrap();
+    let first = handle.blocking_recv().unwrap();
+    assert!(matches!(first, Event::Token { .. }));
     handle.cancel();
     let completions = handle.wait();
     assert!(completions
@@ -165,6 +167,69 @@ fn cancellation_frees_blocks_at_once() {
     // The next request runs in a pool with every block back.
     let out = engine.generate(vec![greedy(vec![1, 2], 1, 3)]).unwrap();
     assert_eq!(out[0][0].token_ids.len(), 3);
+}
+
+#[test]
+fn dropping_a_handle_cancels_its_request() {
+    let policy = policy();
+    let engine = Engine::new(&policy, config(4, 512), Device::Cpu).unwrap();
+    let mut handle = engine.submit(greedy(vec![1, 2, 3], 2, 100)).unwrap();
+    handle.blocking_recv().unwrap();
+    assert!(engine.stats().blocks_used > 0);
+    drop(handle);
+    // The worker applies the cancellation before its next iteration; wait for it.
+    let start = std::time::Instant::now();
+    while engine.stats().blocks_used > 0 || engine.stats().num_running > 0 {
+        assert!(start.elapsed().as_secs() < 10, "blocks were not freed");
+        std::thread::yield_now();
+    }
+    let generated = engine.stats().num_generated_tokens;
+    assert!(
+        generated < 2 * 100,
+        "the request ran to the end: {generated}"
+    );
+}
+
+/// Rollouts (high priority, isolated) give bit-identical tokens and logprobs whether or
+/// not normal traffic shares the engine.
+#[test]
+fn isolated_high_priority_batches_ignore_other_traffic() {
+    let policy = policy();
+    let mut rollouts = workload(6, 4, policy.config.vocab_size);
+    for (i, r) in rollouts.iter_mut().enumerate() {
+        r.priority = Priority::High;
+        r.sampling = SamplingParams {
+            temperature: 1.0,
+            seed: Some(i as u64),
+            ..SamplingParams::default()
+        };
+    }
+    let cfg = EngineConfig {
+        isolate_high_priority: true,
+        ..config(16, 4096)
+    };
+    let alone = Engine::new(&policy, cfg, Device::Cpu)
+        .unwrap()
+        .generate(rollouts.clone())
+        .unwrap();
+    let engine = Engine::new(&policy, cfg, Device::Cpu).unwrap();
+    let traffic: Vec<_> = workload(8, 2, policy.config.vocab_size)
+        .into_iter()
+        .map(|r| {
+            engine
+                .submit(GenerateRequest {
+                    max_tokens: 60,
+                    ..r
+                })
+                .unwrap()
+        })
+        .collect();
+    let busy = engine.generate(rollouts).unwrap();
+    assert_eq!(alone, busy);
+    // The normal traffic still completes afterwards.
+    for handle in traffic {
+        assert!(handle.wait().iter().all(|c| c.token_ids.len() == 60));
+    }
 }
 
 #[test]

@@ -11,6 +11,10 @@ mod model_train;
 mod model_files;
 // The generation engine against the contiguous-cache reference.
 mod engine;
+// A minimal HTTP client for the server tests.
+mod http;
+// The OpenAI-compatible server over loopback HTTP.
+mod server;
 // The binary: JSON outputs and error messages.
 mod cli;
 // The learner: GRPO equivalence, unbiasedness, packing, progress.

@@ -55,18 +55,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let prompt_ids = policy.tokenizer.encode(&text, !args.chat)?;
     let engine = Engine::new(&policy, EngineConfig::default(), Device::Cpu)?;
     let request = GenerateRequest {
-        prompt_ids,
-        n: args.n,
-        max_tokens: args.max_tokens,
         sampling: SamplingParams {
             temperature: args.temperature,
             top_k: args.top_k,
             top_p: args.top_p,
             seed: args.seed,
-            model_logprobs: false,
+            ..SamplingParams::default()
         },
         stop: args.stop.clone(),
-        ignore_eos: false,
+        ..GenerateRequest::new(prompt_ids, args.n, args.max_tokens)
     };
     let completions = engine.submit(request)?.wait();
     for c in completions {

@@ -5,3 +5,4 @@ pub mod convert;
 pub mod eval;
 pub mod generate;
 pub mod run;
+pub mod serve;

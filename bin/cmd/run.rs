@@ -33,6 +33,12 @@ pub struct Args {
     /// with `--set` overrides (e.g. more `steps`).
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// Serve the policy being trained over the OpenAI API at this address
+    /// (e.g. 127.0.0.1:8000); rollouts keep priority. Ctrl-C stops after the current step.
+    #[arg(long)]
+    serve: Option<String>,
+    #[command(flatten)]
+    serve_args: super::serve::ServeArgs,
 }
 
 /// Trains and writes the run directory.
@@ -54,13 +60,24 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let (train, eval) = load_data(&cfg)?;
     let started = Instant::now();
     let mut trainer = Trainer::new(cfg.clone(), &policy, train, eval)?;
+    let server = match &args.serve {
+        Some(addr) => Some(super::serve::start(
+            trainer.engine(),
+            &policy,
+            &model,
+            addr,
+            &args.serve_args,
+        )?),
+        None => None,
+    };
     let eval_before = match &args.resume {
         Some(ckpt) => match trainer.restore(ckpt)?.eval_before {
             Some(acc) => acc,
             None => trainer.evaluate()?,
         },
         None => {
-            warm_up(&mut trainer, cfg.warmup.steps)?;
+            let interrupted = || server.as_ref().is_some_and(|s| s.interrupted());
+            warm_up(&mut trainer, cfg.warmup.steps, &interrupted)?;
             trainer.finish_warmup()?;
             trainer.evaluate()?
         }
@@ -79,6 +96,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     pb.set_position(trainer.step);
     let checkpoints = args.out.join("checkpoints");
     while trainer.step < cfg.steps {
+        if server.as_ref().is_some_and(|s| s.interrupted()) {
+            pb.println(format!("Ctrl-C: stopping after step {}", trainer.step));
+            trainer.save_checkpoint(&checkpoints, cfg.checkpoint.keep, Some(eval_before))?;
+            break;
+        }
         let mut line = trainer.step()?;
         if cfg.eval.every > 0 && trainer.step % cfg.eval.every == 0 {
             line.insert("eval/acc".into(), json!(trainer.evaluate()?));
@@ -111,7 +133,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     )?;
     let summary = json!({
         "algorithm": cfg.algorithm,
-        "steps": cfg.steps,
+        "steps": trainer.step,
         "eval_before": eval_before,
         "eval_after": eval_after,
         "wall_s": started.elapsed().as_secs_f64(),
@@ -129,6 +151,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         100.0 * eval_after
     );
     println!("run directory: {}", args.out.display());
+    if let Some(server) = server {
+        server.shutdown()?;
+    }
     Ok(())
 }
 
@@ -151,10 +176,17 @@ fn bar(len: u64, what: &str) -> ProgressBar {
     pb
 }
 
-/// Supervised warm-up on demonstrations.
-fn warm_up(trainer: &mut Trainer, steps: u64) -> anyhow::Result<()> {
+/// Supervised warm-up on demonstrations (cut short by `interrupted`).
+fn warm_up(
+    trainer: &mut Trainer,
+    steps: u64,
+    interrupted: &dyn Fn() -> bool,
+) -> anyhow::Result<()> {
     let warm = bar(steps, "warm-up");
     for _ in 0..steps {
+        if interrupted() {
+            break;
+        }
         let loss = trainer.warmup_step()?;
         warm.set_message(format!("nll {loss:.3}"));
         warm.inc(1);

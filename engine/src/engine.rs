@@ -6,7 +6,9 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
+
 use std::thread::JoinHandle;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use candle_core::Device;
 use dppo_model::{CausalLm, Policy, TextTokenizer, Weights};
@@ -34,6 +36,8 @@ pub struct EngineConfig {
     pub kv_cache_bytes: usize,
     pub max_num_seqs: usize,
     pub max_batched_tokens: usize,
+    /// Run high-priority batches (rollouts) alone, so other traffic cannot change them.
+    pub isolate_high_priority: bool,
 }
 
 impl Default for EngineConfig {
@@ -44,6 +48,7 @@ impl Default for EngineConfig {
             kv_cache_bytes: 2 << 30,
             max_num_seqs: 256,
             max_batched_tokens: 2048,
+            isolate_high_priority: false,
         }
     }
 }
@@ -58,13 +63,18 @@ pub struct EngineStats {
     pub num_iterations: usize,
     pub num_generated_tokens: usize,
     pub policy_version: u64,
+    /// Sequences waiting for admission (the queue depth).
+    pub num_waiting: usize,
+    pub num_running: usize,
+    /// KV blocks held by live sequences now.
+    pub blocks_used: usize,
 }
 
 /// A request on its way to the worker.
 struct Submission {
     request_id: RequestId,
     req: GenerateRequest,
-    events: Sender<Event>,
+    events: UnboundedSender<Event>,
 }
 
 enum Command {
@@ -78,11 +88,14 @@ enum Command {
     },
 }
 
-/// A submitted request: its id, its event stream, and a way to cancel it.
+/// A submitted request: its id, its event stream (read from threads or async tasks), and
+/// a way to cancel it. Dropping the handle before every sample finished cancels it, so a
+/// caller that goes away (a disconnected client) frees its blocks at once.
 pub struct RequestHandle {
     pub request_id: RequestId,
     pub n: usize,
-    pub events: Receiver<Event>,
+    events: UnboundedReceiver<Event>,
+    num_finished: usize,
     commands: Sender<Command>,
 }
 
@@ -92,9 +105,46 @@ impl RequestHandle {
         let _ = self.commands.send(Command::Cancel(self.request_id));
     }
 
+    /// The next event; `None` once every sample has finished.
+    pub async fn recv(&mut self) -> Option<Event> {
+        if self.num_finished == self.n {
+            return None;
+        }
+        let event = self.events.recv().await;
+        self.count(event)
+    }
+
+    /// The next event, blocking the thread (not for async tasks); `None` when done.
+    pub fn blocking_recv(&mut self) -> Option<Event> {
+        if self.num_finished == self.n {
+            return None;
+        }
+        let event = self.events.blocking_recv();
+        self.count(event)
+    }
+
+    fn count(&mut self, event: Option<Event>) -> Option<Event> {
+        match &event {
+            Some(Event::Finished { .. }) => self.num_finished += 1,
+            Some(Event::Token { .. }) => {}
+            // The worker is gone: nothing more will come.
+            None => self.num_finished = self.n,
+        }
+        event
+    }
+
     /// Waits for every sample to finish and returns them, ordered by sample index.
-    pub fn wait(self) -> Vec<Completion> {
-        Completion::from_events(self.n, self.events.iter())
+    pub fn wait(mut self) -> Vec<Completion> {
+        let n = self.n;
+        Completion::from_events(n, std::iter::from_fn(|| self.blocking_recv()))
+    }
+}
+
+impl Drop for RequestHandle {
+    fn drop(&mut self) {
+        if self.num_finished < self.n {
+            self.cancel();
+        }
     }
 }
 
@@ -132,6 +182,7 @@ impl Engine {
         let sched_cfg = SchedulerConfig {
             max_num_seqs: cfg.max_num_seqs,
             max_batched_tokens: cfg.max_batched_tokens,
+            isolate_high_priority: cfg.isolate_high_priority,
         };
         let scheduler = Scheduler::new(sched_cfg, KvPool::new(num_blocks, cfg.block_size));
         let capacity = scheduler.capacity();
@@ -189,11 +240,12 @@ impl Engine {
         let mut handles = Vec::with_capacity(reqs.len());
         for req in reqs {
             let request_id = self.next_request_id.fetch_add(1, Ordering::Relaxed);
-            let (tx, rx) = mpsc::channel();
+            let (tx, rx) = unbounded_channel();
             handles.push(RequestHandle {
                 request_id,
                 n: req.n,
                 events: rx,
+                num_finished: 0,
                 commands: commands.clone(),
             });
             batch.push(Submission {
@@ -230,6 +282,11 @@ impl Engine {
     /// A snapshot of the worker's counters.
     pub fn stats(&self) -> EngineStats {
         *self.stats.lock()
+    }
+
+    /// The model's context length (prompt + generated tokens).
+    pub fn max_model_len(&self) -> usize {
+        self.limits.max_model_len
     }
 
     fn check(&self, req: &GenerateRequest) -> Result<(), EngineError> {
@@ -302,9 +359,11 @@ struct RequestState {
     req: GenerateRequest,
     /// One RNG per sample; lent out while a draw is under way.
     rngs: Vec<Option<SeqRng>>,
-    events: Sender<Event>,
+    events: UnboundedSender<Event>,
     /// Output tokens per sample (for stop strings).
     outputs: Vec<Vec<u32>>,
+    /// Which samples have finished.
+    done: Vec<bool>,
     num_live: usize,
 }
 
@@ -331,15 +390,25 @@ impl Worker {
             while let Ok(cmd) = rx.try_recv() {
                 self.apply(cmd);
             }
-            if !self.scheduler.has_work() {
-                continue;
+            if self.scheduler.has_work() {
+                // 2. One iteration.
+                if let Err(e) = self.step() {
+                    tracing::error!("engine iteration failed: {e}");
+                    self.fail_all();
+                }
             }
-            // 2. One iteration.
-            if let Err(e) = self.step() {
-                tracing::error!("engine iteration failed: {e}");
-                self.fail_all();
-            }
+            self.publish_occupancy();
         }
+    }
+
+    /// Current queue and pool occupancy, for `/metrics`.
+    fn publish_occupancy(&self) {
+        let (waiting, running) = self.scheduler.num_waiting_running();
+        let pool = self.scheduler.pool();
+        let mut stats = self.stats.lock();
+        stats.num_waiting = waiting;
+        stats.num_running = running;
+        stats.blocks_used = pool.num_blocks() - pool.num_free_blocks();
     }
 
     fn apply(&mut self, cmd: Command) {
@@ -358,7 +427,12 @@ impl Worker {
         }
     }
 
-    fn admit(&mut self, request_id: RequestId, req: GenerateRequest, events: Sender<Event>) {
+    fn admit(
+        &mut self,
+        request_id: RequestId,
+        req: GenerateRequest,
+        events: UnboundedSender<Event>,
+    ) {
         let eos = if req.ignore_eos {
             Arc::from(Vec::new())
         } else {
@@ -370,6 +444,7 @@ impl Worker {
             n: req.n,
             max_tokens: req.max_tokens,
             eos_token_ids: eos,
+            priority: req.priority,
         };
         if let Err(e) = self.scheduler.add_request(seq_req) {
             tracing::warn!("request {request_id} rejected: {e}");
@@ -389,6 +464,7 @@ impl Worker {
             .collect();
         let state = RequestState {
             outputs: vec![Vec::new(); req.n],
+            done: vec![false; req.n],
             num_live: req.n,
             req,
             rngs,
@@ -400,7 +476,8 @@ impl Worker {
     fn cancel(&mut self, request_id: RequestId) {
         self.scheduler.cancel(request_id);
         if let Some(state) = self.requests.remove(&request_id) {
-            for sample_index in 0..state.req.n {
+            let live = (0..state.req.n).filter(|&i| !state.done[i]);
+            for sample_index in live {
                 let _ = state.events.send(Event::Finished {
                     sample_index,
                     reason: FinishReason::Cancelled,
@@ -520,6 +597,7 @@ impl Worker {
             token_id: a.token_id,
             logprob: s.logprob,
             model_logprob: s.model_logprob,
+            top_logprobs: s.top_logprobs.clone(),
             policy_version: self.policy_version,
         };
         let receiver_gone = state.events.send(token).is_err();
@@ -545,6 +623,7 @@ impl Worker {
                 sample_index: a.sample_index,
                 reason,
             });
+            state.done[a.sample_index] = true;
             state.num_live -= 1;
             if state.num_live == 0 {
                 self.requests.remove(&a.request_id);

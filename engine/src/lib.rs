@@ -12,14 +12,15 @@ pub mod runner;
 pub mod sampler;
 pub mod scheduler;
 pub mod sequence;
+pub mod server;
 
 pub use engine::{Engine, EngineConfig, EngineStats, RequestHandle};
 pub use kv_pool::{BlockCopy, BlockId, KvPool};
 pub use plan::{Plan, ScheduledSeq};
 pub use request::{Completion, Event, GenerateRequest};
-pub use sampler::{SamplingParams, SeqRng};
+pub use sampler::{SamplingParams, SeqRng, MAX_TOP_LOGPROBS};
 pub use scheduler::{Scheduler, SchedulerConfig, SeqRequest};
-pub use sequence::{FinishReason, RequestId, SeqId, Sequence};
+pub use sequence::{FinishReason, Priority, RequestId, SeqId, Sequence};
 
 /// Errors of the engine; request errors say what to change.
 #[derive(Debug, thiserror::Error)]

@@ -1,7 +1,7 @@
 //! What callers send to the engine and what comes back.
 
 use crate::sampler::SamplingParams;
-use crate::sequence::FinishReason;
+use crate::sequence::{FinishReason, Priority};
 
 /// One prompt to complete `n` times.
 #[derive(Debug, Clone)]
@@ -15,6 +15,7 @@ pub struct GenerateRequest {
     pub stop: Vec<String>,
     /// Keep generating past EOS tokens (benchmarks with a fixed token count).
     pub ignore_eos: bool,
+    pub priority: Priority,
 }
 
 impl GenerateRequest {
@@ -27,6 +28,7 @@ impl GenerateRequest {
             sampling: SamplingParams::default(),
             stop: Vec::new(),
             ignore_eos: false,
+            priority: Priority::Normal,
         }
     }
 }
@@ -40,6 +42,8 @@ pub enum Event {
         token_id: u32,
         logprob: f32,
         model_logprob: Option<f32>,
+        /// The `top_logprobs` most likely tokens of the untempered distribution, when asked.
+        top_logprobs: Vec<(u32, f32)>,
         policy_version: u64,
     },
     /// Sample `sample_index` is done.
@@ -58,6 +62,8 @@ pub struct Completion {
     pub logprobs: Vec<f32>,
     /// Untempered model log-probabilities, when requested.
     pub model_logprobs: Option<Vec<f32>>,
+    /// Per token, the most likely alternatives (empty unless `top_logprobs` was asked).
+    pub top_logprobs: Vec<Vec<(u32, f32)>>,
     pub finish_reason: FinishReason,
     /// Policy version of the first and of the last token (equal unless weights were
     /// swapped while this sample was generating).
@@ -73,6 +79,7 @@ impl Completion {
             token_ids: Vec::new(),
             logprobs: Vec::new(),
             model_logprobs: None,
+            top_logprobs: Vec::new(),
             finish_reason: FinishReason::Cancelled,
             policy_version: 0,
             last_policy_version: 0,
@@ -89,6 +96,7 @@ impl Completion {
                     token_id,
                     logprob,
                     model_logprob,
+                    top_logprobs,
                     policy_version,
                 } => {
                     let c = &mut out[sample_index];
@@ -100,6 +108,9 @@ impl Completion {
                     c.logprobs.push(logprob);
                     if let Some(lp) = model_logprob {
                         c.model_logprobs.get_or_insert_with(Vec::new).push(lp);
+                    }
+                    if !top_logprobs.is_empty() {
+                        c.top_logprobs.push(top_logprobs);
                     }
                 }
                 Event::Finished {

@@ -3,6 +3,9 @@
 
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
+/// Most alternatives a request may ask for per token (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
 /// Per-request sampling parameters (OpenAI / vLLM vocabulary).
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
@@ -16,6 +19,8 @@ pub struct SamplingParams {
     pub seed: Option<u64>,
     /// Also return the untempered full-softmax logprob of each sampled token.
     pub model_logprobs: bool,
+    /// Also return this many most likely tokens of the untempered distribution.
+    pub top_logprobs: usize,
 }
 
 impl Default for SamplingParams {
@@ -26,6 +31,7 @@ impl Default for SamplingParams {
             top_p: 1.0,
             seed: None,
             model_logprobs: false,
+            top_logprobs: 0,
         }
     }
 }
@@ -42,6 +48,12 @@ impl SamplingParams {
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
         }
+        if self.top_logprobs > MAX_TOP_LOGPROBS {
+            return Err(format!(
+                "top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {}",
+                self.top_logprobs
+            ));
+        }
         Ok(())
     }
 
@@ -52,13 +64,15 @@ impl SamplingParams {
 }
 
 /// One sampled token.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Sampled {
     pub token_id: u32,
     /// Log-probability under the distribution sampled from (see [`sample`]).
     pub logprob: f32,
     /// Untempered full-softmax log-probability, when requested.
     pub model_logprob: Option<f32>,
+    /// The `top_logprobs` most likely tokens, untempered, most likely first.
+    pub top_logprobs: Vec<(u32, f32)>,
 }
 
 /// A sample's random stream.
@@ -103,10 +117,18 @@ pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut SeqRng) -> Samp
         logits
     };
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let log_z = std::cell::OnceCell::new();
     let raw = |i: usize| {
-        let z: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum();
-        (logits[i] as f64 - max - z.ln()) as f32
+        let log_z = *log_z.get_or_init(|| {
+            let z: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum();
+            z.ln()
+        });
+        (logits[i] as f64 - max - log_z) as f32
     };
+    let top_logprobs = top_ids(logits, params.top_logprobs)
+        .into_iter()
+        .map(|i| (i as u32, raw(i)))
+        .collect();
     if params.is_greedy() {
         let best = (0..logits.len()).fold(0, |b, i| if logits[i] > logits[b] { i } else { b });
         let lp = raw(best);
@@ -114,6 +136,7 @@ pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut SeqRng) -> Samp
             token_id: best as u32,
             logprob: lp,
             model_logprob: params.model_logprobs.then_some(lp),
+            top_logprobs,
         };
     }
     // Weights exp((l - max) / t) in f32 (each in (0, 1]), summed in f64.
@@ -135,7 +158,27 @@ pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut SeqRng) -> Samp
         token_id: token as u32,
         logprob: (weights[pick] / z).ln() as f32,
         model_logprob: params.model_logprobs.then(|| raw(token)),
+        top_logprobs,
     }
+}
+
+/// Ordering by logit, highest first, lower id on ties.
+fn by_rank(logits: &[f32]) -> impl Fn(&usize, &usize) -> std::cmp::Ordering + '_ {
+    |a, b| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b))
+}
+
+/// Ids of the `k` largest logits, largest first.
+fn top_ids(logits: &[f32], k: usize) -> Vec<usize> {
+    if k == 0 {
+        return Vec::new();
+    }
+    let mut ids: Vec<usize> = (0..logits.len()).collect();
+    if k < ids.len() {
+        ids.select_nth_unstable_by(k - 1, by_rank(logits));
+        ids.truncate(k);
+    }
+    ids.sort_unstable_by(by_rank(logits));
+    ids
 }
 
 /// The tokens kept by top-k / top-p with their unnormalised weights. Without truncation
@@ -151,13 +194,11 @@ fn candidates(
             (0..logits.len()).map(weight).collect(),
         );
     }
-    let by_rank = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
-    let mut ids: Vec<usize> = (0..logits.len()).collect();
-    if params.top_k > 0 && params.top_k < ids.len() {
-        ids.select_nth_unstable_by(params.top_k - 1, by_rank);
-        ids.truncate(params.top_k);
-    }
-    ids.sort_unstable_by(by_rank);
+    let k = match params.top_k {
+        0 => logits.len(),
+        k => k.min(logits.len()),
+    };
+    let mut ids = top_ids(logits, k);
     let mut weights: Vec<f64> = ids.iter().map(|&i| weight(i)).collect();
     if params.top_p < 1.0 {
         let z: f64 = weights.iter().sum();
@@ -188,6 +229,7 @@ mod tests {
             top_p,
             seed: Some(1),
             model_logprobs: true,
+            top_logprobs: 3,
         }
     }
 
@@ -266,6 +308,24 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn top_logprobs_are_the_most_likely_untempered_tokens() {
+        let s = sample(&LOGITS, &params(1.7, 2, 0.5), &mut SeqRng::new(5, 0));
+        // LOGITS ranks 1 and 3 (tied at 3.0, lower id first), then 7 (2.5).
+        let ids: Vec<u32> = s.top_logprobs.iter().map(|t| t.0).collect();
+        assert_eq!(ids, vec![1, 3, 7]);
+        for (id, lp) in s.top_logprobs {
+            assert!((lp as f64 - log_softmax(&LOGITS, id as usize)).abs() < 1e-6);
+        }
+        let none = SamplingParams {
+            top_logprobs: 0,
+            ..params(1.0, 0, 1.0)
+        };
+        assert!(sample(&LOGITS, &none, &mut SeqRng::new(5, 0))
+            .top_logprobs
+            .is_empty());
     }
 
     #[test]

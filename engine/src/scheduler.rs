@@ -1,13 +1,14 @@
 //! Continuous batching: every iteration runs the sequences already running, admits waiting
 //! ones while blocks and budgets allow, and preempts the newest (recompute) when blocks run
-//! out. Plain bookkeeping; tensors live in the runner.
+//! out. High-priority requests (trainer rollouts) are admitted first and preempted last.
+//! Plain bookkeeping; tensors live in the runner.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use crate::kv_pool::KvPool;
 use crate::plan::{Plan, ScheduledSeq};
-use crate::sequence::{FinishReason, RequestId, SeqId, SeqStatus, Sequence};
+use crate::sequence::{FinishReason, Priority, RequestId, SeqId, SeqStatus, Sequence};
 use crate::EngineError;
 
 /// Limits of one iteration.
@@ -17,6 +18,10 @@ pub struct SchedulerConfig {
     pub max_num_seqs: usize,
     /// Most tokens computed in one iteration (prefill chunks and decodes together).
     pub max_batched_tokens: usize,
+    /// While any high-priority sequence is waiting or running, normal ones are preempted
+    /// and wait: high-priority batches then run exactly as they would alone (bit-identical
+    /// rollouts however much other traffic there is).
+    pub isolate_high_priority: bool,
 }
 
 /// The sizes a request must fit in to ever run alone.
@@ -63,6 +68,7 @@ pub struct SeqRequest {
     pub n: usize,
     pub max_tokens: usize,
     pub eos_token_ids: Arc<[u32]>,
+    pub priority: Priority,
 }
 
 /// A token appended to a sequence by [`Scheduler::postprocess`].
@@ -84,8 +90,9 @@ pub struct Appended {
 pub struct Scheduler {
     cfg: SchedulerConfig,
     pool: KvPool,
+    /// Highest priority first, then oldest first.
     waiting: VecDeque<SeqId>,
-    /// Oldest first; preemption takes from the back.
+    /// Highest priority first, then oldest first; preemption takes from the back.
     running: Vec<SeqId>,
     seqs: HashMap<SeqId, Sequence>,
     next_seq_id: SeqId,
@@ -150,16 +157,45 @@ impl Scheduler {
             block_table: Vec::new(),
             max_tokens: req.max_tokens,
             eos_token_ids: req.eos_token_ids,
+            priority: req.priority,
             status: SeqStatus::Waiting,
         };
         self.seqs.insert(seq_id, seq);
-        self.waiting.push_back(seq_id);
+        self.enqueue(seq_id, false);
         Ok(seq_id)
     }
 
-    /// Plans one iteration: running sequences first (oldest first), then admissions.
+    fn priority(&self, seq_id: SeqId) -> Priority {
+        self.seqs[&seq_id].priority
+    }
+
+    /// Puts `seq_id` in the waiting queue at the front or the back of its priority class.
+    fn enqueue(&mut self, seq_id: SeqId, front: bool) {
+        let p = self.priority(seq_id);
+        let pos = self
+            .waiting
+            .iter()
+            .position(|&s| {
+                let q = self.priority(s);
+                q < p || (front && q == p)
+            })
+            .unwrap_or(self.waiting.len());
+        self.waiting.insert(pos, seq_id);
+    }
+
+    /// Index in `running` after the last sequence of priority `p` or higher.
+    fn running_slot(&self, p: Priority) -> usize {
+        self.running
+            .iter()
+            .position(|&s| self.priority(s) < p)
+            .unwrap_or(self.running.len())
+    }
+
+    /// Plans one iteration: running sequences first (highest priority, then oldest first),
+    /// then admissions.
     pub fn schedule(&mut self) -> Plan {
         let mut plan = Plan::default();
+        self.make_way_for_high_priority(&mut plan);
         let mut budget = self.cfg.max_batched_tokens;
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
@@ -170,10 +206,12 @@ impl Scheduler {
             }
         }
         let mut seats = self.seats_taken();
+        let isolate = self.cfg.isolate_high_priority && self.has_high_priority();
         while let Some(&seq_id) = self.waiting.front() {
             let seq = &self.seqs[&seq_id];
             let num_new = (seq.len() - seq.num_computed_tokens).min(budget);
             if num_new == 0
+                || (isolate && seq.priority < Priority::High)
                 || seats + seq.num_samples > self.cfg.max_num_seqs
                 || !self
                     .pool
@@ -183,12 +221,50 @@ impl Scheduler {
             }
             seats += seq.num_samples;
             self.waiting.pop_front();
-            self.running.push(seq_id);
+            let slot = self.running_slot(seq.priority);
+            self.running.insert(slot, seq_id);
             self.seqs.get_mut(&seq_id).expect("live").status = SeqStatus::Running;
             self.push_scheduled(seq_id, num_new, &mut plan);
             budget -= num_new;
         }
         plan
+    }
+
+    fn has_high_priority(&self) -> bool {
+        let high = |s: &SeqId| self.priority(*s) == Priority::High;
+        self.waiting.front().is_some_and(high) || self.running.first().is_some_and(high)
+    }
+
+    /// Preempts normal-priority sequences for high-priority work: all of them under
+    /// isolation, otherwise the newest until the first waiting high-priority sequence fits.
+    fn make_way_for_high_priority(&mut self, plan: &mut Plan) {
+        let isolate = self.cfg.isolate_high_priority && self.has_high_priority();
+        let high_waiting = self
+            .waiting
+            .front()
+            .is_some_and(|&s| self.priority(s) == Priority::High);
+        if !isolate && !high_waiting {
+            return;
+        }
+        while let Some(&victim) = self.running.last() {
+            if self.priority(victim) == Priority::High || (!isolate && self.front_fits()) {
+                break;
+            }
+            self.preempt(victim);
+            plan.preempted.push(victim);
+        }
+    }
+
+    /// Whether the first waiting sequence (if any) has seats and blocks for its next chunk.
+    fn front_fits(&self) -> bool {
+        let Some(seq) = self.waiting.front().map(|s| &self.seqs[s]) else {
+            return true;
+        };
+        let num_new = (seq.len() - seq.num_computed_tokens).min(self.cfg.max_batched_tokens);
+        self.seats_taken() + seq.num_samples <= self.cfg.max_num_seqs
+            && self
+                .pool
+                .can_append(&seq.block_table, seq.num_computed_tokens, num_new)
     }
 
     /// Schedules running `seq_id`, preempting newer sequences (or itself, when it is the
@@ -238,7 +314,7 @@ impl Scheduler {
         self.pool.free(&mut seq.block_table);
         seq.num_computed_tokens = 0;
         seq.status = SeqStatus::Waiting;
-        self.waiting.push_front(seq_id);
+        self.enqueue(seq_id, true);
         tracing::debug!(seq_id, "preempted (recompute)");
     }
 
@@ -360,6 +436,7 @@ mod tests {
             n,
             max_tokens,
             eos_token_ids: Arc::from(vec![999u32]),
+            priority: Priority::Normal,
         }
     }
 
@@ -367,6 +444,7 @@ mod tests {
         let cfg = SchedulerConfig {
             max_num_seqs: 16,
             max_batched_tokens,
+            isolate_high_priority: false,
         };
         Scheduler::new(cfg, KvPool::new(num_blocks, block_size))
     }
@@ -505,6 +583,64 @@ mod tests {
         assert!(!s.has_work());
     }
 
+    fn with_priority(mut r: SeqRequest, priority: Priority) -> SeqRequest {
+        r.priority = priority;
+        r
+    }
+
+    #[test]
+    fn high_priority_is_admitted_first_and_normal_is_preempted_for_it() {
+        // Pool of 4 blocks of 4: the normal request holds 2, the high one needs 3.
+        let mut s = scheduler(4, 4, 64);
+        s.add_request(request(1, 6, 1, 10)).unwrap();
+        step(&mut s, 1);
+        s.add_request(request(2, 2, 1, 2)).unwrap();
+        s.add_request(with_priority(request(3, 10, 1, 2), Priority::High))
+            .unwrap();
+        let (plan, appended) = step(&mut s, 1);
+        assert_eq!(plan.preempted, vec![0], "the normal sequence makes way");
+        assert_eq!(appended.len(), 1);
+        assert_eq!(appended[0].request_id, 3, "the high request runs first");
+        assert_eq!(s.waiting.len(), 2);
+        assert_eq!(s.seqs[&s.waiting[0]].request_id, 1, "preempted go first");
+        while s.has_work() {
+            step(&mut s, 1);
+        }
+        assert_eq!(s.pool().num_free_blocks(), 4);
+    }
+
+    #[test]
+    fn isolation_runs_high_priority_work_alone() {
+        let mut s = scheduler(64, 4, 64);
+        s.cfg.isolate_high_priority = true;
+        s.add_request(request(1, 3, 1, 20)).unwrap();
+        step(&mut s, 1);
+        s.add_request(with_priority(request(2, 5, 2, 3), Priority::High))
+            .unwrap();
+        s.add_request(request(3, 3, 1, 2)).unwrap();
+        let mut high_done = false;
+        while s.has_work() {
+            let (plan, appended) = step(&mut s, 1);
+            let ids: Vec<RequestId> = appended.iter().map(|a| a.request_id).collect();
+            if !high_done {
+                assert!(
+                    ids.iter().all(|&r| r == 2),
+                    "normal work ran beside high: {ids:?}"
+                );
+                assert!(plan.seqs.iter().all(|p| s
+                    .seqs
+                    .get(&p.seq_id)
+                    .is_none_or(|q| q.priority == Priority::High)));
+            }
+            high_done |= appended
+                .iter()
+                .any(|a| a.request_id == 2 && a.finish.is_some())
+                && !s.seqs.values().any(|q| q.priority == Priority::High);
+        }
+        assert!(high_done);
+        assert_eq!(s.pool().num_free_blocks(), 64);
+    }
+
     /// Small deterministic generator for the random workload.
     struct Lcg(u64);
     impl Lcg {
@@ -524,17 +660,15 @@ mod tests {
             let block_size = 1 + rng.below(6);
             let num_blocks = 8 + rng.below(24);
             let mut s = scheduler(num_blocks, block_size, 4 + rng.below(40));
+            s.cfg.isolate_high_priority = rng.below(2) == 0;
             let mut next_id = 0;
             for _ in 0..200 {
                 // Arrivals, some cancellations, random EOS.
                 if rng.below(3) == 0 {
                     let prompt = 1 + rng.below(12);
-                    let _ = s.add_request(request(
-                        next_id,
-                        prompt,
-                        1 + rng.below(4),
-                        1 + rng.below(10),
-                    ));
+                    let priority = [Priority::Normal, Priority::High][rng.below(2)];
+                    let r = request(next_id, prompt, 1 + rng.below(4), 1 + rng.below(10));
+                    let _ = s.add_request(with_priority(r, priority));
                     next_id += 1;
                 }
                 if rng.below(10) == 0 && next_id > 0 {

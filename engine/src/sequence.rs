@@ -21,6 +21,15 @@ pub enum FinishReason {
     Cancelled,
 }
 
+/// Scheduling class of a request. High-priority work (the trainer's rollouts and
+/// evaluations) is admitted before and preempted after normal work (served requests).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Priority {
+    #[default]
+    Normal,
+    High,
+}
+
 /// Where a sequence is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SeqStatus {
@@ -47,6 +56,7 @@ pub struct Sequence {
     pub block_table: Vec<BlockId>,
     pub max_tokens: usize,
     pub eos_token_ids: Arc<[u32]>,
+    pub priority: Priority,
     pub status: SeqStatus,
 }
 

@@ -42,13 +42,20 @@ impl Policy {
         })
     }
 
-    /// Loads `spec`: `builtin:<name>`, a `.gguf` file, or an HF directory.
+    /// Loads `spec`: `builtin:<name>`, a `.gguf` file, an HF directory, or a dppo
+    /// checkpoint directory (its `model/`).
     pub fn load(spec: &str, device: &Device) -> Result<Self> {
         if let Some(name) = spec.strip_prefix("builtin:") {
             return crate::presets::load_preset(name, device);
         }
         let path = Path::new(spec);
-        if path.is_dir() {
+        let checkpoint_model = path.join("model");
+        if path.is_dir()
+            && !path.join("config.json").exists()
+            && checkpoint_model.join("config.json").exists()
+        {
+            Self::from_hf_dir(&checkpoint_model, device)
+        } else if path.is_dir() {
             Self::from_hf_dir(path, device)
         } else if path
             .extension()

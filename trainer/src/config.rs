@@ -31,6 +31,11 @@ pub struct RunConfig {
     pub seed: u64,
     /// RL optimizer steps.
     pub steps: u64,
+    /// Rollouts run alone in the engine (served requests wait during them), so a run is
+    /// bit-reproducible however much traffic `--serve` gets; `false` lets served requests
+    /// share rollout batches (lower serving latency, not bit-reproducible under load).
+    #[serde(default = "default_deterministic")]
+    pub deterministic: bool,
     pub data: DataConfig,
     pub warmup: WarmupConfig,
     pub rollout: RolloutConfig,
@@ -50,6 +55,10 @@ pub struct CheckpointConfig {
     pub every: u64,
     /// Checkpoints kept (the newest).
     pub keep: usize,
+}
+
+fn default_deterministic() -> bool {
+    true
 }
 
 impl Default for CheckpointConfig {

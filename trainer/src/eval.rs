@@ -1,6 +1,6 @@
 //! Held-out evaluation through the engine: avg@n and unbiased pass@k (Chen et al. 2021).
 
-use dppo_engine::{Engine, GenerateRequest, SamplingParams};
+use dppo_engine::{Engine, GenerateRequest, Priority, SamplingParams};
 use dppo_model::TextTokenizer;
 
 use crate::data::{prompt_ids, Problem};
@@ -53,6 +53,7 @@ pub fn evaluate(
         .map(|p| {
             Ok(GenerateRequest {
                 sampling: spec.sampling.clone(),
+                priority: Priority::High,
                 ..GenerateRequest::new(prompt_ids(tokenizer, &p.question)?, spec.n, spec.max_tokens)
             })
         })

@@ -3,10 +3,11 @@
 //! takes and returns typed values and is timed into `timing_s/*`.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Device};
-use dppo_engine::{Engine, EngineConfig, GenerateRequest, SamplingParams};
+use dppo_engine::{Engine, EngineConfig, GenerateRequest, Priority, SamplingParams};
 use dppo_model::{Policy, TextTokenizer};
 use dppo_sync::PolicyStore;
 use rand::{rngs::StdRng, seq::SliceRandom, SeedableRng};
@@ -31,7 +32,7 @@ use crate::TrainError;
 pub struct Trainer {
     pub cfg: RunConfig,
     pub learner: Learner,
-    engine: Engine,
+    engine: Arc<Engine>,
     tokenizer: TextTokenizer,
     eos: Vec<u32>,
     train: Vec<Problem>,
@@ -87,9 +88,10 @@ impl Trainer {
         let learner = Learner::new(&policy.config, &policy.weights, learner_cfg)?;
         let engine_cfg = EngineConfig {
             kv_cache_bytes: 1 << 30,
+            isolate_high_priority: cfg.deterministic,
             ..EngineConfig::default()
         };
-        let engine = Engine::new(policy, engine_cfg, Device::Cpu)?;
+        let engine = Arc::new(Engine::new(policy, engine_cfg, Device::Cpu)?);
         let store = PolicyStore::new(&policy.weights, Device::Cpu, DType::F32)?;
         check_pack_tokens(&cfg, &policy.tokenizer, train.iter().chain(&eval))?;
         let epoch_order = (0, epoch_order(cfg.seed, 0, train.len()));
@@ -109,6 +111,11 @@ impl Trainer {
             policy_version: 0,
             cfg,
         })
+    }
+
+    /// The engine, to share with a server (`dppo run --serve`).
+    pub fn engine(&self) -> Arc<Engine> {
+        self.engine.clone()
     }
 
     /// Prompt ids of a problem, chat-formatted when the model has a template.
@@ -323,6 +330,7 @@ impl Trainer {
                     seed: Some(mix(self.cfg.seed, self.step, 1000 + k as u64)),
                     ..SamplingParams::default()
                 },
+                priority: Priority::High,
                 ..GenerateRequest::new(
                     ids.clone(),
                     self.cfg.rollout.n,
