@@ -230,11 +230,11 @@ fn resumed_run_ends_with_the_weights_of_an_uninterrupted_run() {
         .lines()
         .count();
     assert_eq!(lines, 4, "the resumed run appends to metrics.jsonl");
-    // The checkpoint's model loads like any HF directory.
+    // The checkpoint loads as a model (its `model/` is an HF directory).
     let (ok, stdout, stderr) = dppo(&[
         "generate",
         "--model",
-        b.join("checkpoints/step-000004/model").to_str().unwrap(),
+        b.join("checkpoints/step-000004").to_str().unwrap(),
         "--prompt",
         "What is 12+34?",
         "--chat",
