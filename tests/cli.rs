@@ -353,3 +353,36 @@ fn serving_during_training_leaves_the_trained_weights_unchanged() {
         assert!(x == y, "{file}: serving changed the trained weights");
     }
 }
+
+/// Ctrl-C during `dppo run --serve` ends training after the current step, with a
+/// checkpoint of that step and a summary, and exits cleanly.
+#[test]
+fn ctrl_c_stops_a_serving_run_after_the_current_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let mut args = vec!["run", "--out", out.to_str().unwrap()];
+    args.extend_from_slice(&SMALL);
+    args.extend_from_slice(&["--set", "steps=100000", "--serve", "127.0.0.1:0"]);
+    let child = crate::server::Child::start(&args);
+    let metrics = out.join("metrics.jsonl");
+    let start = std::time::Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(0, |m| m.lines().count()) < 2 {
+        assert!(start.elapsed().as_secs() < 120, "training did not start");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    child.interrupt(120);
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    let steps = summary["steps"].as_u64().unwrap();
+    assert!((2..100000).contains(&steps), "{summary}");
+    let ckpt = out.join(format!(
+        "checkpoints/step-{steps:06}/model/model.safetensors"
+    ));
+    assert!(
+        ckpt.exists(),
+        "no checkpoint of the last step at {}",
+        ckpt.display()
+    );
+    let lines = std::fs::read_to_string(&metrics).unwrap().lines().count() as u64;
+    assert_eq!(lines, steps, "one metrics line per finished step");
+}
