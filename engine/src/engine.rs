@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
-
 use std::thread::JoinHandle;
+
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use candle_core::Device;
@@ -364,7 +364,6 @@ struct RequestState {
     outputs: Vec<Vec<u32>>,
     /// Which samples have finished.
     done: Vec<bool>,
-    num_live: usize,
 }
 
 struct Worker {
@@ -465,7 +464,6 @@ impl Worker {
         let state = RequestState {
             outputs: vec![Vec::new(); req.n],
             done: vec![false; req.n],
-            num_live: req.n,
             req,
             rngs,
             events,
@@ -624,8 +622,7 @@ impl Worker {
                 reason,
             });
             state.done[a.sample_index] = true;
-            state.num_live -= 1;
-            if state.num_live == 0 {
+            if state.done.iter().all(|&d| d) {
                 self.requests.remove(&a.request_id);
             }
         }

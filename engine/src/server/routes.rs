@@ -445,7 +445,6 @@ async fn whole_response(
 ) -> Result<Response, ApiError> {
     let mut events = merged(handles);
     let mut shutdown = out.s.shutdown.clone();
-    let mut texts = vec![String::new(); out.choices.len()];
     let mut entries: Vec<Vec<TokenEntry>> = (0..out.choices.len()).map(|_| Vec::new()).collect();
     let mut finish = vec![None; out.choices.len()];
     loop {
@@ -457,7 +456,6 @@ async fn whole_response(
             break;
         };
         let (index, delta) = out.apply(prompt_idx, event);
-        texts[index].push_str(&delta.text);
         entries[index].extend(delta.entries);
         finish[index] = finish[index].or(delta.finish);
     }
@@ -468,6 +466,11 @@ async fn whole_response(
         .collect();
     let versions: Vec<u64> = versions.into_iter().collect();
     let usage = Some(out.usage());
+    let texts: Vec<String> = out
+        .choices
+        .iter()
+        .map(|c| c.text.text().to_string())
+        .collect();
     let parts = texts.into_iter().zip(entries).zip(finish).enumerate();
     let json = match out.kind {
         Kind::Text => {
