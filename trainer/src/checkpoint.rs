@@ -70,7 +70,7 @@ impl Trainer {
         let state = TrainerState {
             step: self.step,
             policy_version: self.policy_version,
-            drawn: self.drawn,
+            drawn: self.order.drawn,
             optimizer_step: self.learner.optimizer.step,
             history: self.history.clone(),
             greso: self.greso.clone(),
@@ -118,7 +118,7 @@ impl Trainer {
         }
         self.learner.optimizer.step = state.optimizer_step;
         self.step = state.step;
-        self.drawn = state.drawn;
+        self.order.drawn = state.drawn;
         self.history = state.history.clone();
         self.greso = state.greso.clone();
         self.resume_version(state.policy_version)?;

@@ -92,6 +92,10 @@ pub struct DataConfig {
 #[serde(deny_unknown_fields)]
 pub struct WarmupConfig {
     pub steps: u64,
+    /// Demonstrations: the warm-up trains on the first `examples` training problems only
+    /// (0 = all of them); RL draws prompts from the whole training set.
+    #[serde(default)]
+    pub examples: usize,
     pub batch_size: usize,
     pub lr: f64,
 }

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use rand::{rngs::StdRng, Rng, SeedableRng};
+use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
 
 use dppo_model::{ChatMessage, TextTokenizer};
 
@@ -140,6 +140,71 @@ fn arithmetic(num_train: usize, num_eval: usize, seed: u64) -> (Vec<Problem>, Ve
     let train = draw(num_train, 0);
     let eval = draw(num_eval, 1 << 32);
     (train, eval)
+}
+
+/// The RL stream of [`ProblemOrder`] over the training problems.
+pub const TRAIN_STREAM: u64 = u64::MAX;
+/// The warm-up's stream over the demonstrations.
+pub const DEMO_STREAM: u64 = u64::MAX - 1;
+
+/// A position in an endless sequence of epochs over `n` problems, each epoch shuffled by
+/// (seed, stream, epoch) alone, so a saved position restores the exact order.
+#[derive(Debug, Clone)]
+pub struct ProblemOrder {
+    seed: u64,
+    stream: u64,
+    n: usize,
+    /// Problems drawn so far.
+    pub drawn: u64,
+    /// The shuffled order of the current epoch: (epoch, order).
+    epoch: (u64, Vec<usize>),
+}
+
+impl ProblemOrder {
+    /// Position 0 of the order of `n` problems.
+    pub fn new(seed: u64, stream: u64, n: usize) -> Self {
+        Self {
+            seed,
+            stream,
+            n,
+            drawn: 0,
+            epoch: (0, shuffled(seed, stream, 0, n)),
+        }
+    }
+
+    /// The next `count` problem indices.
+    pub fn next(&mut self, count: usize) -> Vec<usize> {
+        let n = self.n as u64;
+        (0..count)
+            .map(|_| {
+                let epoch = self.drawn / n;
+                if self.epoch.0 != epoch {
+                    self.epoch = (epoch, shuffled(self.seed, self.stream, epoch, self.n));
+                }
+                let i = self.epoch.1[(self.drawn % n) as usize];
+                self.drawn += 1;
+                i
+            })
+            .collect()
+    }
+}
+
+/// `0..n` in the order of epoch `epoch` of a stream.
+fn shuffled(seed: u64, stream: u64, epoch: u64, n: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    order.shuffle(&mut StdRng::seed_from_u64(mix(seed, epoch, stream)));
+    order
+}
+
+/// A well-spread 64-bit seed from three numbers (splitmix64 rounds).
+pub(crate) fn mix(a: u64, b: u64, c: u64) -> u64 {
+    let round = |mut z: u64| {
+        z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    round(round(round(a) ^ b) ^ c)
 }
 
 #[cfg(test)]

@@ -10,12 +10,12 @@ use candle_core::{DType, Device};
 use dppo_engine::{Engine, EngineConfig, GenerateRequest, Priority, SamplingParams};
 use dppo_model::{Policy, TextTokenizer};
 use dppo_sync::PolicyStore;
-use rand::{rngs::StdRng, seq::SliceRandom, SeedableRng};
+use rand::{rngs::StdRng, SeedableRng};
 use serde_json::{json, Map, Value};
 
 use crate::advantages::compute_advantages;
 use crate::config::RunConfig;
-use crate::data::{prompt_ids, Problem};
+use crate::data::{mix, prompt_ids, Problem, ProblemOrder, DEMO_STREAM, TRAIN_STREAM};
 use crate::eval::{evaluate, EvalSpec};
 use crate::learner::{Learner, LearnerConfig};
 use crate::loss::{LossConfig, TrainSeq};
@@ -39,10 +39,10 @@ pub struct Trainer {
     eval: Vec<Problem>,
     pub(crate) history: PromptHistory,
     pub(crate) greso: Greso,
-    /// Training problems drawn so far (the data position; epochs reshuffle by seed).
-    pub(crate) drawn: u64,
-    /// The shuffled order of the current epoch: (epoch, order).
-    epoch_order: (u64, Vec<usize>),
+    /// The RL data position: training problems drawn so far, epochs reshuffled by seed.
+    pub(crate) order: ProblemOrder,
+    /// The warm-up's own position over the demonstrations (`warmup.examples`).
+    demo_order: ProblemOrder,
     store: PolicyStore,
     pub step: u64,
     pub policy_version: u64,
@@ -94,7 +94,16 @@ impl Trainer {
         let engine = Arc::new(Engine::new(policy, engine_cfg, Device::Cpu)?);
         let store = PolicyStore::new(&policy.weights, Device::Cpu, DType::F32)?;
         check_pack_tokens(&cfg, &policy.tokenizer, train.iter().chain(&eval))?;
-        let epoch_order = (0, epoch_order(cfg.seed, 0, train.len()));
+        let num_demos = match cfg.warmup.examples {
+            0 => train.len(),
+            n if n <= train.len() => n,
+            n => {
+                return Err(TrainError::Config(format!(
+                    "warmup.examples = {n} exceeds the {} training problems",
+                    train.len()
+                )))
+            }
+        };
         Ok(Self {
             history: PromptHistory::new(cfg.dppo.history_decay),
             greso: Greso::default(),
@@ -102,10 +111,10 @@ impl Trainer {
             engine,
             tokenizer: policy.tokenizer.clone(),
             eos: policy.eos_token_ids().to_vec(),
+            order: ProblemOrder::new(cfg.seed, TRAIN_STREAM, train.len()),
             train,
             eval,
-            drawn: 0,
-            epoch_order,
+            demo_order: ProblemOrder::new(cfg.seed, DEMO_STREAM, num_demos),
             store,
             step: 0,
             policy_version: 0,
@@ -125,7 +134,7 @@ impl Trainer {
 
     /// One supervised warm-up step on a batch of demonstrations; returns the mean NLL.
     pub fn warmup_step(&mut self) -> Result<f64, TrainError> {
-        let idx = self.next_problems(self.cfg.warmup.batch_size);
+        let idx = self.demo_order.next(self.cfg.warmup.batch_size);
         let eos = self.eos.first().copied();
         let mut seqs = Vec::with_capacity(idx.len());
         for i in idx {
@@ -262,22 +271,6 @@ impl Trainer {
         Ok(line)
     }
 
-    /// The next `count` training problems (each epoch in its own seeded order).
-    fn next_problems(&mut self, count: usize) -> Vec<usize> {
-        let n = self.train.len() as u64;
-        (0..count)
-            .map(|_| {
-                let epoch = self.drawn / n;
-                if self.epoch_order.0 != epoch {
-                    self.epoch_order = (epoch, epoch_order(self.cfg.seed, epoch, self.train.len()));
-                }
-                let i = self.epoch_order.1[(self.drawn % n) as usize];
-                self.drawn += 1;
-                i
-            })
-            .collect()
-    }
-
     /// The random stream of one phase of the current step: a function of (seed, step,
     /// phase) only, so that a resumed run draws exactly what the uninterrupted run drew.
     fn phase_rng(&self, phase: u64) -> StdRng {
@@ -295,7 +288,7 @@ impl Trainer {
             Algorithm::Dppo => self.history.overdraw(p, level.rate),
             _ => p,
         };
-        let problems = self.next_problems(count);
+        let problems = self.order.next(count);
         let ids: Vec<u64> = problems.iter().map(|&i| self.train[i].prompt_id).collect();
         let w_q = match self.cfg.algorithm {
             Algorithm::Dppo => self.history.select(&ids, &level, &mut self.phase_rng(1)),
@@ -418,22 +411,4 @@ fn check_pack_tokens<'a>(
         )));
     }
     Ok(())
-}
-
-/// The order of epoch `epoch` of `n` problems.
-fn epoch_order(seed: u64, epoch: u64, n: usize) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..n).collect();
-    order.shuffle(&mut StdRng::seed_from_u64(mix(seed, epoch, u64::MAX)));
-    order
-}
-
-/// A well-spread 64-bit seed from three numbers (splitmix64 rounds).
-fn mix(a: u64, b: u64, c: u64) -> u64 {
-    let round = |mut z: u64| {
-        z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    };
-    round(round(round(a) ^ b) ^ c)
 }
