@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Prints the headline comparison table of `dppo run` directories (one per algorithm, same
 seed and budget): RL seconds per step, time to reach the first run's final held-out
-accuracy, and final accuracy.
+accuracy, final accuracy and the mean fraction of completions trained.
 
 Usage: scripts/compare_runs.py runs/cmp-grpo runs/cmp-dppo runs/cmp-cppo runs/cmp-greso
 The first directory is the baseline whose final accuracy the others race to.
@@ -35,17 +35,23 @@ def main():
     target = base_summary["eval_after"]
     base_time, _ = time_to(base_steps, target)
     print(f"Target: {base_name}'s final held-out accuracy, {100 * target:.1f}%.\n")
-    print("| algorithm | RL s/step | speed-up per step | time to target (step) | speed-up to target | held-out before -> after |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| run | algorithm | RL s/step | speed-up per step | time to target (step) "
+        "| speed-up to target | held-out before -> after | completions trained |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     base_per_step = sum(s["timing_s/step"] for s in base_steps) / len(base_steps)
     for name, steps, summary in runs:
         per_step = sum(s["timing_s/step"] for s in steps) / len(steps)
+        trained = sum(s["prune/completions_kept"] for s in steps) / len(steps)
         t, at = time_to(steps, target)
         reach = f"{t:.1f} s (step {at})" if t is not None else "not reached"
         speed = f"{base_time / t:.2f}x" if t is not None and base_time else "-"
         print(
-            f"| {summary['algorithm']} | {per_step:.3f} | {base_per_step / per_step:.2f}x | {reach} | {speed} "
-            f"| {100 * summary['eval_before']:.1f}% -> {100 * summary['eval_after']:.1f}% |"
+            f"| {name} | {summary['algorithm']} | {per_step:.3f} | {base_per_step / per_step:.2f}x "
+            f"| {reach} | {speed} "
+            f"| {100 * summary['eval_before']:.1f}% -> {100 * summary['eval_after']:.1f}% "
+            f"| {100 * trained:.1f}% |"
         )
 
 

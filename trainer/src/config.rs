@@ -93,7 +93,8 @@ pub struct DataConfig {
 pub struct WarmupConfig {
     pub steps: u64,
     /// Demonstrations: the warm-up trains on the first `examples` training problems only
-    /// (0 = all of them); RL draws prompts from the whole training set.
+    /// (all of them when 0 or when there are fewer); RL draws from the whole training set,
+    /// the usual SFT-then-RL split of a few demonstrations and many prompts.
     #[serde(default)]
     pub examples: usize,
     pub batch_size: usize,

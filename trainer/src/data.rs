@@ -213,6 +213,24 @@ mod tests {
     use crate::rewards::score;
 
     #[test]
+    fn problem_orders_are_seeded_epoch_permutations_that_resume_from_a_position() {
+        let mut order = ProblemOrder::new(7, TRAIN_STREAM, 10);
+        let drawn = order.next(25);
+        for epoch in drawn.chunks(10).take(2) {
+            let mut sorted = epoch.to_vec();
+            sorted.sort_unstable();
+            assert_eq!(sorted, (0..10).collect::<Vec<_>>());
+        }
+        assert_ne!(drawn[..10], drawn[10..20], "epochs reshuffle");
+        let mut resumed = ProblemOrder::new(7, TRAIN_STREAM, 10);
+        resumed.drawn = 13;
+        assert_eq!(resumed.next(12), drawn[13..25]);
+        let other_stream = ProblemOrder::new(7, DEMO_STREAM, 10).next(10);
+        let other_seed = ProblemOrder::new(8, TRAIN_STREAM, 10).next(10);
+        assert!(other_stream != drawn[..10] && other_seed != drawn[..10]);
+    }
+
+    #[test]
     fn arithmetic_splits_are_disjoint_and_self_consistent() {
         let (train, eval) = builtin_task("arithmetic", 500, 100, 7).unwrap();
         assert_eq!((train.len(), eval.len()), (500, 100));

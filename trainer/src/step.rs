@@ -96,13 +96,7 @@ impl Trainer {
         check_pack_tokens(&cfg, &policy.tokenizer, train.iter().chain(&eval))?;
         let num_demos = match cfg.warmup.examples {
             0 => train.len(),
-            n if n <= train.len() => n,
-            n => {
-                return Err(TrainError::Config(format!(
-                    "warmup.examples = {n} exceeds the {} training problems",
-                    train.len()
-                )))
-            }
+            n => n.min(train.len()),
         };
         Ok(Self {
             history: PromptHistory::new(cfg.dppo.history_decay),
@@ -411,4 +405,33 @@ fn check_pack_tokens<'a>(
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::builtin_task;
+
+    #[test]
+    fn the_warm_up_draws_only_demonstrations_and_leaves_the_rl_position() {
+        let overrides = [
+            "warmup.examples=8".to_string(),
+            "warmup.batch_size=4".into(),
+        ];
+        let cfg = RunConfig::default_with(&overrides).unwrap();
+        let policy = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
+        let (train, eval) = builtin_task("arithmetic", 64, 4, 0).unwrap();
+        let mut trainer = Trainer::new(cfg, &policy, train, eval).unwrap();
+        let mut demos = trainer.demo_order.clone();
+        for _ in 0..3 {
+            trainer.warmup_step().unwrap();
+        }
+        assert_eq!(
+            trainer.order.drawn, 0,
+            "RL starts at the first training problem"
+        );
+        assert_eq!(trainer.demo_order.drawn, 12);
+        assert!(demos.next(12).iter().all(|&i| i < 8));
+        assert_eq!(trainer.policy_version, 3);
+    }
 }
