@@ -85,6 +85,11 @@ impl Trainer {
             pack_tokens: cfg.pack.tokens,
             pack_window: cfg.pack.window,
         };
+        if train.is_empty() {
+            return Err(TrainError::Config(
+                "the training set is empty (data.train, data.num_train)".into(),
+            ));
+        }
         let learner = Learner::new(&policy.config, &policy.weights, learner_cfg)?;
         let engine_cfg = EngineConfig {
             kv_cache_bytes: 1 << 30,
@@ -433,5 +438,14 @@ mod tests {
         assert_eq!(trainer.demo_order.drawn, 12);
         assert!(demos.next(12).iter().all(|&i| i < 8));
         assert_eq!(trainer.policy_version, 3);
+    }
+
+    #[test]
+    fn an_empty_training_set_is_a_config_error() {
+        let cfg = RunConfig::default_with(&[]).unwrap();
+        let policy = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
+        let (_, eval) = builtin_task("arithmetic", 0, 4, 0).unwrap();
+        let err = Trainer::new(cfg, &policy, Vec::new(), eval).err().unwrap();
+        assert!(err.to_string().contains("training set is empty"), "{err}");
     }
 }
