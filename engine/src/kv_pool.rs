@@ -157,7 +157,7 @@ impl KvPool {
 
     /// A shared last block that is only partly filled must be copied before writing to it.
     fn needs_cow(&self, block_table: &[BlockId], num_tokens: usize) -> bool {
-        let partial = num_tokens % self.block_size != 0;
+        let partial = !num_tokens.is_multiple_of(self.block_size);
         match block_table.last() {
             Some(&last) if partial && block_table.len() == self.blocks_for(num_tokens) => {
                 self.ref_counts[last as usize] > 1

@@ -8,18 +8,10 @@ use candle_core::{Result, Tensor};
 
 use crate::attention::AttentionBackend;
 use crate::config::ModelConfig;
+use crate::linear::linear;
 use crate::ops::{rms_norm, silu};
 use crate::rope::Rope;
 use crate::weights::Weights;
-
-/// `x @ w^T + b` for `x` (tokens, in), `w` (out, in).
-fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-    let y = x.matmul(&w.t()?)?;
-    match b {
-        Some(b) => y.broadcast_add(b),
-        None => Ok(y),
-    }
-}
 
 #[derive(Debug, Clone)]
 struct Mlp {

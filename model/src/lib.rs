@@ -6,7 +6,10 @@
 
 pub mod attention;
 pub mod config;
+#[cfg(target_arch = "x86_64")]
+mod cpu_matmul;
 pub mod decoder;
+pub mod linear;
 pub mod ops;
 pub mod packed;
 pub mod policy;

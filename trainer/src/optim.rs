@@ -6,6 +6,8 @@ use std::collections::BTreeMap;
 use candle_core::{Result, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
+mod in_place;
+
 /// AdamW hyper-parameters (PyTorch names and defaults, `lr` aside).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct AdamWConfig {
@@ -51,7 +53,9 @@ impl AdamW {
 
     /// One update of every var that has a gradient, at learning rate `lr`:
     /// `theta *= 1 - lr * wd` (decoupled, decaying params only), then
-    /// `theta -= lr * m_hat / (sqrt(v_hat) + eps)`.
+    /// `theta -= lr * m_hat / (sqrt(v_hat) + eps)`. f32 CPU tensors are updated in place;
+    /// the moments must not share storage with other tensors (they never leave the state
+    /// but as copies written to checkpoints).
     pub fn step(
         &mut self,
         vars: &BTreeMap<String, Var>,
@@ -68,16 +72,31 @@ impl AdamW {
                 Some(mv) => mv,
                 None => (g.zeros_like()?, g.zeros_like()?),
             };
-            let m = ((m * c.beta1)? + (g * (1.0 - c.beta1))?)?;
-            let v = ((v * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
-            let update = ((&m / bias1)? / ((&v / bias2)?.sqrt()? + c.eps)?)?;
-            let theta = var.as_tensor();
-            let theta = if decays(name) {
-                (theta * (1.0 - lr * c.weight_decay))?
+            let decay = if decays(name) {
+                1.0 - lr * c.weight_decay
             } else {
-                theta.clone()
+                1.0
             };
-            var.set(&(theta - (update * lr)?)?)?;
+            let theta = var.as_tensor();
+            let (m, v) = if in_place::applies(&[theta, &m, &v, g]) {
+                let update = in_place::Update {
+                    beta1: c.beta1,
+                    beta2: c.beta2,
+                    eps: c.eps,
+                    lr,
+                    decay,
+                    bias1,
+                    bias2,
+                };
+                in_place::step(theta, &m, &v, g, update)?;
+                (m, v)
+            } else {
+                let m = ((m * c.beta1)? + (g * (1.0 - c.beta1))?)?;
+                let v = ((v * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
+                let update = ((&m / bias1)? / ((&v / bias2)?.sqrt()? + c.eps)?)?;
+                var.set(&((theta * decay)? - (update * lr)?)?)?;
+                (m, v)
+            };
             self.moments.insert(name.clone(), (m, v));
         }
         Ok(())
@@ -189,6 +208,49 @@ mod tests {
             (got_b - expect(0.3, 12.0, false)).abs() < 1e-12,
             "biases are not decayed"
         );
+    }
+
+    #[test]
+    fn the_in_place_f32_update_follows_the_f64_tensor_op_update() {
+        use rand::{Rng, SeedableRng};
+        let dev = Device::Cpu;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        // Longer than one parallel chunk, so several chunks run.
+        let n = 70_001;
+        let theta: Vec<f64> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let grads: Vec<Vec<f64>> = (0..3)
+            .map(|_| (0..n).map(|_| rng.random_range(-1.0..1.0)).collect())
+            .collect();
+        let run = |dtype: candle_core::DType| {
+            let init = Tensor::new(theta.as_slice(), &dev).unwrap();
+            let w = Var::from_tensor(&init.to_dtype(dtype).unwrap()).unwrap();
+            let vars = BTreeMap::from([("w".to_string(), w.clone())]);
+            let mut opt = AdamW::new(AdamWConfig::default());
+            for g in &grads {
+                let g = Tensor::new(g.as_slice(), &dev).unwrap();
+                let grads = BTreeMap::from([("w".to_string(), g.to_dtype(dtype).unwrap())]);
+                opt.step(&vars, &grads, 0.01).unwrap();
+            }
+            let f64s = |t: &Tensor| {
+                t.to_dtype(candle_core::DType::F64)
+                    .unwrap()
+                    .to_vec1::<f64>()
+            };
+            let (m, v) = &opt.moments["w"];
+            [w.as_tensor(), m, v].map(|t| f64s(t).unwrap())
+        };
+        let (fast, reference) = (run(candle_core::DType::F32), run(candle_core::DType::F64));
+        for (what, (a, b)) in ["theta", "m", "v"].iter().zip(fast.iter().zip(&reference)) {
+            for (i, (a, b)) in a.iter().zip(b).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-6 * (1.0 + b.abs()),
+                    "{what}[{i}]: {a} vs {b}"
+                );
+            }
+        }
+        // The updates moved the parameters by far more than the tolerance above.
+        let moved: f64 = fast[0].iter().zip(&theta).map(|(a, b)| (a - b).abs()).sum();
+        assert!(moved / n as f64 > 1e-3, "mean move {}", moved / n as f64);
     }
 
     #[test]
