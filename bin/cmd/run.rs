@@ -48,6 +48,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         (None, Some(path)) => read_config(path, &args.sets)?,
         (None, None) => RunConfig::default_with(&args.sets)?,
     };
+    if cfg.threads > 0 {
+        // Read once, when rayon's and candle's CPU thread pools start: later than this.
+        std::env::set_var("RAYON_NUM_THREADS", cfg.threads.to_string());
+    }
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating the run directory {}", args.out.display()))?;
     write_atomic(&args.out.join("config.toml"), cfg.to_toml().as_bytes())?;

@@ -61,8 +61,12 @@ impl CustomOp2 for NtMatmul {
         _y: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let grad_x = grad.matmul(w)?;
-        let grad_w = grad.t()?.matmul(x)?;
+        // Detached: `w` is a var and `x` an activation, so gradients computed from them as
+        // they are would record ops and keep the whole forward graph alive for as long as the
+        // weights' gradients live (candle detaches the gradients of non-var nodes only).
+        let (x, w) = (x.detach(), w.detach());
+        let grad_x = grad.matmul(&w)?;
+        let grad_w = grad.t()?.matmul(&x)?;
         Ok((Some(grad_x), Some(grad_w)))
     }
 }

@@ -60,6 +60,11 @@ mod tests {
             };
             let loss = (&y * &probe).unwrap().sum_all().unwrap();
             let grads = loss.backward().unwrap();
+            // A var's gradient must not record ops: it would keep the forward graph alive.
+            assert!(
+                !grads.get(&w).unwrap().track_op(),
+                "w's gradient tracks ops"
+            );
             let g = |v: &Var| grads.get(v).unwrap().flatten_all().unwrap();
             let g = |v: &Var| g(v).to_vec1::<f32>().unwrap();
             (
