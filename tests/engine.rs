@@ -39,6 +39,19 @@ fn workload(num: usize, n: usize, vocab: usize) -> Vec<GenerateRequest> {
         .collect()
 }
 
+/// [`workload`] sampled at temperature 1, request `i` seeded with `first_seed + i`.
+fn seeded_workload(num: usize, n: usize, vocab: usize, first_seed: u64) -> Vec<GenerateRequest> {
+    let mut reqs = workload(num, n, vocab);
+    for (i, r) in reqs.iter_mut().enumerate() {
+        r.sampling = SamplingParams {
+            temperature: 1.0,
+            seed: Some(first_seed + i as u64),
+            ..SamplingParams::default()
+        };
+    }
+    reqs
+}
+
 fn reference(policy: &Policy, reqs: &[GenerateRequest]) -> Vec<Vec<Vec<u32>>> {
     let model = policy.model().unwrap();
     generate_naive(&model, reqs, policy.eos_token_ids(), &Device::Cpu)
@@ -125,14 +138,7 @@ fn staggered_arrivals_from_many_threads() {
 #[test]
 fn seeded_group_samples_equal_reference_and_differ_from_each_other() {
     let policy = policy();
-    let mut reqs = workload(4, 4, policy.config.vocab_size);
-    for (i, r) in reqs.iter_mut().enumerate() {
-        r.sampling = SamplingParams {
-            temperature: 1.0,
-            seed: Some(100 + i as u64),
-            ..SamplingParams::default()
-        };
-    }
+    let reqs = seeded_workload(4, 4, policy.config.vocab_size, 100);
     let want = reference(&policy, &reqs);
     let engine = Engine::new(&policy, config(4, 4096), Device::Cpu).unwrap();
     let got = run(&engine, &reqs);
@@ -160,14 +166,7 @@ fn logprobs_are_bit_identical_alone_and_in_a_batch() {
         "this machine lacks AVX-512: batch invariance cannot be checked"
     );
     let policy = policy();
-    let mut reqs = workload(6, 4, policy.config.vocab_size);
-    for (i, r) in reqs.iter_mut().enumerate() {
-        r.sampling = SamplingParams {
-            temperature: 1.0,
-            seed: Some(200 + i as u64),
-            ..SamplingParams::default()
-        };
-    }
+    let reqs = seeded_workload(6, 4, policy.config.vocab_size, 200);
     let engine = Engine::new(&policy, config(4, 4096), Device::Cpu).unwrap();
     let logprobs = |reqs: &[GenerateRequest]| -> Vec<Vec<Vec<u32>>> {
         engine
@@ -233,14 +232,9 @@ fn dropping_a_handle_cancels_its_request() {
 #[test]
 fn isolated_high_priority_batches_ignore_other_traffic() {
     let policy = policy();
-    let mut rollouts = workload(6, 4, policy.config.vocab_size);
-    for (i, r) in rollouts.iter_mut().enumerate() {
+    let mut rollouts = seeded_workload(6, 4, policy.config.vocab_size, 0);
+    for r in &mut rollouts {
         r.priority = Priority::High;
-        r.sampling = SamplingParams {
-            temperature: 1.0,
-            seed: Some(i as u64),
-            ..SamplingParams::default()
-        };
     }
     let cfg = EngineConfig {
         isolate_high_priority: true,

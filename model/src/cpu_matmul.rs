@@ -201,11 +201,7 @@ unsafe fn tile(xr: [*const f32; 4], wr: [*const f32; 4], k: usize) -> [[f32; 4];
             xv[r] = unsafe { _mm512_loadu_ps(xr[r].add(kk)) };
             wv[r] = unsafe { _mm512_loadu_ps(wr[r].add(kk)) };
         }
-        for r in 0..4 {
-            for c in 0..4 {
-                acc[r][c] = _mm512_fmadd_ps(xv[r], wv[c], acc[r][c]);
-            }
-        }
+        fma_4x4(&mut acc, &xv, &wv);
         kk += 16;
     }
     if full < k {
@@ -215,11 +211,7 @@ unsafe fn tile(xr: [*const f32; 4], wr: [*const f32; 4], k: usize) -> [[f32; 4];
             xv[r] = unsafe { _mm512_maskz_loadu_ps(mask, xr[r].add(full)) };
             wv[r] = unsafe { _mm512_maskz_loadu_ps(mask, wr[r].add(full)) };
         }
-        for r in 0..4 {
-            for c in 0..4 {
-                acc[r][c] = _mm512_fmadd_ps(xv[r], wv[c], acc[r][c]);
-            }
-        }
+        fma_4x4(&mut acc, &xv, &wv);
     }
     let mut sums = [[0f32; 4]; 4];
     for r in 0..4 {
@@ -230,13 +222,31 @@ unsafe fn tile(xr: [*const f32; 4], wr: [*const f32; 4], k: usize) -> [[f32; 4];
     sums
 }
 
+/// `acc[r][c] += xv[r] * wv[c]`, lane by lane.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn fma_4x4(acc: &mut [[__m512; 4]; 4], xv: &[__m512; 4], wv: &[__m512; 4]) {
+    for (acc_row, &x) in acc.iter_mut().zip(xv) {
+        for (a, &w) in acc_row.iter_mut().zip(wv) {
+            *a = _mm512_fmadd_ps(x, w, *a);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
 
-    fn random(len: usize, rng: &mut rand::rngs::StdRng) -> Vec<f32> {
-        (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+    /// Random `x` (m, k) and `w` (n, k).
+    fn operands(
+        m: usize,
+        n: usize,
+        k: usize,
+        rng: &mut rand::rngs::StdRng,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let mut random = |len: usize| (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        (random(m * k), random(n * k))
     }
 
     fn reference(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f64> {
@@ -278,8 +288,7 @@ mod tests {
             (32, 576, 576),
             (130, 97, 176),
         ] {
-            let x = random(m * k, &mut rng);
-            let w = random(n * k, &mut rng);
+            let (x, w) = operands(m, n, k, &mut rng);
             let mut out = vec![f32::NAN; m * n];
             matmul_nt(&x, &w, m, n, k, &mut out);
             let want = reference(&x, &w, m, n, k);
@@ -300,8 +309,7 @@ mod tests {
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(8);
         let (m, n, k) = (37, 90, 200);
-        let x = random(m * k, &mut rng);
-        let w = random(n * k, &mut rng);
+        let (x, w) = operands(m, n, k, &mut rng);
         let mut batch = vec![0f32; m * n];
         matmul_nt(&x, &w, m, n, k, &mut batch);
         for i in [0, 5, 36] {
