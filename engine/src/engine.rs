@@ -11,6 +11,7 @@ use std::thread::JoinHandle;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use candle_core::Device;
+use dppo_model::parallel::multi_threaded;
 use dppo_model::{CausalLm, Policy, TextTokenizer, Weights};
 use parking_lot::Mutex;
 use rayon::prelude::*;
@@ -506,7 +507,7 @@ impl Worker {
         Ok(())
     }
 
-    /// Samples every row of the iteration, in parallel. Each sample draws from its own RNG
+    /// Samples every row of the iteration, in parallel when rayon has several threads. Each sample draws from its own RNG
     /// (a forking group's row is drawn once per sample), so no result depends on the batch.
     fn draw_all(&mut self, plan: &Plan, logits: &[Option<Vec<f32>>]) -> Vec<Vec<Sampled>> {
         // 1. Lend each job the RNGs of the samples it draws for.
@@ -537,21 +538,29 @@ impl Worker {
             .map(|(r, _, _)| self.requests[r].req.sampling.clone())
             .collect();
         // 2. Draw.
-        let results: Vec<(Vec<Sampled>, Vec<SeqRng>)> = jobs
-            .into_par_iter()
-            .zip(logits.par_iter())
-            .zip(params.par_iter())
-            .map(|(((_, _, mut rngs), row), params)| {
-                let draws = match row {
-                    Some(row) => rngs
-                        .iter_mut()
-                        .map(|rng| sample(row, params, rng))
-                        .collect(),
-                    None => Vec::new(),
-                };
-                (draws, rngs)
-            })
-            .collect();
+        let draw = |mut rngs: Vec<SeqRng>, row: &Option<Vec<f32>>, params: &SamplingParams| {
+            let draws = match row {
+                Some(row) => rngs
+                    .iter_mut()
+                    .map(|rng| sample(row, params, rng))
+                    .collect(),
+                None => Vec::new(),
+            };
+            (draws, rngs)
+        };
+        let results: Vec<(Vec<Sampled>, Vec<SeqRng>)> = if multi_threaded() {
+            jobs.into_par_iter()
+                .zip(logits.par_iter())
+                .zip(params.par_iter())
+                .map(|(((_, _, rngs), row), params)| draw(rngs, row, params))
+                .collect()
+        } else {
+            jobs.into_iter()
+                .zip(logits)
+                .zip(&params)
+                .map(|(((_, _, rngs), row), params)| draw(rngs, row, params))
+                .collect()
+        };
         // 3. Give the RNGs back.
         let mut sampled = Vec::with_capacity(results.len());
         for (s, (draws, rngs)) in plan.seqs.iter().zip(results) {

@@ -3,6 +3,7 @@
 //! concatenation of caches). CPU kernel in plain Rust, parallel over (token, head).
 
 use candle_core::{Result, Tensor};
+use dppo_model::parallel::multi_threaded;
 use dppo_model::AttentionBackend;
 use rayon::prelude::*;
 
@@ -110,15 +111,20 @@ impl AttentionBackend for PagedAttention<'_> {
             num_heads,
             scale: 1.0 / (head_dim as f32).sqrt(),
         };
-        out.par_chunks_mut(head_dim)
-            .enumerate()
-            .for_each(|(idx, out_row)| {
-                let (t, h) = (idx / num_heads, idx % num_heads);
-                let meta = &self.seqs[token_seq[t]];
-                let pos = meta.num_computed_tokens + (t - meta.first_row);
-                let q_row = &q[idx * head_dim..(idx + 1) * head_dim];
-                kernel.attend_one(q_row, h, pos, &meta.block_table, out_row);
-            });
+        let attend_row = |(idx, out_row): (usize, &mut [f32])| {
+            let (t, h) = (idx / num_heads, idx % num_heads);
+            let meta = &self.seqs[token_seq[t]];
+            let pos = meta.num_computed_tokens + (t - meta.first_row);
+            let q_row = &q[idx * head_dim..(idx + 1) * head_dim];
+            kernel.attend_one(q_row, h, pos, &meta.block_table, out_row);
+        };
+        if multi_threaded() {
+            out.par_chunks_mut(head_dim)
+                .enumerate()
+                .for_each(attend_row);
+        } else {
+            out.chunks_mut(head_dim).enumerate().for_each(attend_row);
+        }
         Tensor::from_vec(out, (num_tokens, num_heads, head_dim), k.device())
     }
 }

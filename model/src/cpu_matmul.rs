@@ -122,7 +122,7 @@ pub(crate) fn matmul_nt(x: &[f32], w: &[f32], m: usize, n: usize, k: usize, out:
         unsafe { block(x, w, k, n, rows, cols, out.get()) };
     };
     let tasks = row_blocks * col_blocks;
-    if m * n * k < PARALLEL_MIN_FLOPS || tasks == 1 {
+    if m * n * k < PARALLEL_MIN_FLOPS || tasks == 1 || !crate::parallel::multi_threaded() {
         (0..tasks).for_each(task);
     } else {
         use rayon::prelude::*;
@@ -317,5 +317,29 @@ mod tests {
             matmul_nt(&x[i * k..(i + 1) * k], &w, 1, n, k, &mut alone);
             assert_eq!(alone, batch[i * n..(i + 1) * n], "row {i}");
         }
+    }
+
+    #[test]
+    fn one_thread_gives_the_bits_of_many() {
+        if !kernel_available() {
+            return;
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        // Above the parallel threshold and several tasks in both dimensions.
+        let (m, n, k) = (150, 100, 64);
+        let (x, w) = operands(m, n, k, &mut rng);
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .expect("thread pool");
+            pool.install(|| {
+                assert_eq!(crate::parallel::multi_threaded(), threads > 1);
+                let mut out = vec![f32::NAN; m * n];
+                matmul_nt(&x, &w, m, n, k, &mut out);
+                out
+            })
+        };
+        assert_eq!(run(1), run(3));
     }
 }

@@ -12,6 +12,7 @@ pub mod decoder;
 pub mod linear;
 pub mod ops;
 pub mod packed;
+pub mod parallel;
 pub mod policy;
 pub mod presets;
 pub mod rope;

@@ -1,9 +1,11 @@
-//! AdamW's update of f32 CPU tensors in place: three parallel passes (first moment, second
-//! moment, parameter) instead of a dozen tensor ops that each allocate a parameter-sized
-//! tensor. On SmolLM2-135M the allocating version spent more time in page faults than in
-//! arithmetic. Other devices and dtypes take the tensor-op path in [`super::AdamW::step`].
+//! AdamW's update of f32 CPU tensors in place: three passes (first moment, second moment,
+//! parameter; parallel when rayon has several threads) instead of a dozen tensor ops that
+//! each allocate a parameter-sized tensor. On SmolLM2-135M the allocating version spent
+//! more time in page faults than in arithmetic. Other devices and dtypes take the tensor-op
+//! path in [`super::AdamW::step`].
 
 use candle_core::{bail, CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Result, Tensor};
+use dppo_model::parallel::multi_threaded;
 use rayon::prelude::*;
 
 /// Elements per parallel chunk.
@@ -77,14 +79,19 @@ impl InplaceOp2 for Moment {
         }
         let (beta, rest) = (self.beta as f32, (1.0 - self.beta) as f32);
         let square = self.square;
-        avg.par_chunks_mut(CHUNK)
-            .zip(g.par_chunks(CHUNK))
-            .for_each(|(avg, g)| {
-                for (a, &g) in avg.iter_mut().zip(g) {
-                    let x = if square { g * g } else { g };
-                    *a = *a * beta + x * rest;
-                }
-            });
+        let update = |(avg, g): (&mut [f32], &[f32])| {
+            for (a, &g) in avg.iter_mut().zip(g) {
+                let x = if square { g * g } else { g };
+                *a = *a * beta + x * rest;
+            }
+        };
+        if multi_threaded() {
+            avg.par_chunks_mut(CHUNK)
+                .zip(g.par_chunks(CHUNK))
+                .for_each(update);
+        } else {
+            avg.chunks_mut(CHUNK).zip(g.chunks(CHUNK)).for_each(update);
+        }
         Ok(())
     }
 }
@@ -114,15 +121,23 @@ impl InplaceOp3 for Parameter {
         let u = self.0;
         let (bias1, bias2) = (u.bias1 as f32, u.bias2 as f32);
         let (eps, lr, decay) = (u.eps as f32, u.lr as f32, u.decay as f32);
-        theta
-            .par_chunks_mut(CHUNK)
-            .zip(m.par_chunks(CHUNK).zip(v.par_chunks(CHUNK)))
-            .for_each(|(theta, (m, v))| {
-                for ((t, &m), &v) in theta.iter_mut().zip(m).zip(v) {
-                    let update = (m / bias1) / ((v / bias2).sqrt() + eps);
-                    *t = *t * decay - update * lr;
-                }
-            });
+        let update = |(theta, (m, v)): (&mut [f32], (&[f32], &[f32]))| {
+            for ((t, &m), &v) in theta.iter_mut().zip(m).zip(v) {
+                let update = (m / bias1) / ((v / bias2).sqrt() + eps);
+                *t = *t * decay - update * lr;
+            }
+        };
+        if multi_threaded() {
+            theta
+                .par_chunks_mut(CHUNK)
+                .zip(m.par_chunks(CHUNK).zip(v.par_chunks(CHUNK)))
+                .for_each(update);
+        } else {
+            theta
+                .chunks_mut(CHUNK)
+                .zip(m.chunks(CHUNK).zip(v.chunks(CHUNK)))
+                .for_each(update);
+        }
         Ok(())
     }
 }
