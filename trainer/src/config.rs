@@ -160,6 +160,10 @@ pub struct PackConfig {
 pub struct EvalConfig {
     /// Held-out evaluation every this many steps (0: only before and after).
     pub every: u64,
+    /// At those steps, also measure how far completion-pruned gradients scatter around the
+    /// unpruned one: this many pruning draws (0: off). Outside `timing_s/step`.
+    #[serde(default)]
+    pub grad_variance_draws: usize,
 }
 
 fn default_question() -> String {

@@ -28,6 +28,34 @@ use crate::rollout::{Group, Sample};
 use crate::train_batch::build_train_batch;
 use crate::TrainError;
 
+/// First random-stream phase of the gradient-variance draws (far from the training phases).
+const VARIANCE_PHASE: u64 = 1 << 32;
+
+/// `|a - b|^2` summed over the tensors of both (`|a|^2` without `b`); a gradient missing
+/// from one side (no kept item reached that parameter) counts as zero.
+fn squared_distance(
+    a: &BTreeMap<String, candle_core::Tensor>,
+    b: Option<&BTreeMap<String, candle_core::Tensor>>,
+) -> Result<f64, TrainError> {
+    let empty = BTreeMap::new();
+    let b = b.unwrap_or(&empty);
+    let names = a.keys().chain(b.keys().filter(|n| !a.contains_key(*n)));
+    let mut total = 0.0;
+    for name in names {
+        let diff = match (a.get(name), b.get(name)) {
+            (Some(x), Some(y)) => (x - y)?,
+            (Some(x), None) | (None, Some(x)) => x.clone(),
+            (None, None) => unreachable!("every name comes from a or b"),
+        };
+        total += diff
+            .sqr()?
+            .sum_all()?
+            .to_dtype(DType::F64)?
+            .to_scalar::<f64>()?;
+    }
+    Ok(total)
+}
+
 /// Everything the loop carries from step to step.
 pub struct Trainer {
     pub cfg: RunConfig,
@@ -219,12 +247,24 @@ impl Trainer {
         );
         timed("reward", t);
         let t = Instant::now();
+        let every = self.cfg.eval.every;
+        let draws = self.cfg.eval.grad_variance_draws;
+        let variance = if draws > 0 && every > 0 && (self.step + 1).is_multiple_of(every) {
+            Some(self.pruning_variance(&groups, drawn.problems.len(), &level, draws)?)
+        } else {
+            None
+        };
+        let variance_s = t.elapsed().as_secs_f64();
+        let t = Instant::now();
         let m = self.learner.step(&batch)?;
         timed("train", t);
         let t = Instant::now();
         self.publish()?;
         timed("sync", t);
-        timings.insert("timing_s/step".into(), start.elapsed().as_secs_f64());
+        timings.insert(
+            "timing_s/step".into(),
+            start.elapsed().as_secs_f64() - variance_s,
+        );
         self.step += 1;
         let rewards: Vec<f64> = groups
             .iter()
@@ -264,10 +304,59 @@ impl Trainer {
         put("actor/clipfrac", json!(m.clipfrac));
         put("actor/entropy", json!(m.entropy));
         put("actor/lr", json!(m.lr));
+        if let Some(v) = variance {
+            put("prune/grad_rel_mse", json!(v));
+        }
         for (k, v) in timings {
             line.insert(k, json!(v));
         }
         Ok(line)
+    }
+
+    /// How far the completion-pruned gradient scatters around the unpruned one on this
+    /// step's groups: the mean over `draws` pruning draws of `|g_draw - g_full|^2 /
+    /// |g_full|^2` (ALGORITHM.md §5). For the unbiased DPPO this is the estimator's relative
+    /// variance; for CPPO's deterministic cut it is its squared bias. Prompt-level pruning
+    /// has already happened and is not part of it. Draws use their own random streams, so
+    /// training is unchanged.
+    fn pruning_variance(
+        &self,
+        groups: &[Group],
+        num_drawn: usize,
+        level: &LevelConfig,
+        draws: usize,
+    ) -> Result<f64, TrainError> {
+        let gradient = |rate: f64, rng: &mut StdRng| {
+            let level = LevelConfig { rate, ..*level };
+            let kept = select_completions(
+                groups,
+                self.cfg.algorithm,
+                &level,
+                self.cfg.dppo.scope,
+                self.cfg.actor.beta,
+                rng,
+            );
+            let batch = build_train_batch(
+                groups,
+                &kept,
+                num_drawn,
+                self.cfg.rollout.n,
+                self.cfg.rollout.max_response_len,
+                self.cfg.algorithm,
+            );
+            Ok::<_, TrainError>(self.learner.gradients(&batch)?.0)
+        };
+        let full = gradient(0.0, &mut self.phase_rng(VARIANCE_PHASE))?;
+        let norm = squared_distance(&full, None)?;
+        if norm == 0.0 {
+            return Ok(0.0);
+        }
+        let mut total = 0.0;
+        for d in 0..draws as u64 {
+            let pruned = gradient(level.rate, &mut self.phase_rng(VARIANCE_PHASE + 1 + d))?;
+            total += squared_distance(&pruned, Some(&full))?;
+        }
+        Ok(total / draws as f64 / norm)
     }
 
     /// The random stream of one phase of the current step: a function of (seed, step,
@@ -438,6 +527,47 @@ mod tests {
         assert_eq!(trainer.demo_order.drawn, 12);
         assert!(demos.next(12).iter().all(|&i| i < 8));
         assert_eq!(trainer.policy_version, 3);
+    }
+
+    #[test]
+    fn pruning_variance_is_zero_unpruned_and_grows_with_the_rate() {
+        let cfg = RunConfig::default_with(&[]).unwrap();
+        let policy = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
+        let (train, eval) = builtin_task("arithmetic", 64, 4, 0).unwrap();
+        let trainer = Trainer::new(cfg, &policy, train, eval).unwrap();
+        // Four groups of 8 distinct completions; group g has g + 1 correct samples. The
+        // rollout logprobs are those of a uniform policy, which the random tiny model is close
+        // to, so that ratios stay inside the clip range and every completion has a gradient.
+        let uniform = -(policy.config.vocab_size as f32).ln();
+        let mut groups: Vec<Group> = (0..4u32)
+            .map(|g| {
+                let samples = (0..8u32)
+                    .map(|i| Sample {
+                        prompt_ids: vec![20, 21 + g],
+                        completion_ids: vec![30 + i, 40 + (i + g) % 7],
+                        reward: if i <= g { 1.0 } else { 0.0 },
+                        rollout_logprobs: vec![uniform, uniform],
+                        policy_version: 0,
+                    })
+                    .collect();
+                Group::new(g as u64, samples)
+            })
+            .collect();
+        compute_advantages(&mut groups, crate::advantages::ScaleRewards::Group);
+        let variance = |rate: f64| {
+            let level = LevelConfig {
+                rate,
+                candidates: CandidateRule::BelowMean,
+                mode: PruneMode::FixedCount,
+            };
+            trainer.pruning_variance(&groups, 4, &level, 16).unwrap()
+        };
+        assert_eq!(variance(0.0), 0.0, "no pruning, no scatter");
+        let (low, high) = (variance(0.25), variance(0.75));
+        assert!(
+            low > 0.0 && high > 2.0 * low,
+            "r_o 0.25: {low}, r_o 0.75: {high}"
+        );
     }
 
     #[test]
