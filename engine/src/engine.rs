@@ -507,8 +507,9 @@ impl Worker {
         Ok(())
     }
 
-    /// Samples every row of the iteration, in parallel when rayon has several threads. Each sample draws from its own RNG
-    /// (a forking group's row is drawn once per sample), so no result depends on the batch.
+    /// Samples every row of the iteration, in parallel when rayon has several threads. Each
+    /// sample draws from its own RNG (a forking group's row is drawn once per sample), so no
+    /// result depends on the batch.
     fn draw_all(&mut self, plan: &Plan, logits: &[Option<Vec<f32>>]) -> Vec<Vec<Sampled>> {
         // 1. Lend each job the RNGs of the samples it draws for.
         let jobs: Vec<(RequestId, usize, Vec<SeqRng>)> = plan
