@@ -106,7 +106,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             break;
         }
         let mut line = trainer.step()?;
-        if cfg.eval.every > 0 && trainer.step % cfg.eval.every == 0 {
+        if cfg.eval.due(trainer.step) {
             line.insert("eval/acc".into(), json!(trainer.evaluate()?));
         }
         writeln!(metrics, "{}", serde_json::Value::Object(line.clone()))?;

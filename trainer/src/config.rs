@@ -166,6 +166,13 @@ pub struct EvalConfig {
     pub grad_variance_draws: usize,
 }
 
+impl EvalConfig {
+    /// Whether the periodic evaluation runs once `step` steps are done.
+    pub fn due(&self, step: u64) -> bool {
+        self.every > 0 && step.is_multiple_of(self.every)
+    }
+}
+
 fn default_question() -> String {
     "question".into()
 }

@@ -103,8 +103,8 @@ impl AdamW {
     }
 }
 
-/// Scales `grads` so their global L2 norm is at most `max_norm`; returns the norm before.
-pub fn clip_grad_norm(grads: &mut BTreeMap<String, Tensor>, max_norm: f64) -> Result<f64> {
+/// The squared global L2 norm of `grads`, accumulated in f64.
+pub fn squared_norm(grads: &BTreeMap<String, Tensor>) -> Result<f64> {
     let mut sq = 0f64;
     for g in grads.values() {
         sq += g
@@ -113,7 +113,12 @@ pub fn clip_grad_norm(grads: &mut BTreeMap<String, Tensor>, max_norm: f64) -> Re
             .to_dtype(candle_core::DType::F64)?
             .to_scalar::<f64>()?;
     }
-    let norm = sq.sqrt();
+    Ok(sq)
+}
+
+/// Scales `grads` so their global L2 norm is at most `max_norm`; returns the norm before.
+pub fn clip_grad_norm(grads: &mut BTreeMap<String, Tensor>, max_norm: f64) -> Result<f64> {
+    let norm = squared_norm(grads)?.sqrt();
     if norm > max_norm && max_norm > 0.0 {
         let scale = max_norm / (norm + 1e-6);
         for g in grads.values_mut() {

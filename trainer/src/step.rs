@@ -19,42 +19,37 @@ use crate::data::{mix, prompt_ids, Problem, ProblemOrder, DEMO_STREAM, TRAIN_STR
 use crate::eval::{evaluate, EvalSpec};
 use crate::learner::{Learner, LearnerConfig};
 use crate::loss::{LossConfig, TrainSeq};
-use crate::optim::{AdamWConfig, LrSchedule};
+use crate::optim::{squared_norm, AdamWConfig, LrSchedule};
 use crate::prune::{
     select_completions, Algorithm, CandidateRule, Greso, LevelConfig, PromptHistory, PruneMode,
 };
 use crate::rewards::score;
 use crate::rollout::{Group, Sample};
-use crate::train_batch::build_train_batch;
+use crate::train_batch::{build_train_batch, TrainBatch};
 use crate::TrainError;
 
 /// First random-stream phase of the gradient-variance draws (far from the training phases).
 const VARIANCE_PHASE: u64 = 1 << 32;
 
-/// `|a - b|^2` summed over the tensors of both (`|a|^2` without `b`); a gradient missing
-/// from one side (no kept item reached that parameter) counts as zero.
-fn squared_distance(
-    a: &BTreeMap<String, candle_core::Tensor>,
-    b: Option<&BTreeMap<String, candle_core::Tensor>>,
-) -> Result<f64, TrainError> {
-    let empty = BTreeMap::new();
-    let b = b.unwrap_or(&empty);
+/// `a - b` per parameter over the parameters of both; a gradient missing from one side (no
+/// kept item reached that parameter) counts as zero.
+fn difference(a: &Gradients, b: &Gradients) -> Result<Gradients, TrainError> {
     let names = a.keys().chain(b.keys().filter(|n| !a.contains_key(*n)));
-    let mut total = 0.0;
+    let mut out = Gradients::new();
     for name in names {
         let diff = match (a.get(name), b.get(name)) {
             (Some(x), Some(y)) => (x - y)?,
-            (Some(x), None) | (None, Some(x)) => x.clone(),
+            (Some(x), None) => x.clone(),
+            (None, Some(y)) => y.neg()?,
             (None, None) => unreachable!("every name comes from a or b"),
         };
-        total += diff
-            .sqr()?
-            .sum_all()?
-            .to_dtype(DType::F64)?
-            .to_scalar::<f64>()?;
+        out.insert(name.clone(), diff);
     }
-    Ok(total)
+    Ok(out)
 }
+
+/// Gradients by parameter name, as the learner returns them.
+type Gradients = BTreeMap<String, candle_core::Tensor>;
 
 /// Everything the loop carries from step to step.
 pub struct Trainer {
@@ -229,27 +224,16 @@ impl Trainer {
             candidates: CandidateRule::BelowMean,
             mode: PruneMode::FixedCount,
         };
-        let kept = select_completions(
+        let batch = self.train_batch(
             &groups,
-            self.cfg.algorithm,
-            &level,
-            self.cfg.dppo.scope,
-            self.cfg.actor.beta,
-            &mut self.phase_rng(2),
-        );
-        let batch = build_train_batch(
-            &groups,
-            &kept,
             drawn.problems.len(),
-            self.cfg.rollout.n,
-            self.cfg.rollout.max_response_len,
-            self.cfg.algorithm,
+            &level,
+            &mut self.phase_rng(2),
         );
         timed("reward", t);
         let t = Instant::now();
-        let every = self.cfg.eval.every;
         let draws = self.cfg.eval.grad_variance_draws;
-        let variance = if draws > 0 && every > 0 && (self.step + 1).is_multiple_of(every) {
+        let variance = if draws > 0 && self.cfg.eval.due(self.step + 1) {
             Some(self.pruning_variance(&groups, drawn.problems.len(), &level, draws)?)
         } else {
             None
@@ -293,7 +277,7 @@ impl Trainer {
         );
         put(
             "prune/completions_kept",
-            json!(kept.len() as f64 / completions as f64),
+            json!(batch.seqs.len() as f64 / completions as f64),
         );
         put("pack/density", json!(m.pack_density));
         put("pack/buffers", json!(m.num_buffers));
@@ -328,35 +312,47 @@ impl Trainer {
     ) -> Result<f64, TrainError> {
         let gradient = |rate: f64, rng: &mut StdRng| {
             let level = LevelConfig { rate, ..*level };
-            let kept = select_completions(
-                groups,
-                self.cfg.algorithm,
-                &level,
-                self.cfg.dppo.scope,
-                self.cfg.actor.beta,
-                rng,
-            );
-            let batch = build_train_batch(
-                groups,
-                &kept,
-                num_drawn,
-                self.cfg.rollout.n,
-                self.cfg.rollout.max_response_len,
-                self.cfg.algorithm,
-            );
+            let batch = self.train_batch(groups, num_drawn, &level, rng);
             Ok::<_, TrainError>(self.learner.gradients(&batch)?.0)
         };
         let full = gradient(0.0, &mut self.phase_rng(VARIANCE_PHASE))?;
-        let norm = squared_distance(&full, None)?;
+        let norm = squared_norm(&full)?;
         if norm == 0.0 {
             return Ok(0.0);
         }
         let mut total = 0.0;
         for d in 0..draws as u64 {
             let pruned = gradient(level.rate, &mut self.phase_rng(VARIANCE_PHASE + 1 + d))?;
-            total += squared_distance(&pruned, Some(&full))?;
+            total += squared_norm(&difference(&pruned, &full)?)?;
         }
         Ok(total / draws as f64 / norm)
+    }
+
+    /// Completion pruning of `groups` at `level` and the learner's batch of the survivors;
+    /// `num_drawn` counts every prompt drawn for the step.
+    fn train_batch(
+        &self,
+        groups: &[Group],
+        num_drawn: usize,
+        level: &LevelConfig,
+        rng: &mut StdRng,
+    ) -> TrainBatch {
+        let kept = select_completions(
+            groups,
+            self.cfg.algorithm,
+            level,
+            self.cfg.dppo.scope,
+            self.cfg.actor.beta,
+            rng,
+        );
+        build_train_batch(
+            groups,
+            &kept,
+            num_drawn,
+            self.cfg.rollout.n,
+            self.cfg.rollout.max_response_len,
+            self.cfg.algorithm,
+        )
     }
 
     /// The random stream of one phase of the current step: a function of (seed, step,
