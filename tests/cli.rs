@@ -273,6 +273,45 @@ fn resumed_run_ends_with_the_weights_of_an_uninterrupted_run() {
         (0.0..=1.0).contains(&avg) && pass >= avg && pass <= 1.0,
         "{report}"
     );
+    // Greedy, it reproduces the run's own final evaluation of its held-out split, and
+    // `--samples` writes every scored sample of those problems.
+    let samples = dir.path().join("samples.jsonl");
+    let (ok, stdout, stderr) = dppo(&[
+        "eval",
+        "--model",
+        b.join("checkpoints/step-000004/model").to_str().unwrap(),
+        "--data",
+        "builtin:arithmetic",
+        "--limit",
+        "8",
+        "--max-tokens",
+        "8",
+        "--samples",
+        samples.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    let report: Value = serde_json::from_str(stdout.trim()).unwrap();
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(b.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(report["avg@1"], summary["eval_after"], "{report} {summary}");
+    let (_, held_out) = dppo_trainer::data::builtin_task("arithmetic", 0, 8, 0).unwrap();
+    let lines: Vec<Value> = std::fs::read_to_string(&samples)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), held_out.len());
+    let mut total = 0.0;
+    for (line, problem) in lines.iter().zip(&held_out) {
+        assert_eq!(line["question"], problem.question.as_str());
+        assert_eq!(line["answer"], problem.answer.to_string());
+        let sample = &line["samples"][0];
+        let reward = sample["reward"].as_f64().unwrap();
+        let text = sample["text"].as_str().unwrap();
+        assert_eq!(reward, dppo_trainer::rewards::score(text, &problem.answer));
+        total += reward;
+    }
+    assert_eq!(total / 8.0, report["avg@1"].as_f64().unwrap());
 }
 
 /// `dppo run --serve`: clients hammering the server while it trains see the policy versions

@@ -4,10 +4,14 @@
 use anyhow::Context;
 use candle_core::Device;
 use dppo_engine::{Engine, EngineConfig, SamplingParams};
+use dppo_model::weights::write_atomic;
 use dppo_model::Policy;
+use dppo_trainer::config::RunConfig;
+use dppo_trainer::data::Problem;
 use dppo_trainer::data::{builtin_task, load_jsonl, Fields};
-use dppo_trainer::eval::{evaluate, EvalSpec};
+use dppo_trainer::eval::{evaluate, EvalSpec, Graded};
 use serde_json::json;
+use std::path::{Path, PathBuf};
 
 /// Arguments of `dppo eval`.
 #[derive(Debug, clap::Args)]
@@ -15,7 +19,8 @@ pub struct Args {
     /// `builtin:tiny`, an HF directory (a checkpoint's `model/`), or a `.gguf` file.
     #[arg(long)]
     model: String,
-    /// A JSONL file, or `builtin:arithmetic` (its held-out split).
+    /// A JSONL file, or `builtin:arithmetic`: the held-out split of a run with this `--seed`
+    /// (the built-in default's 1000 problems; a run with `data.num_eval = n` used the first n).
     #[arg(long)]
     data: String,
     #[arg(long, default_value = "question")]
@@ -41,6 +46,9 @@ pub struct Args {
     /// Seed of a built-in task (must match the run's `seed` for its held-out split).
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Also write every problem's samples, decoded and scored, to this JSONL file.
+    #[arg(long)]
+    samples: Option<PathBuf>,
 }
 
 /// Evaluates and prints one JSON object.
@@ -48,13 +56,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let policy = Policy::load(&args.model, &Device::Cpu)
         .with_context(|| format!("loading --model {}", args.model))?;
     let mut problems = match args.data.strip_prefix("builtin:") {
-        Some(task) => builtin_task(task, 2000, 200, args.seed)?.1,
+        Some(task) => {
+            let num_eval = RunConfig::default_with(&[])?.data.num_eval;
+            builtin_task(task, 0, num_eval, args.seed)?.1
+        }
         None => {
             let fields = Fields {
                 question: args.question_field.clone(),
                 answer: args.answer_field.clone(),
             };
-            load_jsonl(std::path::Path::new(&args.data), &fields)?
+            load_jsonl(Path::new(&args.data), &fields)?
         }
     };
     if let Some(limit) = args.limit {
@@ -76,7 +87,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         k: args.k,
         max_tokens: args.max_tokens,
     };
-    let r = evaluate(&engine, &policy.tokenizer, &problems, &spec)?;
+    let (r, samples) = evaluate(&engine, &policy.tokenizer, &problems, &spec)?;
+    if let Some(path) = &args.samples {
+        write_samples(path, &problems, &samples)
+            .with_context(|| format!("writing --samples {}", path.display()))?;
+    }
     let report = json!({
         "model": args.model,
         "data": args.data,
@@ -85,5 +100,25 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         format!("pass@{}", r.k): r.pass_at_k,
     });
     println!("{report}");
+    Ok(())
+}
+
+/// One JSON line per problem: its question, gold answer and scored samples (atomic write).
+fn write_samples(path: &Path, problems: &[Problem], samples: &[Vec<Graded>]) -> anyhow::Result<()> {
+    let mut out = String::new();
+    for (p, graded) in problems.iter().zip(samples) {
+        let line = json!({
+            "prompt_id": p.prompt_id,
+            "question": p.question,
+            "answer": p.answer.to_string(),
+            "samples": graded
+                .iter()
+                .map(|g| json!({"text": g.text, "reward": g.reward}))
+                .collect::<Vec<_>>(),
+        });
+        out.push_str(&line.to_string());
+        out.push('\n');
+    }
+    write_atomic(path, out.as_bytes())?;
     Ok(())
 }

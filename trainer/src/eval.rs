@@ -41,13 +41,22 @@ pub struct EvalSpec {
     pub max_tokens: usize,
 }
 
-/// Generates `n` samples per problem and scores them.
+/// One scored sample of an evaluation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Graded {
+    /// The decoded completion.
+    pub text: String,
+    pub reward: f64,
+}
+
+/// Generates `n` samples per problem and scores them; also returns every problem's samples
+/// (in problem order) for inspection.
 pub fn evaluate(
     engine: &Engine,
     tokenizer: &TextTokenizer,
     problems: &[Problem],
     spec: &EvalSpec,
-) -> Result<EvalResult, TrainError> {
+) -> Result<(EvalResult, Vec<Vec<Graded>>), TrainError> {
     let reqs = problems
         .iter()
         .map(|p| {
@@ -61,22 +70,29 @@ pub fn evaluate(
     let (n, k) = (spec.n, spec.k);
     let outs = engine.generate(reqs)?;
     let (mut total, mut pass) = (0.0, 0.0);
+    let mut samples = Vec::with_capacity(problems.len());
     for (p, completions) in problems.iter().zip(outs) {
-        let mut correct = 0;
-        for c in completions {
-            let r = score(&tokenizer.decode(&c.token_ids, true)?, &p.answer);
-            total += r;
-            correct += usize::from(r >= 1.0);
-        }
+        let graded = completions
+            .iter()
+            .map(|c| {
+                let text = tokenizer.decode(&c.token_ids, true)?;
+                let reward = score(&text, &p.answer);
+                Ok(Graded { text, reward })
+            })
+            .collect::<Result<Vec<_>, TrainError>>()?;
+        total += graded.iter().map(|g| g.reward).sum::<f64>();
+        let correct = graded.iter().filter(|g| g.reward >= 1.0).count();
         pass += pass_at_k(n, correct, k.min(n));
+        samples.push(graded);
     }
     let m = problems.len().max(1) as f64;
-    Ok(EvalResult {
+    let result = EvalResult {
         avg: total / (m * n as f64),
         pass_at_k: pass / m,
         k: k.min(n),
         n,
-    })
+    };
+    Ok((result, samples))
 }
 
 #[cfg(test)]

@@ -43,6 +43,17 @@ pub enum Answer {
     Text(String),
 }
 
+/// The normal form: `n` or `n/d` (lowest terms) for a number, the text otherwise.
+impl std::fmt::Display for Answer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Answer::Number(Rational { num, den: 1 }) => write!(f, "{num}"),
+            Answer::Number(Rational { num, den }) => write!(f, "{num}/{den}"),
+            Answer::Text(t) => f.write_str(t),
+        }
+    }
+}
+
 /// Parses a gold answer (`#### 1,234` GSM8K style, or a MATH answer such as `\frac{3}{4}`).
 pub fn parse_gold(gold: &str) -> Result<Answer, BadGold> {
     let raw = match gold.rfind("####") {
@@ -346,5 +357,19 @@ mod tests {
         assert!(parse_gold("").is_err());
         assert!(parse_gold("#### ").is_err());
         assert!(parse_gold("$$").is_err());
+    }
+
+    #[test]
+    fn normal_form_prints_lowest_terms_and_reparses_to_itself() {
+        for (gold, printed) in [
+            ("\\frac{6}{8}", "3/4"),
+            ("#### -1,234", "-1234"),
+            ("0.50", "1/2"),
+            ("\\text{blue}", "blue"),
+        ] {
+            let answer = parse_gold(gold).unwrap();
+            assert_eq!(answer.to_string(), printed, "{gold}");
+            assert_eq!(parse_gold(printed).unwrap(), answer, "{gold}");
+        }
     }
 }

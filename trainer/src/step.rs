@@ -198,7 +198,9 @@ impl Trainer {
             k: 1,
             max_tokens: self.cfg.rollout.max_response_len,
         };
-        Ok(evaluate(&self.engine, &self.tokenizer, &self.eval, &spec)?.avg)
+        Ok(evaluate(&self.engine, &self.tokenizer, &self.eval, &spec)?
+            .0
+            .avg)
     }
 
     /// One RL step; returns its metrics line.
