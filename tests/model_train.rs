@@ -14,7 +14,8 @@ const ARCHS: [Arch; 3] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3];
 
 /// Three sequences of different lengths drawn from a fixed pattern.
 fn sequences(vocab: usize) -> Vec<Vec<u32>> {
-    [7usize, 12, 3]
+    // Runs of equal lengths go through packed attention as one batch.
+    [7usize, 12, 12, 12, 3, 3]
         .iter()
         .enumerate()
         .map(|(s, &len)| {

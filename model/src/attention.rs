@@ -29,15 +29,31 @@ impl AttentionBackend for CausalAttention {
 /// query `i` sits at key position `num_cached + i` and sees keys `0..=num_cached + i`.
 /// Differentiable (composite softmax).
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, num_cached: usize) -> Result<Tensor> {
-    let (q_len, num_heads, head_dim) = q.dims3()?;
-    let k_len = k.dim(0)?;
-    let k = repeat_kv(k, num_heads)?;
-    let v = repeat_kv(v, num_heads)?;
-    // (tokens, heads, d) -> (heads, tokens, d)
-    let q = q.transpose(0, 1)?.contiguous()?;
-    let k = k.transpose(0, 1)?.contiguous()?;
-    let v = v.transpose(0, 1)?.contiguous()?;
-    // (heads, q_len, d) x (heads, d, k_len) -> (heads, q_len, k_len)
+    causal_attention_batch(q, k, v, 1, num_cached)
+}
+
+/// [`causal_attention`] of `batch` independent sequences of equal length laid end to end:
+/// `q` (batch * q_len, heads, d), `k`, `v` (batch * k_len, kv_heads, d). One batched matmul
+/// per product instead of one per sequence: the same arithmetic, far fewer ops.
+pub fn causal_attention_batch(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    batch: usize,
+    num_cached: usize,
+) -> Result<Tensor> {
+    let (q_tokens, num_heads, head_dim) = q.dims3()?;
+    let (q_len, k_len) = (q_tokens / batch, k.dim(0)? / batch);
+    // (batch * tokens, heads, d) -> (batch, heads, tokens, d)
+    let split = |x: &Tensor, len: usize| {
+        x.reshape((batch, len, num_heads, head_dim))?
+            .transpose(1, 2)?
+            .contiguous()
+    };
+    let q = split(q, q_len)?;
+    let k = split(&repeat_kv(k, num_heads)?, k_len)?;
+    let v = split(&repeat_kv(v, num_heads)?, k_len)?;
+    // (.., q_len, d) x (.., d, k_len) -> (batch, heads, q_len, k_len)
     let scale = 1.0 / (head_dim as f64).sqrt();
     let scores = (q.matmul(&k.t()?)? * scale)?;
     let scores = if q_len > 1 || k_len > num_cached + q_len {
@@ -48,8 +64,11 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, num_cached: usize) -
         scores
     };
     let probs = softmax_last_dim(&scores)?;
-    // (heads, q_len, k_len) x (heads, k_len, d) -> (heads, q_len, d) -> (q_len, heads, d)
-    probs.matmul(&v)?.transpose(0, 1)?.contiguous()
+    // (.., q_len, k_len) x (.., k_len, d) -> (batch, heads, q_len, d) -> (batch * q_len, heads, d)
+    probs
+        .matmul(&v)?
+        .transpose(1, 2)?
+        .reshape((q_tokens, num_heads, head_dim))
 }
 
 /// Additive mask (q_len, k_len): 0 where query `i` may see key `j` (`j <= num_cached + i`),

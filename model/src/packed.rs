@@ -3,7 +3,7 @@
 
 use candle_core::{Device, Result, Tensor};
 
-use crate::attention::{causal_attention, AttentionBackend};
+use crate::attention::{causal_attention_batch, AttentionBackend};
 
 /// One packed row: the model inputs plus the sequence boundaries.
 #[derive(Debug, Clone)]
@@ -55,20 +55,24 @@ pub struct PackedAttention {
 
 impl AttentionBackend for PackedAttention {
     fn attend(&mut self, _layer_idx: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-        // Attention runs per sequence: O(sum L_i^2), and no mask can leak across sequences.
-        let outs = self
-            .cu_seqlens
-            .windows(2)
-            .map(|w| {
-                let (start, len) = (w[0], w[1] - w[0]);
-                causal_attention(
-                    &q.narrow(0, start, len)?,
-                    &k.narrow(0, start, len)?,
-                    &v.narrow(0, start, len)?,
-                    0,
-                )
-            })
-            .collect::<Result<Vec<_>>>()?;
+        // Attention runs per sequence, O(sum L_i^2), so no mask can leak across sequences;
+        // each run of consecutive equal-length sequences goes through as one batch.
+        let lens: Vec<usize> = self.cu_seqlens.windows(2).map(|w| w[1] - w[0]).collect();
+        let mut outs = Vec::new();
+        let mut first = 0;
+        while first < lens.len() {
+            let len = lens[first];
+            let batch = lens[first..].iter().take_while(|&&l| l == len).count();
+            let (start, tokens) = (self.cu_seqlens[first], batch * len);
+            outs.push(causal_attention_batch(
+                &q.narrow(0, start, tokens)?,
+                &k.narrow(0, start, tokens)?,
+                &v.narrow(0, start, tokens)?,
+                batch,
+                0,
+            )?);
+            first += batch;
+        }
         Tensor::cat(&outs, 0)
     }
 }
