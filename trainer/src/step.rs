@@ -372,20 +372,36 @@ impl Trainer {
         };
         let count = match self.cfg.algorithm {
             Algorithm::Dppo => self.history.overdraw(p, level.rate),
-            _ => p,
+            Algorithm::Greso => return self.draw_greso(p),
+            Algorithm::Grpo | Algorithm::Cppo => p,
         };
         let problems = self.order.next(count);
         let ids: Vec<u64> = problems.iter().map(|&i| self.train[i].prompt_id).collect();
         let w_q = match self.cfg.algorithm {
             Algorithm::Dppo => self.history.select(&ids, &level, &mut self.phase_rng(1)),
-            Algorithm::Greso => self
-                .greso
-                .select(&ids, &mut self.phase_rng(1))
-                .into_iter()
-                .map(|keep| keep.then_some(1.0))
-                .collect(),
-            Algorithm::Grpo | Algorithm::Cppo => vec![Some(1.0); ids.len()],
+            _ => vec![Some(1.0); ids.len()],
         };
+        Drawn { problems, w_q }
+    }
+
+    /// GRESO's selective rollout with its adaptive batch size: prompts are drawn until `p`
+    /// of them are rolled out (at most one pass over the training set), so that skipping
+    /// saves rollouts of uninformative prompts instead of shrinking the batch.
+    fn draw_greso(&mut self, p: usize) -> Drawn {
+        let mut rng = self.phase_rng(1);
+        let (mut problems, mut w_q) = (Vec::new(), Vec::new());
+        let mut kept = 0;
+        while kept < p && problems.len() < self.train.len() {
+            let next = self
+                .order
+                .next((p - kept).min(self.train.len() - problems.len()));
+            let ids: Vec<u64> = next.iter().map(|&i| self.train[i].prompt_id).collect();
+            for keep in self.greso.select(&ids, &mut rng) {
+                kept += usize::from(keep);
+                w_q.push(keep.then_some(1.0));
+            }
+            problems.extend(next);
+        }
         Drawn { problems, w_q }
     }
 
@@ -566,6 +582,33 @@ mod tests {
             low > 0.0 && high > 2.0 * low,
             "r_o 0.25: {low}, r_o 0.75: {high}"
         );
+    }
+
+    #[test]
+    fn greso_draws_until_the_rollout_batch_is_full() {
+        let cfg = RunConfig::default_with(&["algorithm=greso".to_string()]).unwrap();
+        let policy = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
+        let (train, eval) = builtin_task("arithmetic", 256, 4, 0).unwrap();
+        let mut trainer = Trainer::new(cfg, &policy, train, eval).unwrap();
+        // Every even prompt was all-correct on its last 16 visits: skipped with probability
+        // 0.99 (GRESO's floor keeps 1%).
+        for p in trainer.train.iter().filter(|p| p.prompt_id % 2 == 0) {
+            trainer.greso.visits.insert(p.prompt_id, vec![1.0; 16]);
+        }
+        let drawn = trainer.draw_and_prune_prompts();
+        let kept = drawn.w_q.iter().filter(|w| w.is_some()).count();
+        assert_eq!(kept, 32, "the rollout batch stays full");
+        assert!(
+            drawn.problems.len() > 50,
+            "about half the drawn prompts are skipped"
+        );
+        assert_eq!(trainer.order.drawn, drawn.problems.len() as u64);
+        // With fewer rollable prompts than a batch, one pass over the training set ends it.
+        for p in &trainer.train {
+            trainer.greso.visits.insert(p.prompt_id, vec![1.0; 16]);
+        }
+        let drawn = trainer.draw_and_prune_prompts();
+        assert_eq!(drawn.problems.len(), 256);
     }
 
     #[test]

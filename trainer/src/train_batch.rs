@@ -17,8 +17,9 @@ pub struct TrainBatch {
 /// `max_response_len`.
 ///
 /// DPPO and GRPO normalise by the full batch (`N_seq` = all completions of all drawn
-/// prompts, `N_tok` = sum of `w_q * T_j` over rolled-out prompts); CPPO averages over the
-/// retained completions only, as its paper does.
+/// prompts, `N_tok` = sum of `w_q * T_j` over rolled-out prompts); GRESO, which does not
+/// re-weight, by the prompts it rolled out; CPPO averages over the retained completions
+/// only, as its paper does.
 pub fn build_train_batch(
     groups: &[Group],
     kept: &[Kept],
@@ -43,6 +44,10 @@ pub fn build_train_batch(
             }
         })
         .collect();
+    let num_prompts = match algorithm {
+        Algorithm::Greso => groups.len(),
+        _ => num_drawn_prompts,
+    };
     let norm = match algorithm {
         Algorithm::Cppo => Normalisers {
             num_seqs: seqs.len() as f64,
@@ -53,7 +58,7 @@ pub fn build_train_batch(
             max_len: max_len as f64,
         },
         Algorithm::Grpo | Algorithm::Dppo | Algorithm::Greso => Normalisers {
-            num_seqs: (num_drawn_prompts * group_size) as f64,
+            num_seqs: (num_prompts * group_size) as f64,
             num_tokens: groups
                 .iter()
                 .map(|g| g.w_q * g.num_completion_tokens() as f64)
