@@ -246,25 +246,17 @@ fn resumed_run_ends_with_the_weights_of_an_uninterrupted_run() {
     ]);
     assert!(ok && stdout.contains("token_ids"), "{stderr}");
     // ... and `dppo eval` scores it on the run's held-out split.
-    let (ok, stdout, stderr) = dppo(&[
-        "eval",
-        "--model",
-        b.join("checkpoints/step-000004/model").to_str().unwrap(),
-        "--data",
-        "builtin:arithmetic",
-        "--limit",
-        "8",
-        "--n",
-        "2",
-        "--k",
-        "2",
-        "--temperature",
-        "1",
-        "--max-tokens",
-        "8",
-    ]);
-    assert!(ok, "{stderr}");
-    let report: Value = serde_json::from_str(stdout.trim()).unwrap();
+    let model = b.join("checkpoints/step-000004/model");
+    let eval = |extra: &[&str]| -> Value {
+        let mut args = vec!["eval", "--model", model.to_str().unwrap()];
+        args.extend_from_slice(&["--data", "builtin:arithmetic", "--limit", "8"]);
+        args.extend_from_slice(&["--max-tokens", "8"]);
+        args.extend_from_slice(extra);
+        let (ok, stdout, stderr) = dppo(&args);
+        assert!(ok, "{stderr}");
+        serde_json::from_str(stdout.trim()).unwrap()
+    };
+    let report = eval(&["--n", "2", "--k", "2", "--temperature", "1"]);
     let (avg, pass) = (
         report["avg@2"].as_f64().unwrap(),
         report["pass@2"].as_f64().unwrap(),
@@ -276,21 +268,7 @@ fn resumed_run_ends_with_the_weights_of_an_uninterrupted_run() {
     // Greedy, it reproduces the run's own final evaluation of its held-out split, and
     // `--samples` writes every scored sample of those problems.
     let samples = dir.path().join("samples.jsonl");
-    let (ok, stdout, stderr) = dppo(&[
-        "eval",
-        "--model",
-        b.join("checkpoints/step-000004/model").to_str().unwrap(),
-        "--data",
-        "builtin:arithmetic",
-        "--limit",
-        "8",
-        "--max-tokens",
-        "8",
-        "--samples",
-        samples.to_str().unwrap(),
-    ]);
-    assert!(ok, "{stderr}");
-    let report: Value = serde_json::from_str(stdout.trim()).unwrap();
+    let report = eval(&["--samples", samples.to_str().unwrap()]);
     let summary: Value =
         serde_json::from_str(&std::fs::read_to_string(b.join("summary.json")).unwrap()).unwrap();
     assert_eq!(report["avg@1"], summary["eval_after"], "{report} {summary}");
