@@ -371,9 +371,9 @@ impl Trainer {
             mode: PruneMode::FixedCount,
         };
         let count = match self.cfg.algorithm {
-            Algorithm::Dppo => self.history.overdraw(p, level.rate),
+            Algorithm::Dppo if self.cfg.dppo.allocation => self.history.overdraw(p, level.rate),
             Algorithm::Greso => return self.draw_greso(p),
-            Algorithm::Grpo | Algorithm::Cppo => p,
+            Algorithm::Dppo | Algorithm::Grpo | Algorithm::Cppo => p,
         };
         let problems = self.order.next(count);
         let ids: Vec<u64> = problems.iter().map(|&i| self.train[i].prompt_id).collect();
@@ -519,6 +519,7 @@ fn check_pack_tokens<'a>(
 mod tests {
     use super::*;
     use crate::data::builtin_task;
+    use crate::prune::PromptStats;
 
     #[test]
     fn the_warm_up_draws_only_demonstrations_and_leaves_the_rl_position() {
@@ -609,6 +610,47 @@ mod tests {
         }
         let drawn = trainer.draw_and_prune_prompts();
         assert_eq!(drawn.problems.len(), 256);
+    }
+
+    #[test]
+    fn allocation_decides_whether_prompt_pruning_refills_the_batch() {
+        let policy = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
+        let drawn_and_kept = |allocation: bool| {
+            let cfg = RunConfig::default_with(&[
+                "dppo.r_q=0.5".to_string(),
+                format!("dppo.allocation={allocation}"),
+            ])
+            .unwrap();
+            let (train, eval) = builtin_task("arithmetic", 256, 4, 0).unwrap();
+            let mut trainer = Trainer::new(cfg, &policy, train, eval).unwrap();
+            // Every prompt seen; the even ones carried no signal: they are the candidates.
+            for p in &trainer.train {
+                let stats = PromptStats {
+                    score: if p.prompt_id % 2 == 0 { 0.0 } else { 1.0 },
+                    last_step: 0,
+                    visits: 1,
+                    zero_var_streak: u64::from(p.prompt_id % 2 == 0),
+                };
+                trainer.history.entries.insert(p.prompt_id, stats);
+            }
+            // The first draw measures the candidate fraction that sizes the second.
+            trainer.draw_and_prune_prompts();
+            let drawn = trainer.draw_and_prune_prompts();
+            let kept = drawn.w_q.iter().flatten().count();
+            (drawn.problems.len(), kept)
+        };
+        let (drawn, kept) = drawn_and_kept(true);
+        assert!(drawn > 32, "over-drawn: {drawn}");
+        assert!(
+            (28..=36).contains(&kept),
+            "about a full batch rolled out: {kept}"
+        );
+        let (drawn, kept) = drawn_and_kept(false);
+        assert_eq!(drawn, 32);
+        assert!(
+            (16..32).contains(&kept),
+            "pruned prompts are not replaced: {kept}"
+        );
     }
 
     #[test]
