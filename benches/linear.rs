@@ -1,6 +1,7 @@
 //! `x @ w^T` on SmolLM2-135M's shapes: our `linear` (the AVX-512 kernel where the CPU has
 //! it) against candle's matmul in the same process. 32 rows is a decode step of 4 prompts x
-//! 8 samples; 512 rows is a prefill or a packed training row.
+//! 8 samples; 512 rows is a prefill or a packed training row. builtin:tiny's 256-row decode
+//! step of the default run (32 prompts x 8 samples) runs short dot products (k = 64, 176).
 
 use candle_core::{Device, Tensor};
 use criterion::{criterion_group, criterion_main, Criterion};
@@ -15,6 +16,8 @@ fn shapes(c: &mut Criterion) {
         (32, 576, 1536),
         (32, 49152, 576),
         (512, 1536, 576),
+        (256, 176, 64),
+        (256, 64, 176),
     ] {
         let x = Tensor::randn(0f32, 1.0, (m, k), &dev).unwrap();
         let w = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();

@@ -111,23 +111,19 @@ impl AttentionBackend for PagedAttention<'_> {
             num_heads,
             scale: 1.0 / (head_dim as f32).sqrt(),
         };
-        // `scores` is scratch space reused across rows (one per worker thread).
-        let attend_row = |scores: &mut Vec<f32>, (idx, out_row): (usize, &mut [f32])| {
+        let attend_row = |(idx, out_row): (usize, &mut [f32])| {
             let (t, h) = (idx / num_heads, idx % num_heads);
             let meta = &self.seqs[token_seq[t]];
             let pos = meta.num_computed_tokens + (t - meta.first_row);
             let q_row = &q[idx * head_dim..(idx + 1) * head_dim];
-            kernel.attend_one(q_row, h, pos, &meta.block_table, scores, out_row);
+            kernel.attend_one(q_row, h, pos, &meta.block_table, out_row);
         };
         if multi_threaded() {
             out.par_chunks_mut(head_dim)
                 .enumerate()
-                .for_each_init(Vec::new, attend_row);
+                .for_each(attend_row);
         } else {
-            let mut scores = Vec::new();
-            out.chunks_mut(head_dim)
-                .enumerate()
-                .for_each(|row| attend_row(&mut scores, row));
+            out.chunks_mut(head_dim).enumerate().for_each(attend_row);
         }
         Tensor::from_vec(out, (num_tokens, num_heads, head_dim), k.device())
     }
@@ -152,33 +148,24 @@ struct Kernel<'a> {
 }
 
 impl Kernel<'_> {
-    /// Attention of one query head at position `pos` over keys `0..=pos` of a sequence;
-    /// `scores` is scratch space. Walks the block table block by block, so the slot
-    /// arithmetic costs one multiply per block rather than a division per key.
+    /// Attention of one query head at position `pos` over keys `0..=pos` of a sequence.
     fn attend_one(
         &self,
         q: &[f32],
         head: usize,
         pos: usize,
         block_table: &[BlockId],
-        scores: &mut Vec<f32>,
         out: &mut [f32],
     ) {
         let d = self.shape.head_dim;
         let bs = self.shape.block_size;
         let kv_head = head / (self.num_heads / self.shape.num_kv_heads);
         let row = self.shape.slot_len();
-        // Offsets of key/value rows 0..=pos, in order: (block start, tokens used in it).
-        let blocks = block_table.iter().enumerate().map(|(b, &id)| {
-            let used = (pos + 1).saturating_sub(b * bs).min(bs);
-            (id as usize * bs * row + kv_head * d, used)
-        });
-        let rows = blocks
-            .take(pos / bs + 1)
-            .flat_map(|(start, used)| (0..used).map(move |slot| start + slot * row));
+        let offset = |j: usize| (block_table[j / bs] as usize * bs + j % bs) * row + kv_head * d;
         // scores = q . k_j * scale, then a max-shifted softmax
-        scores.clear();
-        scores.extend(rows.clone().map(|o| dot(q, &self.k[o..o + d]) * self.scale));
+        let mut scores: Vec<f32> = (0..=pos)
+            .map(|j| dot(q, &self.k[offset(j)..offset(j) + d]) * self.scale)
+            .collect();
         let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0f32;
         for s in scores.iter_mut() {
@@ -186,8 +173,8 @@ impl Kernel<'_> {
             sum += *s;
         }
         out.fill(0.0);
-        for (o, p) in rows.zip(scores.iter()) {
-            let v = &self.v[o..o + d];
+        for (j, p) in scores.iter().enumerate() {
+            let v = &self.v[offset(j)..offset(j) + d];
             let w = p / sum;
             for (o, x) in out.iter_mut().zip(v) {
                 *o += w * x;
