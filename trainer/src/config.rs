@@ -142,8 +142,8 @@ pub struct DppoConfig {
     pub r_o: f64,
     pub scope: CompletionScope,
     pub history_decay: f64,
-    /// Over-draw prompts by `1/(1 - r_q * f)` so that the rollout batch stays full
-    /// (ALGORITHM.md's "allocation"; default). `false`: draw `prompts_per_step`, so that
+    /// DPPO over-draws prompts by `1/(1 - r_q * f)` so that the rollout batch stays full
+    /// (ALGORITHM.md §2's "allocation"; default). `false`: draw `prompts_per_step`, so that
     /// prompt pruning saves their rollouts and the step estimates GRPO on those prompts.
     #[serde(default = "default_allocation")]
     pub allocation: bool,
