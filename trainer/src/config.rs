@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::advantages::ScaleRewards;
 use crate::loss::{LossAgg, RatioLevel};
-use crate::prune::{Algorithm, CompletionScope};
+use crate::prune::{Algorithm, CandidateRule, CompletionScope, LevelConfig, PruneMode};
 
 /// The configuration compiled into the binary (`dppo run` with no arguments).
 pub const DEFAULT_TOML: &str = include_str!("../../configs/default.toml");
@@ -147,6 +147,43 @@ pub struct DppoConfig {
     /// prompt pruning saves their rollouts and the step estimates GRPO on those prompts.
     #[serde(default = "default_allocation")]
     pub allocation: bool,
+    /// Which items of a scope (a group, the batch, or the step's seen prompts) may be
+    /// dropped, at both levels: `below_mean` (default) or `lowest_fraction`.
+    #[serde(default)]
+    pub candidates: Candidates,
+    /// The fraction of a scope, lowest scores first, that `lowest_fraction` makes candidates.
+    #[serde(default = "default_candidate_frac")]
+    pub candidate_frac: f64,
+    /// How candidates are dropped: `fixed_count` (default; exactly unbiased, fixed count),
+    /// `poisson` (unbiased, random count) or `deterministic` (biased ablation, weight 1).
+    #[serde(default)]
+    pub mode: PruneMode,
+}
+
+/// `dppo.candidates` (ALGORITHM.md §2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Candidates {
+    #[default]
+    BelowMean,
+    LowestFraction,
+}
+
+impl DppoConfig {
+    /// The pruning design at `rate` (`r_q` or `r_o`): both levels share candidates and mode.
+    pub fn level(&self, rate: f64) -> LevelConfig {
+        let candidates = match self.candidates {
+            Candidates::BelowMean => CandidateRule::BelowMean,
+            Candidates::LowestFraction => CandidateRule::LowestFraction {
+                fraction: self.candidate_frac,
+            },
+        };
+        LevelConfig {
+            rate,
+            candidates,
+            mode: self.mode,
+        }
+    }
 }
 
 /// `[pack]`
@@ -180,6 +217,9 @@ impl EvalConfig {
 
 fn default_allocation() -> bool {
     true
+}
+fn default_candidate_frac() -> f64 {
+    0.5
 }
 fn default_question() -> String {
     "question".into()
@@ -296,6 +336,11 @@ impl RunConfig {
             "must be positive".into(),
         )?;
         check(
+            self.dppo.candidate_frac > 0.0 && self.dppo.candidate_frac <= 1.0,
+            "dppo.candidate_frac",
+            format!("must be in (0, 1], got {}", self.dppo.candidate_frac),
+        )?;
+        check(
             self.dppo.history_decay >= 0.0 && self.dppo.history_decay < 1.0,
             "dppo.history_decay",
             format!("must be in [0, 1), got {}", self.dppo.history_decay),
@@ -355,6 +400,36 @@ mod tests {
     }
 
     #[test]
+    fn the_pruning_design_keys_reach_both_levels() {
+        let cfg = RunConfig::default_with(&[]).unwrap();
+        let level = cfg.dppo.level(0.3);
+        assert_eq!(
+            (level.rate, level.candidates, level.mode),
+            (0.3, CandidateRule::BelowMean, PruneMode::FixedCount),
+            "the default is ALGORITHM.md's exactly unbiased design"
+        );
+        let sets = [
+            "dppo.candidates=lowest_fraction".to_string(),
+            "dppo.candidate_frac=0.25".into(),
+            "dppo.mode=poisson".into(),
+        ];
+        let cfg = RunConfig::default_with(&sets).unwrap();
+        for rate in [cfg.dppo.r_q, cfg.dppo.r_o] {
+            let level = cfg.dppo.level(rate);
+            assert_eq!(
+                (level.rate, level.candidates, level.mode),
+                (
+                    rate,
+                    CandidateRule::LowestFraction { fraction: 0.25 },
+                    PruneMode::Poisson
+                )
+            );
+        }
+        let cfg = RunConfig::default_with(&["dppo.mode=deterministic".to_string()]).unwrap();
+        assert_eq!(cfg.dppo.level(0.5).mode, PruneMode::Deterministic);
+    }
+
+    #[test]
     fn bad_configs_name_the_key() {
         let cases = [
             ("threads=-1", "threads"),
@@ -364,6 +439,12 @@ mod tests {
             ("actor.loss_agg=\"mean\"", "unknown variant `mean`"),
             ("rollout.n=1", "rollout.n"),
             ("bogus", "expected key=value"),
+            (
+                "dppo.candidate_frac=0",
+                "dppo.candidate_frac: must be in (0, 1], got 0",
+            ),
+            ("dppo.mode=\"random\"", "unknown variant `random`"),
+            ("dppo.candidates=\"lowest\"", "unknown variant `lowest`"),
         ];
         for (set, want) in cases {
             let err = RunConfig::default_with(&[set.to_string()])

@@ -20,9 +20,7 @@ use crate::eval::{evaluate, EvalSpec};
 use crate::learner::{Learner, LearnerConfig};
 use crate::loss::{LossConfig, TrainSeq};
 use crate::optim::{squared_norm, AdamWConfig, LrSchedule};
-use crate::prune::{
-    select_completions, Algorithm, CandidateRule, Greso, LevelConfig, PromptHistory, PruneMode,
-};
+use crate::prune::{select_completions, Algorithm, Greso, LevelConfig, PromptHistory};
 use crate::rewards::score;
 use crate::rollout::{Group, Sample};
 use crate::train_batch::{build_train_batch, TrainBatch};
@@ -221,11 +219,7 @@ impl Trainer {
         compute_advantages(&mut groups, self.cfg.actor.scale_rewards);
         self.history.update(&groups, self.step);
         self.greso.update(&groups);
-        let level = LevelConfig {
-            rate: self.cfg.dppo.r_o,
-            candidates: CandidateRule::BelowMean,
-            mode: PruneMode::FixedCount,
-        };
+        let level = self.cfg.dppo.level(self.cfg.dppo.r_o);
         let batch = self.train_batch(
             &groups,
             drawn.problems.len(),
@@ -365,11 +359,7 @@ impl Trainer {
 
     fn draw_and_prune_prompts(&mut self) -> Drawn {
         let p = self.cfg.rollout.prompts_per_step;
-        let level = LevelConfig {
-            rate: self.cfg.dppo.r_q,
-            candidates: CandidateRule::BelowMean,
-            mode: PruneMode::FixedCount,
-        };
+        let level = self.cfg.dppo.level(self.cfg.dppo.r_q);
         let count = match self.cfg.algorithm {
             Algorithm::Dppo if self.cfg.dppo.allocation => self.history.overdraw(p, level.rate),
             Algorithm::Greso => return self.draw_greso(p),
@@ -519,7 +509,7 @@ fn check_pack_tokens<'a>(
 mod tests {
     use super::*;
     use crate::data::builtin_task;
-    use crate::prune::PromptStats;
+    use crate::prune::{CandidateRule, PromptStats, PruneMode};
 
     #[test]
     fn the_warm_up_draws_only_demonstrations_and_leaves_the_rl_position() {

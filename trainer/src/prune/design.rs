@@ -17,11 +17,12 @@ pub enum CandidateRule {
 }
 
 /// How candidates are dropped (`mode`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PruneMode {
     /// Drop exactly `floor(r * |C|)` candidates uniformly without replacement; kept
     /// candidates weigh `|C| / (|C| - k)`. Exactly unbiased, fixed count (the default).
+    #[default]
     FixedCount,
     /// Keep each candidate independently with `pi = clamp(s / mean_s, 1 - r, 1)`, weight
     /// `1 / pi`. Exactly unbiased, random count.
