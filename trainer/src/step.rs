@@ -509,7 +509,7 @@ fn check_pack_tokens<'a>(
 mod tests {
     use super::*;
     use crate::data::builtin_task;
-    use crate::prune::{CandidateRule, PromptStats, PruneMode};
+    use crate::prune::PromptStats;
 
     #[test]
     fn the_warm_up_draws_only_demonstrations_and_leaves_the_rl_position() {
@@ -560,11 +560,7 @@ mod tests {
             .collect();
         compute_advantages(&mut groups, crate::advantages::ScaleRewards::Group);
         let variance = |rate: f64| {
-            let level = LevelConfig {
-                rate,
-                candidates: CandidateRule::BelowMean,
-                mode: PruneMode::FixedCount,
-            };
+            let level = trainer.cfg.dppo.level(rate);
             trainer.pruning_variance(&groups, 4, &level, 16).unwrap()
         };
         assert_eq!(variance(0.0), 0.0, "no pruning, no scatter");
