@@ -186,22 +186,28 @@ const SMALL: [&str; 12] = [
     "checkpoint.keep=5",
 ];
 
-#[test]
-fn resumed_run_ends_with_the_weights_of_an_uninterrupted_run() {
-    let dir = tempfile::tempdir().unwrap();
-    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
-    let run = |out: &std::path::Path, extra: &[&str]| {
+/// Runs four RL steps straight (into `dir/a`) and as two steps resumed to four (into
+/// `dir/b`), both with `extra` settings, and asserts that the resumed run ends with exactly
+/// the uninterrupted run's weights and optimizer moments. Returns the two run directories.
+fn interrupted_and_uninterrupted(
+    dir: &std::path::Path,
+    extra: &[&str],
+) -> (std::path::PathBuf, std::path::PathBuf) {
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    let run = |out: &std::path::Path, more: &[&str]| {
         let mut args = vec!["run", "--out", out.to_str().unwrap()];
         args.extend_from_slice(&SMALL);
-        args.extend_from_slice(extra);
+        args.extend_from_slice(more);
         let (ok, _, stderr) = dppo(&args);
         assert!(ok, "{stderr}");
     };
     // The KL term moves the weights every step, whatever the rewards of this barely trained
     // model (its reference is the policy after warm-up, which two steps leave behind).
-    run(&a, &["--set", "steps=4", "--set", "actor.beta=0.1"]);
+    let mut settings = vec!["--set", "actor.beta=0.1"];
+    settings.extend_from_slice(extra);
+    run(&a, &[&settings[..], &["--set", "steps=4"]].concat());
     // Stopped after step 2, then resumed to step 4.
-    run(&b, &["--set", "steps=2", "--set", "actor.beta=0.1"]);
+    run(&b, &[&settings[..], &["--set", "steps=2"]].concat());
     let ckpt = b.join("checkpoints/step-000002");
     run(
         &b,
@@ -225,6 +231,29 @@ fn resumed_run_ends_with_the_weights_of_an_uninterrupted_run() {
             "{file} differs between the uninterrupted and the resumed run"
         );
     }
+    (a, b)
+}
+
+#[test]
+fn one_step_off_policy_resumes_with_the_rollout_made_ahead_of_its_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, b) =
+        interrupted_and_uninterrupted(dir.path(), &["--set", "rollout.one_step_off_policy=true"]);
+    let state: Value = serde_json::from_str(
+        &std::fs::read_to_string(b.join("checkpoints/step-000002/state.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(state["pending"]["step"], 2, "{}", state["pending"]);
+    assert_eq!(
+        state["pending"]["version"].as_u64().unwrap() + 1,
+        state["policy_version"].as_u64().unwrap()
+    );
+}
+
+#[test]
+fn resumed_run_ends_with_the_weights_of_an_uninterrupted_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, b) = interrupted_and_uninterrupted(dir.path(), &[]);
     let lines = std::fs::read_to_string(b.join("metrics.jsonl"))
         .unwrap()
         .lines()

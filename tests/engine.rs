@@ -239,6 +239,26 @@ fn dropping_a_handle_cancels_its_request() {
     panic!("the request always finished before its handle could be dropped");
 }
 
+#[test]
+fn dropping_the_engine_finishes_queued_work_although_handles_live() {
+    let policy = policy();
+    let engine = Engine::new(&policy, config(4, 512), Device::Cpu).unwrap();
+    let handle = engine.submit(greedy(vec![1, 2, 3], 2, 20)).unwrap();
+    // The live handle keeps a sender to the worker: the drop must not wait on the channel
+    // closing. Dropped on another thread so that a hang fails the test instead of stalling it.
+    let (done, dropped) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        drop(engine);
+        done.send(()).unwrap();
+    });
+    dropped
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("dropping the engine hung while a request handle was alive");
+    let completions = handle.wait();
+    assert_eq!(completions.len(), 2);
+    assert!(completions.iter().all(|c| c.token_ids.len() == 20));
+}
+
 /// Rollouts (high priority, isolated) give bit-identical tokens and logprobs whether or
 /// not normal traffic shares the engine.
 #[test]

@@ -87,6 +87,9 @@ enum Command {
         model: Box<CausalLm>,
         version: u64,
     },
+    /// The engine is dropped: finish the queued work, then stop (request handles still
+    /// alive hold senders, so the channel alone would never close).
+    Shutdown,
 }
 
 /// A submitted request: its id, its event stream (read from threads or async tasks), and
@@ -202,6 +205,7 @@ impl Engine {
             requests: HashMap::new(),
             stats: stats.clone(),
             policy_version: 0,
+            stopping: false,
         };
         let handle = std::thread::Builder::new()
             .name("dppo-engine".into())
@@ -326,9 +330,8 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        // Closing the channel ends the worker once its queue is drained.
         let (dead, _) = mpsc::channel();
-        *self.commands.lock() = dead;
+        let _ = std::mem::replace(&mut *self.commands.lock(), dead).send(Command::Shutdown);
         if let Some(worker) = self.worker.take() {
             let _ = worker.join();
         }
@@ -375,6 +378,8 @@ struct Worker {
     requests: HashMap<RequestId, RequestState>,
     stats: Arc<Mutex<EngineStats>>,
     policy_version: u64,
+    /// Set by `Command::Shutdown`: return once no work is left.
+    stopping: bool,
 }
 
 impl Worker {
@@ -382,6 +387,9 @@ impl Worker {
         loop {
             // 1. Commands: block while idle, drain without blocking while busy.
             if !self.scheduler.has_work() {
+                if self.stopping {
+                    return;
+                }
                 match rx.recv() {
                     Ok(cmd) => self.apply(cmd),
                     Err(_) => return,
@@ -424,6 +432,7 @@ impl Worker {
                 self.policy_version = version;
                 self.stats.lock().policy_version = version;
             }
+            Command::Shutdown => self.stopping = true,
         }
     }
 

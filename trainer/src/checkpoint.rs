@@ -1,5 +1,6 @@
 //! Checkpoints: the policy as an HF directory, the optimizer moments, and the trainer's
-//! state (step, policy version, data position, prompt history, GRESO state), written to a
+//! state (step, policy version, data position, prompt history, GRESO state, and a rollout
+//! made ahead of its step when one step off-policy), written to a
 //! temporary directory and renamed into place; the last `keep` are kept.
 
 use std::collections::BTreeMap;
@@ -11,7 +12,7 @@ use dppo_model::Policy;
 use serde::{Deserialize, Serialize};
 
 use crate::prune::{Greso, PromptHistory};
-use crate::step::Trainer;
+use crate::step::{Pending, StepRollout, Trainer};
 use crate::TrainError;
 
 /// Everything but tensors.
@@ -25,6 +26,9 @@ pub struct TrainerState {
     pub greso: Greso,
     /// Held-out accuracy before RL, so a resumed run reports the same summary.
     pub eval_before: Option<f64>,
+    /// The next step's rollout, generated ahead of it (`rollout.one_step_off_policy`).
+    #[serde(default)]
+    pub pending: Option<StepRollout>,
 }
 
 const STATE: &str = "state.json";
@@ -40,13 +44,15 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
 }
 
 impl Trainer {
-    /// Writes `root/step-NNNNNN` atomically and deletes all but the newest `keep`.
+    /// Writes `root/step-NNNNNN` atomically and deletes all but the newest `keep`. Waits
+    /// for a rollout in flight first, so that it is saved with the step it belongs to.
     pub fn save_checkpoint(
-        &self,
+        &mut self,
         root: &Path,
         keep: usize,
         eval_before: Option<f64>,
     ) -> Result<PathBuf, TrainError> {
+        self.settle()?;
         std::fs::create_dir_all(root).map_err(io(root))?;
         let dir = root.join(format!("step-{:06}", self.step));
         let tmp = root.join(format!(".step-{:06}.tmp", self.step));
@@ -75,6 +81,11 @@ impl Trainer {
             history: self.history.clone(),
             greso: self.greso.clone(),
             eval_before,
+            pending: match &self.pending {
+                Some(Pending::Done(rollout)) => Some(rollout.clone()),
+                Some(Pending::InFlight(_)) => unreachable!("settled above"),
+                None => None,
+            },
         };
         let json = serde_json::to_string(&state).map_err(|e| TrainError::Config(e.to_string()))?;
         write_atomic(&tmp.join(STATE), json.as_bytes())?;
@@ -121,6 +132,17 @@ impl Trainer {
         self.order.drawn = state.drawn;
         self.history = state.history.clone();
         self.greso = state.greso.clone();
+        if let Some(rollout) = &state.pending {
+            if rollout.step != state.step {
+                return Err(TrainError::Config(format!(
+                    "{}: the saved rollout is for step {}, the checkpoint is at step {}",
+                    dir.join(STATE).display(),
+                    rollout.step,
+                    state.step
+                )));
+            }
+        }
+        self.pending = state.pending.clone().map(Pending::Done);
         self.resume_version(state.policy_version)?;
         Ok(state)
     }

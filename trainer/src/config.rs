@@ -116,6 +116,11 @@ pub struct RolloutConfig {
     pub temperature: f32,
     pub top_p: f32,
     pub max_response_len: usize,
+    /// Generate step `t + 1`'s rollouts while step `t` trains (verl's one-step off-policy):
+    /// generation hides behind training, and each step trains on samples of the policy one
+    /// update old (the clipped ratio against the engine's logprobs corrects for it).
+    #[serde(default)]
+    pub one_step_off_policy: bool,
 }
 
 /// `[actor]`

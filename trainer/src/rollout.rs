@@ -1,7 +1,9 @@
 //! The rollout batch as the learner sees it: groups of samples of one prompt each.
 
+use serde::{Deserialize, Serialize};
+
 /// One completion of a prompt, with what the engine and the verifier said of it.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Sample {
     pub prompt_ids: Vec<u32>,
     pub completion_ids: Vec<u32>,
@@ -12,7 +14,7 @@ pub struct Sample {
 }
 
 /// The `G` samples of one prompt and their advantages.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Group {
     pub prompt_id: u64,
     pub samples: Vec<Sample>,
