@@ -240,6 +240,24 @@ fn dropping_a_handle_cancels_its_request() {
 }
 
 #[test]
+fn stats_count_an_iteration_before_streaming_its_tokens() {
+    let policy = policy();
+    let engine = Engine::new(&policy, config(4, 512), Device::Cpu).unwrap();
+    for round in 1..=3 {
+        let before = engine.stats();
+        let out = engine.generate(vec![greedy(vec![1, 2, 3], 2, 6)]).unwrap();
+        // Read at once after the last token arrived: the iterations that made it are in.
+        let after = engine.stats();
+        let tokens: usize = out[0].iter().map(|c| c.token_ids.len()).sum();
+        assert_eq!(
+            after.num_generated_tokens - before.num_generated_tokens,
+            tokens
+        );
+        assert!(after.busy_ns > before.busy_ns, "round {round}");
+    }
+}
+
+#[test]
 fn dropping_the_engine_finishes_queued_work_although_handles_live() {
     let policy = policy();
     let engine = Engine::new(&policy, config(4, 512), Device::Cpu).unwrap();

@@ -63,6 +63,9 @@ pub struct EngineStats {
     pub num_preemptions: usize,
     pub num_iterations: usize,
     pub num_generated_tokens: usize,
+    /// Nanoseconds spent in iterations (schedule, forward, sampling), each counted before
+    /// its tokens are streamed: a caller holding its last token sees its time included.
+    pub busy_ns: u64,
     pub policy_version: u64,
     /// Sequences waiting for admission (the queue depth).
     pub num_waiting: usize,
@@ -495,6 +498,7 @@ impl Worker {
     }
 
     fn step(&mut self) -> Result<(), EngineError> {
+        let started = std::time::Instant::now();
         let plan = self.scheduler.schedule();
         if plan.is_empty() {
             return Err(EngineError::InvalidConfig(
@@ -509,7 +513,7 @@ impl Worker {
             .map(|draws| draws.iter().map(|d| d.token_id).collect())
             .collect();
         let appended = self.scheduler.postprocess(&plan, &ids);
-        self.update_stats(&plan, appended.len());
+        self.update_stats(&plan, appended.len(), started.elapsed());
         for a in appended {
             self.emit(a, &sampled[a.plan_idx][a.sample_idx]);
         }
@@ -593,10 +597,11 @@ impl Worker {
         sampled
     }
 
-    fn update_stats(&self, plan: &Plan, num_new: usize) {
+    fn update_stats(&self, plan: &Plan, num_new: usize, busy: std::time::Duration) {
         let pool = self.scheduler.pool();
         let mut stats = self.stats.lock();
         stats.num_iterations += 1;
+        stats.busy_ns += busy.as_nanos() as u64;
         stats.num_preemptions += plan.preempted.len();
         stats.num_generated_tokens += num_new;
         stats.peak_blocks_used = stats
