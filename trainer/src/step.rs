@@ -113,7 +113,6 @@ pub(crate) struct InFlight {
     drawn: Drawn,
     /// (training problem, `w_q`) of each rolled-out prompt, in request order.
     kept: Vec<(usize, f64)>,
-    prompts: Vec<Vec<u32>>,
     handles: Vec<RequestHandle>,
     /// The engine's `busy_ns` at submission.
     busy_ns: u64,
@@ -456,10 +455,8 @@ impl Trainer {
             .zip(&drawn.w_q)
             .filter_map(|(&i, w)| w.map(|w| (i, w)))
             .collect();
-        let mut prompts = Vec::with_capacity(kept.len());
         let mut reqs = Vec::with_capacity(kept.len());
         for (k, &(i, _)) in kept.iter().enumerate() {
-            let ids = self.train_prompts[i].clone();
             reqs.push(GenerateRequest {
                 sampling: SamplingParams {
                     temperature: self.cfg.rollout.temperature,
@@ -469,12 +466,11 @@ impl Trainer {
                 },
                 priority: Priority::High,
                 ..GenerateRequest::new(
-                    ids.clone(),
+                    self.train_prompts[i].clone(),
                     self.cfg.rollout.n,
                     self.cfg.rollout.max_response_len,
                 )
             });
-            prompts.push(ids);
         }
         let busy_ns = self.engine.stats().busy_ns;
         let handles = self.engine.submit_all(reqs)?;
@@ -484,7 +480,6 @@ impl Trainer {
             version: self.engine_version,
             drawn,
             kept,
-            prompts,
             handles,
         })
     }
@@ -498,8 +493,7 @@ impl Trainer {
         };
         let mut groups = Vec::with_capacity(inflight.kept.len());
         let mut gen_tokens = 0;
-        let requests = inflight.kept.iter().zip(inflight.prompts);
-        for ((&(i, w_q), prompt), handle) in requests.zip(inflight.handles) {
+        for (&(i, w_q), handle) in inflight.kept.iter().zip(inflight.handles) {
             let problem = &self.train[i];
             let mut samples = Vec::with_capacity(handle.n);
             for c in handle.wait() {
@@ -513,7 +507,7 @@ impl Trainer {
                 gen_tokens += c.token_ids.len();
                 let text = self.tokenizer.decode(&c.token_ids, true)?;
                 samples.push(Sample {
-                    prompt_ids: prompt.clone(),
+                    prompt_ids: self.train_prompts[i].clone(),
                     reward: score(&text, &problem.answer),
                     completion_ids: c.token_ids,
                     rollout_logprobs: c.logprobs,
@@ -622,9 +616,10 @@ impl Trainer {
     /// optimizer writes, so it gets a copy.
     fn publish(&mut self) -> Result<(), TrainError> {
         let weights = self.learner.weights()?;
-        let weights = match self.cfg.rollout.one_step_off_policy {
-            true => weights.deep_copy()?,
-            false => weights,
+        let weights = if self.cfg.rollout.one_step_off_policy {
+            weights.deep_copy()?
+        } else {
+            weights
         };
         self.policy_version = self.store.publish(&weights)?;
         if self.pending.is_none() {
