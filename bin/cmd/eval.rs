@@ -8,7 +8,7 @@ use dppo_model::weights::write_atomic;
 use dppo_model::Policy;
 use dppo_trainer::config::RunConfig;
 use dppo_trainer::data::{builtin_task, load_jsonl, Fields, Problem};
-use dppo_trainer::eval::{evaluate, EvalSpec, Graded};
+use dppo_trainer::eval::{evaluate, EvalSet, EvalSpec, Graded};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 
@@ -86,15 +86,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         k: args.k,
         max_tokens: args.max_tokens,
     };
-    let (r, samples) = evaluate(&engine, &policy.tokenizer, &problems, &spec)?;
+    let set = EvalSet::new(&policy.tokenizer, problems)?;
+    let (r, samples) = evaluate(&engine, &policy.tokenizer, &set, &spec)?;
     if let Some(path) = &args.samples {
-        write_samples(path, &problems, &samples)
+        write_samples(path, &set.problems, &samples)
             .with_context(|| format!("writing --samples {}", path.display()))?;
     }
     let report = json!({
         "model": args.model,
         "data": args.data,
-        "problems": problems.len(),
+        "problems": set.problems.len(),
         format!("avg@{}", r.n): r.avg,
         format!("pass@{}", r.k): r.pass_at_k,
     });

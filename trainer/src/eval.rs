@@ -49,29 +49,53 @@ pub struct Graded {
     pub reward: f64,
 }
 
-/// Generates `n` samples per problem and scores them; also returns every problem's samples
-/// (in problem order) for inspection.
+/// Held-out problems with their prompts tokenized once, so that periodic evaluations
+/// during a run do not re-apply the chat template and re-tokenize every time.
+#[derive(Debug, Clone)]
+pub struct EvalSet {
+    pub problems: Vec<Problem>,
+    /// The token ids of every problem's prompt (chat template applied), in problem order.
+    pub prompts: Vec<Vec<u32>>,
+}
+
+impl EvalSet {
+    /// Tokenizes the prompts of `problems` with `tokenizer`.
+    pub fn new(tokenizer: &TextTokenizer, problems: Vec<Problem>) -> Result<Self, TrainError> {
+        let prompts = problems
+            .iter()
+            .map(|p| prompt_ids(tokenizer, &p.question))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self { problems, prompts })
+    }
+
+    /// The length of the longest prompt in tokens (0 when empty).
+    pub fn longest_prompt(&self) -> usize {
+        self.prompts.iter().map(Vec::len).max().unwrap_or(0)
+    }
+}
+
+/// Generates `n` samples per problem and scores them (`tokenizer` decodes the samples);
+/// also returns every problem's samples (in problem order) for inspection.
 pub fn evaluate(
     engine: &Engine,
     tokenizer: &TextTokenizer,
-    problems: &[Problem],
+    set: &EvalSet,
     spec: &EvalSpec,
 ) -> Result<(EvalResult, Vec<Vec<Graded>>), TrainError> {
-    let reqs = problems
+    let reqs = set
+        .prompts
         .iter()
-        .map(|p| {
-            Ok(GenerateRequest {
-                sampling: spec.sampling.clone(),
-                priority: Priority::High,
-                ..GenerateRequest::new(prompt_ids(tokenizer, &p.question)?, spec.n, spec.max_tokens)
-            })
+        .map(|ids| GenerateRequest {
+            sampling: spec.sampling.clone(),
+            priority: Priority::High,
+            ..GenerateRequest::new(ids.clone(), spec.n, spec.max_tokens)
         })
-        .collect::<Result<Vec<_>, TrainError>>()?;
+        .collect();
     let (n, k) = (spec.n, spec.k);
     let outs = engine.generate(reqs)?;
     let (mut total, mut pass) = (0.0, 0.0);
-    let mut samples = Vec::with_capacity(problems.len());
-    for (p, completions) in problems.iter().zip(outs) {
+    let mut samples = Vec::with_capacity(set.problems.len());
+    for (p, completions) in set.problems.iter().zip(outs) {
         let graded = completions
             .iter()
             .map(|c| {
@@ -85,7 +109,7 @@ pub fn evaluate(
         pass += pass_at_k(n, correct, k.min(n));
         samples.push(graded);
     }
-    let m = problems.len().max(1) as f64;
+    let m = set.problems.len().max(1) as f64;
     let result = EvalResult {
         avg: total / (m * n as f64),
         pass_at_k: pass / m,

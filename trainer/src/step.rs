@@ -17,7 +17,7 @@ use serde_json::{json, Map, Value};
 use crate::advantages::compute_advantages;
 use crate::config::RunConfig;
 use crate::data::{mix, prompt_ids, Problem, ProblemOrder, DEMO_STREAM, TRAIN_STREAM};
-use crate::eval::{evaluate, EvalSpec};
+use crate::eval::{evaluate, EvalSet, EvalSpec};
 use crate::learner::{Learner, LearnerConfig};
 use crate::loss::{LossConfig, TrainSeq};
 use crate::optim::{squared_norm, AdamWConfig, LrSchedule};
@@ -61,7 +61,7 @@ pub struct Trainer {
     /// Prompt ids of every training problem (chat-formatted when the model has a
     /// template), tokenized once.
     train_prompts: Vec<Vec<u32>>,
-    eval: Vec<Problem>,
+    eval: EvalSet,
     pub(crate) history: PromptHistory,
     pub(crate) greso: Greso,
     /// The RL data position: training problems drawn so far, epochs reshuffled by seed.
@@ -169,13 +169,11 @@ impl Trainer {
         let store = PolicyStore::new(&policy.weights, Device::Cpu, DType::F32)?;
         let tokenize = |p: &Problem| prompt_ids(&policy.tokenizer, &p.question);
         let train_prompts = train.iter().map(tokenize).collect::<Result<Vec<_>, _>>()?;
-        let longest_eval = eval.iter().map(tokenize).try_fold(0, |longest, ids| {
-            Ok::<_, TrainError>(ids?.len().max(longest))
-        })?;
+        let eval = EvalSet::new(&policy.tokenizer, eval)?;
         let longest = train_prompts
             .iter()
             .map(Vec::len)
-            .fold(longest_eval, usize::max);
+            .fold(eval.longest_prompt(), usize::max);
         check_pack_tokens(&cfg, longest)?;
         let num_demos = match cfg.warmup.examples {
             0 => train.len(),
