@@ -142,6 +142,51 @@ mod tests {
         }
     }
 
+    /// The built-in default's `r_o = 0.9` on groups of 8 with 0/1 rewards: every group with
+    /// mixed outcomes keeps all of its minority outcome and exactly one of its majority
+    /// (the below-mean |A|), which weighs the majority's count; `0.85` keeps two of seven.
+    #[test]
+    fn rates_from_seven_eighths_keep_one_majority_sample_per_group_of_eight() {
+        let mut rng = StdRng::seed_from_u64(5);
+        let group_scores = |right: usize| -> Vec<f64> {
+            let p = right as f64 / 8.0;
+            let std = (p * (1.0 - p)).sqrt();
+            (0..8)
+                .map(|i| if i < right { (1.0 - p) / std } else { p / std })
+                .collect()
+        };
+        for rate in [0.875, 0.9] {
+            for right in 1..8 {
+                let scores = group_scores(right);
+                let majority = right.max(8 - right);
+                let out = prune_scope(
+                    &scores,
+                    rate,
+                    CandidateRule::BelowMean,
+                    PruneMode::FixedCount,
+                    &mut rng,
+                );
+                let kept: Vec<f64> = out.iter().flatten().copied().collect();
+                if right == 4 {
+                    // Equal |A| everywhere: no candidates, nothing dropped.
+                    assert_eq!(kept, vec![1.0; 8]);
+                    continue;
+                }
+                assert_eq!(kept.len(), 8 - majority + 1, "{right} of 8 right at {rate}");
+                let heavy: Vec<f64> = kept.iter().copied().filter(|&w| w > 1.0).collect();
+                assert_eq!(heavy, vec![majority as f64], "{right} of 8 right at {rate}");
+            }
+        }
+        let out = prune_scope(
+            &group_scores(7),
+            0.85,
+            CandidateRule::BelowMean,
+            PruneMode::FixedCount,
+            &mut rng,
+        );
+        assert_eq!(out.iter().flatten().count(), 3);
+    }
+
     #[test]
     fn weights_stay_within_their_bound() {
         let mut rng = StdRng::seed_from_u64(2);
