@@ -89,13 +89,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let set = EvalSet::new(&policy.tokenizer, problems)?;
     let (r, samples) = evaluate(&engine, &policy.tokenizer, &set, &spec)?;
     if let Some(path) = &args.samples {
-        write_samples(path, &set.problems, &samples)
+        write_samples(path, set.problems(), &samples)
             .with_context(|| format!("writing --samples {}", path.display()))?;
     }
     let report = json!({
         "model": args.model,
         "data": args.data,
-        "problems": set.problems.len(),
+        "problems": set.problems().len(),
         format!("avg@{}", r.n): r.avg,
         format!("pass@{}", r.k): r.pass_at_k,
     });

@@ -53,9 +53,9 @@ pub struct Graded {
 /// during a run do not re-apply the chat template and re-tokenize every time.
 #[derive(Debug, Clone)]
 pub struct EvalSet {
-    pub problems: Vec<Problem>,
+    problems: Vec<Problem>,
     /// The token ids of every problem's prompt (chat template applied), in problem order.
-    pub prompts: Vec<Vec<u32>>,
+    prompts: Vec<Vec<u32>>,
 }
 
 impl EvalSet {
@@ -66,6 +66,11 @@ impl EvalSet {
             .map(|p| prompt_ids(tokenizer, &p.question))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Self { problems, prompts })
+    }
+
+    /// The problems, in the order of their prompts.
+    pub fn problems(&self) -> &[Problem] {
+        &self.problems
     }
 
     /// The length of the longest prompt in tokens (0 when empty).
