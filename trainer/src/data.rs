@@ -62,6 +62,17 @@ pub fn prompt_ids(
     }
 }
 
+/// [`prompt_ids`] of every problem, in order: tokenized once, at start-up.
+pub fn problem_prompts(
+    tokenizer: &TextTokenizer,
+    problems: &[Problem],
+) -> Result<Vec<Vec<u32>>, dppo_model::ModelError> {
+    problems
+        .iter()
+        .map(|p| prompt_ids(tokenizer, &p.question))
+        .collect()
+}
+
 /// Reads a JSONL file; every line must be an object with both fields and a parseable answer.
 pub fn load_jsonl(path: &Path, fields: &Fields) -> Result<Vec<Problem>, DataError> {
     let text = std::fs::read_to_string(path).map_err(|source| DataError::Io {

@@ -3,7 +3,7 @@
 use dppo_engine::{Engine, GenerateRequest, Priority, SamplingParams};
 use dppo_model::TextTokenizer;
 
-use crate::data::{prompt_ids, Problem};
+use crate::data::{problem_prompts, Problem};
 use crate::rewards::score;
 use crate::TrainError;
 
@@ -61,10 +61,7 @@ pub struct EvalSet {
 impl EvalSet {
     /// Tokenizes the prompts of `problems` with `tokenizer`.
     pub fn new(tokenizer: &TextTokenizer, problems: Vec<Problem>) -> Result<Self, TrainError> {
-        let prompts = problems
-            .iter()
-            .map(|p| prompt_ids(tokenizer, &p.question))
-            .collect::<Result<Vec<_>, _>>()?;
+        let prompts = problem_prompts(tokenizer, &problems)?;
         Ok(Self { problems, prompts })
     }
 

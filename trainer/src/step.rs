@@ -16,7 +16,7 @@ use serde_json::{json, Map, Value};
 
 use crate::advantages::compute_advantages;
 use crate::config::RunConfig;
-use crate::data::{mix, prompt_ids, Problem, ProblemOrder, DEMO_STREAM, TRAIN_STREAM};
+use crate::data::{mix, problem_prompts, Problem, ProblemOrder, DEMO_STREAM, TRAIN_STREAM};
 use crate::eval::{evaluate, EvalSet, EvalSpec};
 use crate::learner::{Learner, LearnerConfig};
 use crate::loss::{LossConfig, TrainSeq};
@@ -167,8 +167,7 @@ impl Trainer {
         };
         let engine = Arc::new(Engine::new(policy, engine_cfg, Device::Cpu)?);
         let store = PolicyStore::new(&policy.weights, Device::Cpu, DType::F32)?;
-        let tokenize = |p: &Problem| prompt_ids(&policy.tokenizer, &p.question);
-        let train_prompts = train.iter().map(tokenize).collect::<Result<Vec<_>, _>>()?;
+        let train_prompts = problem_prompts(&policy.tokenizer, &train)?;
         let eval = EvalSet::new(&policy.tokenizer, eval)?;
         let longest = train_prompts
             .iter()
