@@ -52,6 +52,11 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    // A bad DPPO_CPU_KERNEL fails every command at once rather than at its first projection.
+    if let Err(err) = dppo_model::cpu_kernel() {
+        eprintln!("error: {err}");
+        std::process::exit(2);
+    }
     let result = match cli.command {
         Command::Run(args) => cmd::run::run(args),
         Command::Eval(args) => cmd::eval::run(args),

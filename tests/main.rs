@@ -11,6 +11,8 @@ mod model_train;
 mod model_files;
 // The generation engine against the contiguous-cache reference.
 mod engine;
+// The kernel-dependent suites under every CPU kernel this machine has.
+mod kernels;
 // A minimal HTTP client for the server tests.
 mod http;
 // The OpenAI-compatible server over loopback HTTP.

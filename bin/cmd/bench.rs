@@ -144,6 +144,7 @@ fn rollout(args: RolloutArgs) -> anyhow::Result<()> {
     let tokens_per_s = num_tokens as f64 / ours_s;
     let report = json!({
         "model": args.model,
+        "cpu_kernel": dppo_model::cpu_kernel()?.name(),
         "prompts": args.prompts,
         "samples": args.samples,
         "new_tokens": args.new_tokens,
@@ -252,6 +253,7 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
     let limit = flops_per_s / (6.0 * policy.config.num_parameters() as f64);
     let report = json!({
         "model": args.model,
+        "cpu_kernel": dppo_model::cpu_kernel()?.name(),
         "train_tokens_per_s": tokens_per_s,
         "step_s": seconds,
         "pack_density": density,

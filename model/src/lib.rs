@@ -6,8 +6,7 @@
 
 pub mod attention;
 pub mod config;
-#[cfg(target_arch = "x86_64")]
-mod cpu_matmul;
+pub mod cpu_kernel;
 pub mod decoder;
 pub mod linear;
 pub mod ops;
@@ -22,6 +21,7 @@ pub mod weights;
 
 pub use attention::{AttentionBackend, CausalAttention};
 pub use config::{Arch, ModelConfig};
+pub use cpu_kernel::{cpu_kernel, CpuKernel};
 pub use decoder::CausalLm;
 pub use packed::{PackedAttention, PackedRow};
 pub use policy::Policy;
@@ -38,6 +38,8 @@ pub enum ModelError {
     Weights { origin: String, reason: String },
     #[error("tokenizer {origin}: {reason}")]
     Tokenizer { origin: String, reason: String },
+    #[error("{var}: {reason}")]
+    CpuKernel { var: &'static str, reason: String },
     #[error("chat template: {0}")]
     Template(String),
     #[error("{path}: {source}")]

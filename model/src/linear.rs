@@ -1,9 +1,10 @@
 //! `x @ w^T + b`, the projection every layer is made of.
 //!
-//! On x86-64 CPUs with AVX-512 the forward runs our kernel ([`crate::cpu_matmul`]), which is
-//! several times faster than candle's CPU matmul on the engine's decode shapes and makes a
-//! row's result independent of the other rows in the batch; the backward pass is candle's
-//! matmuls either way. Other devices and CPUs use candle's matmul for both.
+//! On the CPU the forward runs our kernels ([`crate::cpu_kernel`]: AVX-512, AVX2 or portable,
+//! whichever the CPU has), which are several times faster than candle's CPU matmul on the
+//! engine's decode shapes and make a row's result independent of the other rows in the
+//! batch; the backward pass is candle's matmuls either way. Other devices use candle's
+//! matmul for both.
 
 use candle_core::{Result, Tensor};
 
@@ -16,18 +17,12 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
 fn projection(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    if crate::cpu_matmul::applies(x, w) {
-        x.apply_op2(w, crate::cpu_matmul::NtMatmul)
+    if crate::cpu_kernel::applies(x, w) {
+        x.apply_op2(w, crate::cpu_kernel::NtMatmul)
     } else {
         x.matmul(&w.t()?)
     }
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-fn projection(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    x.matmul(&w.t()?)
 }
 
 #[cfg(test)]
