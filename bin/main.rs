@@ -16,6 +16,8 @@ struct Cli {
 enum Command {
     /// Train a policy with DPPO (or a baseline) on the built-in default or a config.
     Run(cmd::run::Args),
+    /// Print the configuration a run would use, every key documented.
+    Config(cmd::config::Args),
     /// Evaluate a model on a held-out set (avg@n, pass@k).
     Eval(cmd::eval::Args),
     /// Complete a prompt with the paged engine.
@@ -59,6 +61,7 @@ fn main() {
     }
     let result = match cli.command {
         Command::Run(args) => cmd::run::run(args),
+        Command::Config(args) => cmd::config::run(args),
         Command::Eval(args) => cmd::eval::run(args),
         Command::Generate(args) => cmd::generate::run(args),
         Command::Serve(args) => cmd::serve::run(args),

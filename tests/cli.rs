@@ -113,6 +113,8 @@ fn run_writes_metrics_summary_and_config() {
         "rollout.prompts_per_step=4",
         "--set",
         "eval.every=2",
+        "--set",
+        "logger=[\"jsonl\", \"tensorboard\"]",
         "--out",
         out.to_str().unwrap(),
     ]);
@@ -153,6 +155,35 @@ fn run_writes_metrics_summary_and_config() {
     assert!(svg.contains("<polyline"));
     let config = std::fs::read_to_string(out.join("config.toml")).unwrap();
     assert!(config.contains("prompts_per_step = 4"));
+    assert_tensorboard_matches_jsonl(&out, &lines);
+}
+
+/// TensorBoard's own reader finds every numeric metric of `metrics.jsonl` at its step.
+fn assert_tensorboard_matches_jsonl(run: &std::path::Path, lines: &[Value]) {
+    let out = Command::new("python3")
+        .arg(crate::util::repo_root().join("tests/tensorboard_reader.py"))
+        .arg(run.join("tensorboard"))
+        .output()
+        .expect("python3 must be installed (with tensorboard: scripts/test installs it)");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "tensorboard reader: {stderr}");
+    let scalars: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let mut compared = 0;
+    for line in lines {
+        let step = line["step"].to_string();
+        for (tag, value) in line.as_object().unwrap() {
+            let Some(want) = value.as_f64().filter(|_| tag != "step") else {
+                continue;
+            };
+            let got = scalars[tag][&step]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{tag} at step {step} missing from TensorBoard"));
+            // TensorBoard stores f32; compare in f32 (JSON parsing may move an f64 by an ulp).
+            assert_eq!(got as f32, want as f32, "{tag} at step {step}");
+            compared += 1;
+        }
+    }
+    assert!(compared > 30, "only {compared} scalars compared");
 }
 
 #[test]

@@ -2,7 +2,6 @@
 //! evaluation before and after; `metrics.jsonl`, `config.toml` and `summary.json` in the
 //! run directory.
 
-use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -13,6 +12,7 @@ use dppo_model::Policy;
 use dppo_trainer::checkpoint;
 use dppo_trainer::config::RunConfig;
 use dppo_trainer::data::{builtin_task, load_jsonl, Fields};
+use dppo_trainer::metrics_log::{MetricsLog, METRICS_JSONL};
 use dppo_trainer::step::Trainer;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
@@ -88,14 +88,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     tracing::info!(eval_before, "held-out accuracy before RL");
 
-    let metrics_path = args.out.join("metrics.jsonl");
-    let mut metrics = std::fs::OpenOptions::new()
-        .create(true)
-        .append(args.resume.is_some())
-        .write(true)
-        .truncate(args.resume.is_none())
-        .open(&metrics_path)
-        .with_context(|| format!("opening {}", metrics_path.display()))?;
+    let mut metrics = MetricsLog::open(&args.out, &cfg.logger, args.resume.is_some())?;
     let pb = bar(cfg.steps, &format!("{:?}", cfg.algorithm).to_lowercase());
     pb.set_position(trainer.step);
     let checkpoints = args.out.join("checkpoints");
@@ -109,8 +102,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         if cfg.eval.due(trainer.step) {
             line.insert("eval/acc".into(), json!(trainer.evaluate()?));
         }
-        writeln!(metrics, "{}", serde_json::Value::Object(line.clone()))?;
-        metrics.flush()?;
+        metrics.write(&line)?;
         let get = |k: &str| line.get(k).and_then(|v| v.as_f64()).unwrap_or(0.0);
         pb.set_message(format!(
             "reward {:.2} kept {:.2}/{:.2} step {:.1}s",
@@ -127,6 +119,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     pb.finish();
     let eval_after = trainer.evaluate()?;
+    let metrics_path = args.out.join(METRICS_JSONL);
     let lines: Vec<serde_json::Value> = std::fs::read_to_string(&metrics_path)?
         .lines()
         .filter_map(|l| serde_json::from_str(l).ok())
@@ -161,7 +154,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn read_config(path: &std::path::Path, sets: &[String]) -> anyhow::Result<RunConfig> {
+/// Reads a TOML config file and applies `sets`, naming the file in every error.
+pub(crate) fn read_config(path: &std::path::Path, sets: &[String]) -> anyhow::Result<RunConfig> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("reading config {}", path.display()))?;
     Ok(RunConfig::from_toml(

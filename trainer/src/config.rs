@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::advantages::ScaleRewards;
 use crate::loss::{LossAgg, RatioLevel};
+use crate::metrics_log::Logger;
 use crate::prune::{Algorithm, CandidateRule, CompletionScope, LevelConfig, PruneMode};
 
 /// The configuration compiled into the binary (`dppo run` with no arguments).
@@ -41,6 +42,9 @@ pub struct RunConfig {
     /// to repay splitting every op across cores.
     #[serde(default)]
     pub threads: usize,
+    /// Metrics sinks: `jsonl` (required: the plot and resume read it) and `tensorboard`.
+    #[serde(default = "default_logger")]
+    pub logger: Vec<Logger>,
     pub data: DataConfig,
     pub warmup: WarmupConfig,
     pub rollout: RolloutConfig,
@@ -60,6 +64,10 @@ pub struct CheckpointConfig {
     pub every: u64,
     /// Checkpoints kept (the newest).
     pub keep: usize,
+}
+
+fn default_logger() -> Vec<Logger> {
+    vec![Logger::Jsonl]
 }
 
 fn default_deterministic() -> bool {
@@ -278,6 +286,14 @@ impl RunConfig {
         };
         let rate = |r: f64| (0.0..1.0).contains(&r);
         check(
+            self.logger.contains(&Logger::Jsonl),
+            "logger",
+            format!(
+                "must include \"jsonl\" (the plot, dppo compare and resume read metrics.jsonl), got {:?}",
+                self.logger
+            ),
+        )?;
+        check(
             rate(self.dppo.r_q),
             "dppo.r_q",
             format!("must be in [0, 1), got {}", self.dppo.r_q),
@@ -450,6 +466,8 @@ mod tests {
             ),
             ("dppo.mode=\"random\"", "unknown variant `random`"),
             ("dppo.candidates=\"lowest\"", "unknown variant `lowest`"),
+            ("logger=[\"tensorboard\"]", "logger: must include \"jsonl\""),
+            ("logger=[\"wandb\"]", "unknown variant `wandb`"),
         ];
         for (set, want) in cases {
             let err = RunConfig::default_with(&[set.to_string()])

@@ -5,10 +5,12 @@
 pub mod advantages;
 pub mod checkpoint;
 pub mod config;
+pub mod config_keys;
 pub mod data;
 pub mod eval;
 pub mod learner;
 pub mod loss;
+pub mod metrics_log;
 pub mod optim;
 pub mod pack;
 pub mod plot;
@@ -16,6 +18,7 @@ pub mod prune;
 pub mod rewards;
 pub mod rollout;
 pub mod step;
+pub mod tensorboard;
 pub mod train_batch;
 
 pub use advantages::{compute_advantages, ScaleRewards};
