@@ -21,3 +21,5 @@ mod cli;
 mod trainer;
 // The shipped configs.
 mod configs;
+// The repository itself: self-contained, nothing outside the checkout.
+mod repo;
