@@ -128,3 +128,31 @@ fn a_model_missing_from_the_cache_gives_the_download_command() {
     let err = generate("builtin:tiny", &["--revision", "v2"], &env).unwrap_err();
     assert!(err.contains("applies only to a Hugging Face id"), "{err}");
 }
+
+#[test]
+fn dppo_run_resolves_the_config_model_in_the_cache() {
+    let cache = tempfile::tempdir().unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let run = |revision: &[&str]| {
+        let output = Command::new(env!("CARGO_BIN_EXE_dppo"))
+            .args(["run", "--set", "model=Org/Missing", "--out"])
+            .arg(out.path())
+            .args(revision)
+            .env("HF_HUB_CACHE", cache.path())
+            .env("RUST_LOG", "warn")
+            .output()
+            .expect("run dppo");
+        assert!(!output.status.success());
+        String::from_utf8_lossy(&output.stderr).into_owned()
+    };
+    let err = run(&[]);
+    assert!(
+        err.contains("huggingface-cli download Org/Missing`"),
+        "{err}"
+    );
+    let err = run(&["--revision", "v2"]);
+    assert!(
+        err.contains("huggingface-cli download Org/Missing --revision v2`"),
+        "{err}"
+    );
+}
