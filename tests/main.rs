@@ -23,3 +23,7 @@ mod cli;
 mod trainer;
 // The shipped configs.
 mod configs;
+// Models named by Hugging Face id, from a local hub cache.
+mod hub;
+// The repository itself: self-contained, nothing outside the checkout.
+mod repo;

@@ -558,7 +558,7 @@ fn kl_reference_is_the_frozen_initial_policy() {
 /// Every gold answer of the real data sets parses, and a completion boxing it scores 1.
 #[test]
 fn verifier_accepts_every_real_gold_answer() {
-    let data = crate::util::repo_root().join("../shared/data");
+    let data = crate::util::repo_root().join("data");
     let files = [
         "gsm8k/test.jsonl",
         "eval/math500.jsonl",

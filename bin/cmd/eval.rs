@@ -5,7 +5,6 @@ use anyhow::Context;
 use candle_core::Device;
 use dppo_engine::{Engine, EngineConfig, SamplingParams};
 use dppo_model::weights::write_atomic;
-use dppo_model::Policy;
 use dppo_trainer::config::RunConfig;
 use dppo_trainer::data::{builtin_task, load_jsonl, Fields, Problem};
 use dppo_trainer::eval::{evaluate, EvalSet, EvalSpec, Graded};
@@ -15,9 +14,13 @@ use std::path::{Path, PathBuf};
 /// Arguments of `dppo eval`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// `builtin:tiny`, an HF directory (a checkpoint's `model/`), or a `.gguf` file.
+    /// `builtin:tiny`, an HF directory (a checkpoint's `model/`), a `.gguf` file, or a
+    /// Hugging Face id (`Org/Name`) in the local hub cache.
     #[arg(long)]
     model: String,
+    /// Hub revision (branch, tag or commit) when --model is a Hugging Face id; default main.
+    #[arg(long)]
+    revision: Option<String>,
     /// A JSONL file, or `builtin:arithmetic`: the held-out split of a run with this `--seed`
     /// (the built-in default's 1000 problems; a run with `data.num_eval = n` used the first n).
     #[arg(long)]
@@ -52,8 +55,7 @@ pub struct Args {
 
 /// Evaluates and prints one JSON object.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let policy = Policy::load(&args.model, &Device::Cpu)
-        .with_context(|| format!("loading --model {}", args.model))?;
+    let policy = super::load_policy(&args.model, args.revision.as_deref(), &Device::Cpu)?;
     let mut problems = match args.data.strip_prefix("builtin:") {
         Some(task) => {
             let num_eval = RunConfig::default_with(&[])?.data.num_eval;

@@ -1,17 +1,20 @@
 //! `dppo generate`: complete one prompt `n` times with the paged engine.
 
-use anyhow::Context;
 use candle_core::Device;
 use dppo_engine::{Engine, EngineConfig, GenerateRequest, SamplingParams};
-use dppo_model::{ChatMessage, Policy};
+use dppo_model::ChatMessage;
 use serde_json::json;
 
 /// Arguments of `dppo generate`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// `builtin:tiny`, an HF directory, or a `.gguf` file.
+    /// `builtin:tiny`, an HF directory, a `.gguf` file, or a Hugging Face id (`Org/Name`)
+    /// in the local hub cache.
     #[arg(long, default_value = "builtin:tiny")]
     model: String,
+    /// Hub revision (branch, tag or commit) when --model is a Hugging Face id; default main.
+    #[arg(long)]
+    revision: Option<String>,
     /// The prompt text.
     #[arg(long)]
     prompt: String,
@@ -43,8 +46,7 @@ pub struct Args {
 
 /// Generates and prints the samples.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let policy = Policy::load(&args.model, &Device::Cpu)
-        .with_context(|| format!("loading --model {}", args.model))?;
+    let policy = super::load_policy(&args.model, args.revision.as_deref(), &Device::Cpu)?;
     let text = if args.chat {
         policy
             .tokenizer

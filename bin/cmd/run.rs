@@ -8,7 +8,6 @@ use std::time::Instant;
 use anyhow::Context;
 use candle_core::Device;
 use dppo_model::weights::write_atomic;
-use dppo_model::Policy;
 use dppo_trainer::checkpoint;
 use dppo_trainer::config::RunConfig;
 use dppo_trainer::data::{builtin_task, load_jsonl, Fields};
@@ -33,6 +32,10 @@ pub struct Args {
     /// with `--set` overrides (e.g. more `steps`).
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// Hub revision (branch, tag or commit) of the config's `model` when it is a Hugging
+    /// Face id; default main.
+    #[arg(long)]
+    revision: Option<String>,
     /// Serve the policy being trained over the OpenAI API at this address
     /// (e.g. 127.0.0.1:8000); rollouts keep priority. Ctrl-C stops after the current step.
     #[arg(long)]
@@ -59,8 +62,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Some(ckpt) => ckpt.join(checkpoint::MODEL_DIR).display().to_string(),
         None => cfg.model.clone(),
     };
-    let policy =
-        Policy::load(&model, &Device::Cpu).with_context(|| format!("loading model {model}"))?;
+    let policy = super::load_policy(&model, args.revision.as_deref(), &Device::Cpu)?;
     let (train, eval) = load_data(&cfg)?;
     let started = Instant::now();
     let mut trainer = Trainer::new(cfg.clone(), &policy, train, eval)?;

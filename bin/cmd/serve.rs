@@ -3,7 +3,6 @@
 use std::io::Write;
 use std::sync::Arc;
 
-use anyhow::Context;
 use candle_core::Device;
 use dppo_engine::server::{self, ServerConfig, ServerHandle};
 use dppo_engine::{Engine, EngineConfig};
@@ -12,9 +11,13 @@ use dppo_model::Policy;
 /// Arguments of `dppo serve`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// `builtin:tiny`, an HF directory, a checkpoint directory, or a `.gguf` file.
+    /// `builtin:tiny`, an HF directory, a checkpoint directory, a `.gguf` file, or a
+    /// Hugging Face id (`Org/Name`) in the local hub cache.
     #[arg(long)]
     model: String,
+    /// Hub revision (branch, tag or commit) when --model is a Hugging Face id; default main.
+    #[arg(long)]
+    revision: Option<String>,
     /// Address to listen on (port 0 picks a free port).
     #[arg(long, default_value = "127.0.0.1:8000")]
     addr: String,
@@ -35,8 +38,7 @@ pub struct ServeArgs {
 
 /// Serves until Ctrl-C.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let policy = Policy::load(&args.model, &Device::Cpu)
-        .with_context(|| format!("loading --model {}", args.model))?;
+    let policy = super::load_policy(&args.model, args.revision.as_deref(), &Device::Cpu)?;
     let engine = Arc::new(Engine::new(&policy, EngineConfig::default(), Device::Cpu)?);
     let handle = start(engine, &policy, &args.model, &args.addr, &args.serve)?;
     handle.wait()?;

@@ -8,6 +8,7 @@ pub mod attention;
 pub mod config;
 pub mod cpu_kernel;
 pub mod decoder;
+pub mod hub;
 pub mod linear;
 pub mod ops;
 pub mod packed;
@@ -42,6 +43,18 @@ pub enum ModelError {
     CpuKernel { var: &'static str, reason: String },
     #[error("chat template: {0}")]
     Template(String),
+    /// A Hugging Face id (`Org/Name`) whose revision the local hub cache lacks.
+    #[error(
+        "{repo_id} is no file or directory here, and as a model id it is not in the Hugging \
+         Face cache {cache} ({reason}); on a machine with network access run `{download}` \
+         and copy its cache here (or set HF_HUB_CACHE to it); dppo never downloads"
+    )]
+    NotInHubCache {
+        repo_id: String,
+        cache: String,
+        reason: String,
+        download: String,
+    },
     #[error("{path}: {source}")]
     Io {
         path: String,

@@ -8,6 +8,7 @@ use serde_json::json;
 
 use crate::config::{parse_token_ids, ModelConfig};
 use crate::decoder::CausalLm;
+use crate::hub;
 use crate::tokenizer::TextTokenizer;
 use crate::weights::{
     load_gguf, load_safetensors_dir, save_safetensors_atomic, write_atomic, Weights,
@@ -42,13 +43,34 @@ impl Policy {
         })
     }
 
-    /// Loads `spec`: `builtin:<name>`, a `.gguf` file, an HF directory, or a dppo
-    /// checkpoint directory (its `model/`).
+    /// Loads `spec`: `builtin:<name>`, a `.gguf` file, an HF directory, a dppo checkpoint
+    /// directory (its `model/`), or a Hugging Face id (`Org/Name`) from the local hub cache.
     pub fn load(spec: &str, device: &Device) -> Result<Self> {
+        Self::load_revision(spec, None, device)
+    }
+
+    /// [`Policy::load`], with the hub `revision` (branch, tag or commit) to take when `spec`
+    /// is a Hugging Face id; `None` takes `main`. A revision for anything else is an error.
+    pub fn load_revision(spec: &str, revision: Option<&str>, device: &Device) -> Result<Self> {
+        let path = Path::new(spec);
+        if !path.exists() && hub::is_repo_id(spec) {
+            let cache = hub::cache_dir(|key| std::env::var_os(key)).ok_or_else(|| {
+                ModelError::weights(
+                    spec,
+                    "no Hugging Face cache: HF_HUB_CACHE, HF_HOME and HOME are unset",
+                )
+            })?;
+            return Self::from_hf_dir(&hub::snapshot_dir(&cache, spec, revision)?, device);
+        }
+        if let Some(r) = revision {
+            return Err(ModelError::weights(
+                spec,
+                format!("a revision ({r}) applies only to a Hugging Face id such as Org/Name"),
+            ));
+        }
         if let Some(name) = spec.strip_prefix("builtin:") {
             return crate::presets::load_preset(name, device);
         }
-        let path = Path::new(spec);
         let checkpoint_model = path.join("model");
         if path.is_dir()
             && !path.join("config.json").exists()
@@ -70,7 +92,7 @@ impl Policy {
         } else {
             Err(ModelError::weights(
                 spec,
-                "no such file or directory (expected builtin:tiny, an HF directory or a .gguf file)",
+                "no such file or directory (expected builtin:tiny, an HF directory, a .gguf file or a Hugging Face id Org/Name)",
             ))
         }
     }

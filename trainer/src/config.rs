@@ -156,7 +156,7 @@ pub struct DppoConfig {
     pub scope: CompletionScope,
     pub history_decay: f64,
     /// DPPO over-draws prompts by `1/(1 - r_q * f)` so that the rollout batch stays full
-    /// (ALGORITHM.md §2's "allocation"; default). `false`: draw `prompts_per_step`, so that
+    /// (docs/algorithm.md §2's "allocation"; default). `false`: draw `prompts_per_step`, so that
     /// prompt pruning saves their rollouts and the step estimates GRPO on those prompts.
     #[serde(default = "default_allocation")]
     pub allocation: bool,
@@ -173,7 +173,7 @@ pub struct DppoConfig {
     pub mode: PruneMode,
 }
 
-/// `dppo.candidates` (ALGORITHM.md §2).
+/// `dppo.candidates` (docs/algorithm.md §2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Candidates {
@@ -427,7 +427,7 @@ mod tests {
         assert_eq!(
             (level.rate, level.candidates, level.mode),
             (0.3, CandidateRule::BelowMean, PruneMode::FixedCount),
-            "the default is ALGORITHM.md's exactly unbiased design"
+            "the default is docs/algorithm.md's exactly unbiased design"
         );
         let sets = [
             "dppo.candidates=lowest_fraction".to_string(),

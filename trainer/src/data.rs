@@ -314,8 +314,7 @@ mod tests {
 
     #[test]
     fn the_real_gsm8k_train_file_loads() {
-        let path =
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/gsm8k/train.jsonl");
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/gsm8k/train.jsonl");
         let fields = Fields {
             question: "question".into(),
             answer: "answer".into(),

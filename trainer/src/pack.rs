@@ -1,4 +1,4 @@
-//! Dense Prompt Packing (ALGORITHM.md §3): kept sequences go into fixed-capacity token
+//! Dense Prompt Packing (docs/algorithm.md §3): kept sequences go into fixed-capacity token
 //! buffers, first-fit decreasing within windows, so pruned work turns into fewer buffers
 //! instead of padding.
 

@@ -1,4 +1,4 @@
-//! The step loop of DESIGN.md: draw -> prune prompts -> rollout -> reward -> advantages ->
+//! The step loop of docs/design.md: draw -> prune prompts -> rollout -> reward -> advantages ->
 //! prune completions -> pack + learn -> publish -> metrics. Each phase is a method that
 //! takes and returns typed values and is timed into `timing_s/*`.
 
@@ -376,7 +376,7 @@ impl Trainer {
 
     /// How far the completion-pruned gradient scatters around the unpruned one on this
     /// step's groups: the mean over `draws` pruning draws of `|g_draw - g_full|^2 /
-    /// |g_full|^2` (ALGORITHM.md §5). For the unbiased DPPO this is the estimator's relative
+    /// |g_full|^2` (docs/algorithm.md §5). For the unbiased DPPO this is the estimator's relative
     /// variance; for CPPO's deterministic cut it is its squared bias. Prompt-level pruning
     /// has already happened and is not part of it. Draws use their own random streams, so
     /// training is unchanged.

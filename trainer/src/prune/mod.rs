@@ -1,5 +1,5 @@
 //! Pruning: which prompts are rolled out and which completions are learned from, with the
-//! weights that keep the gradient an unbiased estimate of full GRPO (ALGORITHM.md §2), plus
+//! weights that keep the gradient an unbiased estimate of full GRPO (docs/algorithm.md §2), plus
 //! the biased baselines CPPO and GRESO for comparison.
 
 mod completion;
