@@ -3,7 +3,7 @@
 //! run directory.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::Context;
@@ -11,7 +11,7 @@ use candle_core::Device;
 use dppo_model::weights::write_atomic;
 use dppo_model::Policy;
 use dppo_trainer::checkpoint;
-use dppo_trainer::config::RunConfig;
+use dppo_trainer::config::{ResumeMode, RunConfig};
 use dppo_trainer::data::{builtin_task, load_jsonl, Fields};
 use dppo_trainer::step::Trainer;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -29,7 +29,9 @@ pub struct Args {
     /// Run directory.
     #[arg(long, default_value = "runs/default")]
     out: PathBuf,
-    /// Continue from a checkpoint (`<run>/checkpoints/step-NNNNNN`); its config is used,
+    /// Continue from a checkpoint (`<run>/checkpoints/step-NNNNNN`), or `latest`: the
+    /// newest complete one under `--out` (starting from the beginning when there is none,
+    /// so that the same command starts and resumes a run). The checkpoint's config is used,
     /// with `--set` overrides (e.g. more `steps`).
     #[arg(long)]
     resume: Option<PathBuf>,
@@ -43,11 +45,45 @@ pub struct Args {
 
 /// Trains and writes the run directory.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let cfg = match (&args.resume, &args.config) {
-        (Some(ckpt), _) => read_config(&ckpt.join(checkpoint::CONFIG), &args.sets)?,
-        (None, Some(path)) => read_config(path, &args.sets)?,
-        (None, None) => RunConfig::default_with(&args.sets)?,
+    let checkpoints = args.out.join("checkpoints");
+    let given = || match &args.config {
+        Some(path) => read_config(path, &args.sets),
+        None => Ok(RunConfig::default_with(&args.sets)?),
     };
+    let (cfg, resume) = match &args.resume {
+        Some(latest) if latest.as_os_str() == "latest" => match checkpoint::latest(&checkpoints) {
+            Some(ckpt) => (
+                read_config(&ckpt.join(checkpoint::CONFIG), &args.sets)?,
+                Some(ckpt),
+            ),
+            None => (given()?, None),
+        },
+        Some(ckpt) => {
+            checkpoint::verify(ckpt)?;
+            (
+                read_config(&ckpt.join(checkpoint::CONFIG), &args.sets)?,
+                Some(ckpt.clone()),
+            )
+        }
+        None => {
+            let cfg = given()?;
+            let ckpt = match cfg.train.resume {
+                ResumeMode::Auto => checkpoint::latest(&checkpoints),
+                ResumeMode::Disable => None,
+            };
+            (cfg, ckpt)
+        }
+    };
+    match &resume {
+        Some(ckpt) => tracing::info!("resuming from {}", ckpt.display()),
+        None if args.resume.is_some() => {
+            tracing::info!(
+                "no checkpoint in {}: starting from the beginning",
+                checkpoints.display()
+            )
+        }
+        None => {}
+    }
     if cfg.threads > 0 {
         // Read once, when rayon's and candle's CPU thread pools start: later than this.
         std::env::set_var("RAYON_NUM_THREADS", cfg.threads.to_string());
@@ -55,7 +91,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating the run directory {}", args.out.display()))?;
     write_atomic(&args.out.join("config.toml"), cfg.to_toml().as_bytes())?;
-    let model = match &args.resume {
+    let model = match &resume {
         Some(ckpt) => ckpt.join(checkpoint::MODEL_DIR).display().to_string(),
         None => cfg.model.clone(),
     };
@@ -74,14 +110,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         )?),
         None => None,
     };
-    let eval_before = match &args.resume {
+    let eval_before = match &resume {
         Some(ckpt) => match trainer.restore(ckpt)?.eval_before {
             Some(acc) => acc,
             None => trainer.evaluate()?,
         },
         None => {
             let interrupted = || server.as_ref().is_some_and(|s| s.interrupted());
-            warm_up(&mut trainer, cfg.warmup.steps, &interrupted)?;
+            warm_up(&mut trainer, &cfg, &checkpoints, &interrupted)?;
             trainer.finish_warmup()?;
             trainer.evaluate()?
         }
@@ -89,28 +125,38 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     tracing::info!(eval_before, "held-out accuracy before RL");
 
     let metrics_path = args.out.join("metrics.jsonl");
+    if resume.is_some() {
+        keep_metrics_until(&metrics_path, trainer.step)?;
+    }
     let mut metrics = std::fs::OpenOptions::new()
         .create(true)
-        .append(args.resume.is_some())
+        .append(resume.is_some())
         .write(true)
-        .truncate(args.resume.is_none())
+        .truncate(resume.is_none())
         .open(&metrics_path)
         .with_context(|| format!("opening {}", metrics_path.display()))?;
     let pb = bar(cfg.steps, &format!("{:?}", cfg.algorithm).to_lowercase());
     pb.set_position(trainer.step);
-    let checkpoints = args.out.join("checkpoints");
     while trainer.step < cfg.steps {
         if server.as_ref().is_some_and(|s| s.interrupted()) {
             pb.println(format!("Ctrl-C: stopping after step {}", trainer.step));
-            trainer.save_checkpoint(&checkpoints, cfg.checkpoint.keep, Some(eval_before))?;
+            trainer
+                .save_checkpoint(&checkpoints, cfg.checkpoint.keep, Some(eval_before))
+                .with_context(|| format!("checkpointing step {}", trainer.step))?;
             break;
         }
         let mut line = trainer.step()?;
         if cfg.eval.due(trainer.step) {
             line.insert("eval/acc".into(), json!(trainer.evaluate()?));
         }
-        writeln!(metrics, "{}", serde_json::Value::Object(line.clone()))?;
-        metrics.flush()?;
+        append_line(
+            &mut metrics,
+            &metrics_path,
+            &serde_json::Value::Object(line.clone()),
+        )?;
+        if let Some(e) = trainer.nonfinite_limit() {
+            stop_nonfinite(&mut trainer, &checkpoints, &cfg, Some(eval_before), e)?;
+        }
         let get = |k: &str| line.get(k).and_then(|v| v.as_f64()).unwrap_or(0.0);
         pb.set_message(format!(
             "reward {:.2} kept {:.2}/{:.2} step {:.1}s",
@@ -122,7 +168,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         pb.inc(1);
         let every = cfg.checkpoint.every;
         if (every > 0 && trainer.step % every == 0) || trainer.step == cfg.steps {
-            trainer.save_checkpoint(&checkpoints, cfg.checkpoint.keep, Some(eval_before))?;
+            trainer
+                .save_checkpoint(&checkpoints, cfg.checkpoint.keep, Some(eval_before))
+                .with_context(|| format!("checkpointing step {}", trainer.step))?;
         }
     }
     pb.finish();
@@ -161,6 +209,44 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Appends `line` to the metrics file at `path`, whole or not at all: a write that fails
+/// (disk full, file too large) is cut back off, and the error names the file.
+fn append_line(
+    file: &mut std::fs::File,
+    path: &Path,
+    line: &serde_json::Value,
+) -> anyhow::Result<()> {
+    let len = file.metadata().map(|m| m.len());
+    let written = writeln!(file, "{line}").and_then(|()| file.flush());
+    if let Err(e) = written {
+        if let Ok(len) = len {
+            let _ = file.set_len(len);
+        }
+        return Err(e).with_context(|| format!("writing metrics to {}", path.display()));
+    }
+    Ok(())
+}
+
+/// Drops the lines of steps after `step` from a resumed run's metrics (a run killed after
+/// its last checkpoint wrote them, and will write them again), and a torn last line.
+fn keep_metrics_until(path: &Path, step: u64) -> anyhow::Result<()> {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(());
+    };
+    let kept: String = text
+        .lines()
+        .filter(|l| {
+            serde_json::from_str::<serde_json::Value>(l)
+                .is_ok_and(|v| v["step"].as_u64().is_some_and(|s| s <= step))
+        })
+        .flat_map(|l| [l, "\n"])
+        .collect();
+    if kept.len() != text.len() {
+        write_atomic(path, kept.as_bytes())?;
+    }
+    Ok(())
+}
+
 fn read_config(path: &std::path::Path, sets: &[String]) -> anyhow::Result<RunConfig> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("reading config {}", path.display()))?;
@@ -183,20 +269,42 @@ fn bar(len: u64, what: &str) -> ProgressBar {
 /// Supervised warm-up on demonstrations (cut short by `interrupted`).
 fn warm_up(
     trainer: &mut Trainer,
-    steps: u64,
+    cfg: &RunConfig,
+    checkpoints: &Path,
     interrupted: &dyn Fn() -> bool,
 ) -> anyhow::Result<()> {
-    let warm = bar(steps, "warm-up");
-    for _ in 0..steps {
+    let warm = bar(cfg.warmup.steps, "warm-up");
+    for _ in 0..cfg.warmup.steps {
         if interrupted() {
             break;
         }
         let loss = trainer.warmup_step()?;
+        if let Some(e) = trainer.nonfinite_limit() {
+            stop_nonfinite(trainer, checkpoints, cfg, None, e)?;
+        }
         warm.set_message(format!("nll {loss:.3}"));
         warm.inc(1);
     }
     warm.finish();
     Ok(())
+}
+
+/// Ends the run after too many non-finite steps in a row: checkpoints the last good
+/// weights and optimizer (untouched by the skipped steps), then fails with `error`.
+fn stop_nonfinite(
+    trainer: &mut Trainer,
+    checkpoints: &Path,
+    cfg: &RunConfig,
+    eval_before: Option<f64>,
+    error: dppo_trainer::TrainError,
+) -> anyhow::Result<()> {
+    let dir = trainer.save_checkpoint(checkpoints, cfg.checkpoint.keep, eval_before)?;
+    Err(error).with_context(|| {
+        format!(
+            "stopping: the last good state is checkpointed in {}",
+            dir.display()
+        )
+    })
 }
 
 fn load_data(
