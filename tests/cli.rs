@@ -657,3 +657,37 @@ fn a_full_disk_for_metrics_stops_the_run_and_keeps_the_lines_written() {
     assert!(!steps.is_empty() && steps.len() < 50, "{steps:?}");
     assert_eq!(steps, (1..=steps.len() as u64).collect::<Vec<_>>());
 }
+
+/// A model whose forward pass overflows makes every warm-up step non-finite: after three in
+/// a row (`train.max_nonfinite_steps`) the run stops with a clear error and a checkpoint of
+/// the untouched weights.
+#[test]
+fn non_finite_steps_stop_the_run_with_a_checkpoint_of_the_last_good_state() {
+    use candle_core::Tensor;
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    let tiny = dppo_model::Policy::load("builtin:tiny", &candle_core::Device::Cpu).unwrap();
+    let mut tensors = tiny.weights.tensors().clone();
+    let norm = &tensors["model.norm.weight"];
+    let inf = Tensor::full(f32::INFINITY, norm.shape(), norm.device()).unwrap();
+    tensors.insert("model.norm.weight".into(), inf);
+    let weights = dppo_model::Weights::from_tensors(&tiny.config, tensors, "inf").unwrap();
+    let policy = dppo_model::Policy::new(tiny.config.clone(), weights, tiny.tokenizer).unwrap();
+    policy.save_hf(&model).unwrap();
+    let out = dir.path().join("run");
+    let mut args = vec!["run", "--out", out.to_str().unwrap()];
+    args.extend_from_slice(&SMALL);
+    let model_key = format!("model={}", model.display());
+    args.extend_from_slice(&["--set", &model_key, "--set", "warmup.steps=10"]);
+    let (ok, _, stderr) = dppo(&args);
+    assert!(!ok, "the run went on");
+    assert!(
+        stderr.contains("3 optimizer steps in a row")
+            && stderr.contains("the last good state is checkpointed in"),
+        "{stderr}"
+    );
+    let ckpt = out.join("checkpoints/step-000000");
+    dppo_trainer::checkpoint::verify(&ckpt).unwrap();
+    let saved = std::fs::read(ckpt.join("model/model.safetensors")).unwrap();
+    assert!(saved == std::fs::read(model.join("model.safetensors")).unwrap());
+}

@@ -42,7 +42,7 @@ pub enum TrainError {
     #[error("rollout came from policy version {got}, the step expected {expected}")]
     Version { expected: u64, got: u64 },
     #[error(
-        "{in_a_row} optimizer steps in a row (the last at step {step}) had a NaN or infinite \
+        "{in_a_row} optimizer steps in a row (up to RL step {step}) had a NaN or infinite \
          loss or gradient norm and were skipped; the weights and optimizer are those of the \
          last finite step. Lower actor.lr or warmup.lr, check the data and rewards, or raise \
          train.max_nonfinite_steps"
