@@ -463,3 +463,262 @@ fn ctrl_c_stops_a_serving_run_after_the_current_step() {
     let lines = std::fs::read_to_string(&metrics).unwrap().lines().count() as u64;
     assert_eq!(lines, steps, "one metrics line per finished step");
 }
+
+/// `dppo serve` reads its API key from `DPPO_API_KEY`, and warns when it listens beyond
+/// loopback without one.
+#[test]
+fn serve_takes_the_api_key_from_the_environment_and_warns_without_one() {
+    use std::io::{BufRead, Read};
+    let serve = |key: Option<&str>| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_dppo"));
+        cmd.args(["serve", "--model", "builtin:tiny", "--addr", "0.0.0.0:0"])
+            .env("RUST_LOG", "warn")
+            .env_remove("DPPO_API_KEY")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        if let Some(key) = key {
+            cmd.env("DPPO_API_KEY", key);
+        }
+        let mut child = cmd.spawn().expect("start dppo serve");
+        let stdout = child.stdout.take().unwrap();
+        let mut lines = std::io::BufReader::new(stdout).lines().map(Result::unwrap);
+        let line = lines
+            .find(|l| l.starts_with("listening on http://"))
+            .expect("dppo exited before listening");
+        std::thread::spawn(move || lines.for_each(drop));
+        let port: u16 = line.rsplit(':').next().unwrap().trim().parse().unwrap();
+        let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+        let status = |headers: &[(&str, &str)]| {
+            crate::http::request_with(addr, "GET", "/v1/models", None, headers).status
+        };
+        let statuses = (status(&[]), status(&[("Authorization", "Bearer sk-env")]));
+        let pid = child.id().to_string();
+        let sent = Command::new("kill").args(["-INT", &pid]).status().unwrap();
+        assert!(sent.success());
+        assert!(child.wait().unwrap().success());
+        let mut stderr = String::new();
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut stderr)
+            .unwrap();
+        (statuses, stderr)
+    };
+    let (statuses, stderr) = serve(Some("sk-env"));
+    assert_eq!(statuses, (401, 200));
+    assert!(!stderr.contains("without an API key"), "{stderr}");
+    let (statuses, stderr) = serve(None);
+    assert_eq!(statuses, (200, 200));
+    assert!(stderr.contains("without an API key"), "{stderr}");
+}
+
+/// `dppo run --resume latest`, SIGKILLed at seeded random moments (some during checkpoint
+/// writes: it checkpoints every step) and restarted after each kill, ends with the
+/// uninterrupted run's weights and optimizer bit for bit and one metrics line per step;
+/// after the first checkpoint, no kill leaves the directory without a loadable one.
+#[test]
+fn sigkilled_runs_resume_to_the_uninterrupted_weights() {
+    use rand::{Rng, SeedableRng};
+    use std::time::{Duration, Instant};
+    const STEPS: u64 = 6;
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    let steps = format!("steps={STEPS}");
+    let args = |out: &std::path::Path| -> Vec<String> {
+        let mut args = vec!["run", "--resume", "latest", "--out", out.to_str().unwrap()];
+        args.extend_from_slice(&SMALL);
+        args.extend_from_slice(&["--set", "actor.beta=0.1", "--set", "checkpoint.every=1"]);
+        args.extend_from_slice(&["--set", "checkpoint.keep=2", "--set", &steps]);
+        args.into_iter().map(str::to_string).collect()
+    };
+    let spawn = |out: &std::path::Path| {
+        Command::new(env!("CARGO_BIN_EXE_dppo"))
+            .args(args(out))
+            .env("RUST_LOG", "error")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start dppo run")
+    };
+    let start = Instant::now();
+    assert!(spawn(&a).wait().unwrap().success());
+    let full = start.elapsed();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let (mut kills, mut kills_with_checkpoint, mut had_checkpoint) = (0, 0, false);
+    let checkpoints = b.join("checkpoints");
+    while kills < 12 {
+        let mut child = spawn(&b);
+        let delay = full.mul_f64(rng.random_range(0.05..0.6));
+        let deadline = Instant::now() + delay;
+        while Instant::now() < deadline && child.try_wait().unwrap().is_none() {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if child.try_wait().unwrap().is_none() {
+            child.kill().unwrap();
+            kills += 1;
+            kills_with_checkpoint += usize::from(had_checkpoint);
+        }
+        child.wait().unwrap();
+        let newest = dppo_trainer::checkpoint::latest(&checkpoints);
+        assert!(
+            newest.is_some() || !had_checkpoint,
+            "kill {kills} left no loadable checkpoint"
+        );
+        if let Some(ckpt) = newest {
+            had_checkpoint = true;
+            dppo_model::Policy::load(ckpt.to_str().unwrap(), &candle_core::Device::Cpu).unwrap();
+        }
+    }
+    assert!(
+        kills_with_checkpoint >= 5,
+        "only {kills_with_checkpoint} kills came after the first checkpoint"
+    );
+    assert!(spawn(&b).wait().unwrap().success());
+    let last = format!("checkpoints/step-{STEPS:06}");
+    for file in ["model/model.safetensors", "optimizer.safetensors"] {
+        let x = std::fs::read(a.join(&last).join(file)).unwrap();
+        let y = std::fs::read(b.join(&last).join(file)).unwrap();
+        assert!(x == y, "{file} differs after {kills} kills");
+    }
+    let steps: Vec<u64> = std::fs::read_to_string(b.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["step"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(steps, (1..=STEPS).collect::<Vec<_>>());
+}
+
+/// `dppo run` under a file-size limit (RLIMIT_FSIZE, SIGXFSZ ignored: writes past it fail
+/// as on a full disk); returns (success, stderr).
+fn dppo_with_file_limit(args: &[&str], limit: u64) -> (bool, String) {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_dppo"));
+    cmd.args(args).env("RUST_LOG", "warn");
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            let lim = libc::rlimit {
+                rlim_cur: limit,
+                rlim_max: limit,
+            };
+            if libc::setrlimit(libc::RLIMIT_FSIZE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let out = cmd.output().expect("run dppo");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The steps of the metrics lines in `run`, every line whole JSON.
+fn metric_steps(run: &std::path::Path) -> Vec<u64> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["step"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect()
+}
+
+/// A checkpoint that cannot be written stops the run with an error naming the file; the
+/// previous checkpoint and the metrics stay whole.
+#[test]
+fn a_full_disk_during_a_checkpoint_stops_the_run_and_keeps_the_last_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let mut args = vec!["run", "--resume", "latest", "--out", out.to_str().unwrap()];
+    args.extend_from_slice(&SMALL);
+    let (ok, _, stderr) = dppo(&[&args[..], &["--set", "steps=2"]].concat());
+    assert!(ok, "{stderr}");
+    let (ok, stderr) = dppo_with_file_limit(&[&args[..], &["--set", "steps=4"]].concat(), 64 << 10);
+    assert!(!ok, "the run went on");
+    assert!(
+        stderr.contains("checkpointing step 4")
+            && stderr.contains(".step-000004.tmp/")
+            && stderr.contains("File too large"),
+        "{stderr}"
+    );
+    dppo_trainer::checkpoint::verify(&out.join("checkpoints/step-000002")).unwrap();
+    assert!(!out.join("checkpoints/step-000004").exists());
+    assert_eq!(metric_steps(&out), [1, 2, 3, 4]);
+    // Room again: `train.resume = "auto"` carries on from step 2.
+    let mut args = vec!["run", "--out", out.to_str().unwrap()];
+    args.extend_from_slice(&SMALL);
+    args.extend_from_slice(&["--set", "steps=4", "--set", "train.resume=auto"]);
+    let (ok, _, stderr) = dppo(&args);
+    assert!(ok, "{stderr}");
+    assert_eq!(metric_steps(&out), [1, 2, 3, 4]);
+    dppo_trainer::checkpoint::verify(&out.join("checkpoints/step-000004")).unwrap();
+}
+
+/// A file-size limit above the run's config.toml and below its metrics of a few steps.
+const METRICS_LIMIT: u64 = 3000;
+
+/// Metrics that cannot be written stop the run with an error naming the file; the lines
+/// written before stay whole (no torn line).
+#[test]
+fn a_full_disk_for_metrics_stops_the_run_and_keeps_the_lines_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let mut args = vec!["run", "--out", out.to_str().unwrap()];
+    args.extend_from_slice(&SMALL);
+    args.extend_from_slice(&["--set", "checkpoint.every=0", "--set", "steps=50"]);
+    let (ok, stderr) = dppo_with_file_limit(&args, METRICS_LIMIT);
+    assert!(!ok, "the run went on");
+    let metrics = out.join("metrics.jsonl");
+    assert!(
+        stderr.contains(&format!("writing metrics to {}", metrics.display()))
+            && stderr.contains("File too large"),
+        "{stderr}"
+    );
+    let steps = metric_steps(&out);
+    assert!(!steps.is_empty() && steps.len() < 50, "{steps:?}");
+    assert_eq!(steps, (1..=steps.len() as u64).collect::<Vec<_>>());
+}
+
+/// A model whose forward pass overflows makes every warm-up step non-finite: after three in
+/// a row (`train.max_nonfinite_steps`) the run stops with a clear error and a checkpoint of
+/// the untouched weights.
+#[test]
+fn non_finite_steps_stop_the_run_with_a_checkpoint_of_the_last_good_state() {
+    use candle_core::Tensor;
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    let tiny = dppo_model::Policy::load("builtin:tiny", &candle_core::Device::Cpu).unwrap();
+    let mut tensors = tiny.weights.tensors().clone();
+    let norm = &tensors["model.norm.weight"];
+    let inf = Tensor::full(f32::INFINITY, norm.shape(), norm.device()).unwrap();
+    tensors.insert("model.norm.weight".into(), inf);
+    let weights = dppo_model::Weights::from_tensors(&tiny.config, tensors, "inf").unwrap();
+    let policy = dppo_model::Policy::new(tiny.config.clone(), weights, tiny.tokenizer).unwrap();
+    policy.save_hf(&model).unwrap();
+    let out = dir.path().join("run");
+    let mut args = vec!["run", "--out", out.to_str().unwrap()];
+    args.extend_from_slice(&SMALL);
+    let model_key = format!("model={}", model.display());
+    args.extend_from_slice(&["--set", &model_key, "--set", "warmup.steps=10"]);
+    let (ok, _, stderr) = dppo(&args);
+    assert!(!ok, "the run went on");
+    assert!(
+        stderr.contains("3 optimizer steps in a row")
+            && stderr.contains("the last good state is checkpointed in"),
+        "{stderr}"
+    );
+    let ckpt = out.join("checkpoints/step-000000");
+    dppo_trainer::checkpoint::verify(&ckpt).unwrap();
+    let saved = std::fs::read(ckpt.join("model/model.safetensors")).unwrap();
+    assert!(saved == std::fs::read(model.join("model.safetensors")).unwrap());
+}

@@ -47,7 +47,28 @@ pub fn try_request(
     path: &str,
     body: Option<&str>,
 ) -> std::io::Result<Reply> {
-    let mut stream = try_open(addr, method, path, body)?;
+    try_request_with(addr, method, path, body, &[])
+}
+
+/// [`request`] with extra header lines (`("Authorization", "Bearer k")`).
+pub fn request_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    headers: &[(&str, &str)],
+) -> Reply {
+    try_request_with(addr, method, path, body, headers).expect("HTTP request")
+}
+
+fn try_request_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    headers: &[(&str, &str)],
+) -> std::io::Result<Reply> {
+    let mut stream = try_open(addr, method, path, body, headers)?;
     let mut raw = Vec::new();
     stream.read_to_end(&mut raw)?;
     Ok(parse(&raw))
@@ -60,7 +81,7 @@ pub fn post(addr: SocketAddr, path: &str, body: &Value) -> Reply {
 
 /// Sends a request and returns the socket, response unread.
 pub fn open(addr: SocketAddr, method: &str, path: &str, body: Option<&str>) -> TcpStream {
-    try_open(addr, method, path, body).expect("send request")
+    try_open(addr, method, path, body, &[]).expect("send request")
 }
 
 fn try_open(
@@ -68,12 +89,17 @@ fn try_open(
     method: &str,
     path: &str,
     body: Option<&str>,
+    headers: &[(&str, &str)],
 ) -> std::io::Result<TcpStream> {
     let mut stream = TcpStream::connect(addr)?;
     stream.set_read_timeout(Some(Duration::from_secs(120)))?;
     let body = body.unwrap_or("");
+    let extra: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
     let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n{extra}Content-Length: {}\r\n\r\n",
         body.len()
     );
     stream.write_all(head.as_bytes())?;

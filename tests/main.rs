@@ -9,6 +9,8 @@ mod model_parity;
 mod model_train;
 // Weight files: save/load round trips, GGUF, and the errors of broken inputs.
 mod model_files;
+// Truncated, bit-flipped and lying model files: errors, never crashes.
+mod hostile_files;
 // The generation engine against the contiguous-cache reference.
 mod engine;
 // The kernel-dependent suites under every CPU kernel this machine has.

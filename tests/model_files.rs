@@ -222,7 +222,7 @@ fn gguf_name(hf: &str) -> String {
 
 /// Writes `policy` as a llama GGUF with one tensor type per role; returns the policy the
 /// file should load as (weights after the quantisation round trip).
-fn write_llama_gguf(policy: &Policy, path: &Path) -> Policy {
+pub(crate) fn write_llama_gguf(policy: &Policy, path: &Path) -> Policy {
     let cfg = &policy.config;
     let dtype_of = |name: &str| {
         if name.contains("norm") {
@@ -255,6 +255,7 @@ fn write_llama_gguf(policy: &Policy, path: &Path) -> Policy {
     let (tokens, types) = gguf_vocab();
     let md: Vec<(&str, Value)> = vec![
         ("general.architecture", Value::String("llama".into())),
+        ("general.alignment", Value::U32(32)),
         ("llama.embedding_length", Value::U32(cfg.hidden_size as u32)),
         ("llama.feed_forward_length", Value::U32(cfg.intermediate_size as u32)),
         ("llama.block_count", Value::U32(cfg.num_hidden_layers as u32)),
@@ -285,7 +286,7 @@ fn write_llama_gguf(policy: &Policy, path: &Path) -> Policy {
     }
 }
 
-fn gguf_test_config() -> ModelConfig {
+pub(crate) fn gguf_test_config() -> ModelConfig {
     // Quantised blocks span 32 values: every row length must be a multiple of 32.
     let mut cfg = small_config(Arch::Llama);
     cfg.qkv_bias = false;

@@ -2,14 +2,14 @@
 //! evaluation before and after; `metrics.jsonl`, `config.toml` and `summary.json` in the
 //! run directory.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::Context;
 use candle_core::Device;
 use dppo_model::weights::write_atomic;
 use dppo_trainer::checkpoint;
-use dppo_trainer::config::RunConfig;
+use dppo_trainer::config::{ResumeMode, RunConfig};
 use dppo_trainer::data::{builtin_task, load_jsonl, Fields};
 use dppo_trainer::metrics_log::{MetricsLog, METRICS_JSONL};
 use dppo_trainer::step::Trainer;
@@ -28,7 +28,9 @@ pub struct Args {
     /// Run directory.
     #[arg(long, default_value = "runs/default")]
     out: PathBuf,
-    /// Continue from a checkpoint (`<run>/checkpoints/step-NNNNNN`); its config is used,
+    /// Continue from a checkpoint (`<run>/checkpoints/step-NNNNNN`), or `latest`: the
+    /// newest complete one under `--out` (starting from the beginning when there is none,
+    /// so that the same command starts and resumes a run). The checkpoint's config is used,
     /// with `--set` overrides (e.g. more `steps`).
     #[arg(long)]
     resume: Option<PathBuf>,
@@ -46,11 +48,45 @@ pub struct Args {
 
 /// Trains and writes the run directory.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let cfg = match (&args.resume, &args.config) {
-        (Some(ckpt), _) => read_config(&ckpt.join(checkpoint::CONFIG), &args.sets)?,
-        (None, Some(path)) => read_config(path, &args.sets)?,
-        (None, None) => RunConfig::default_with(&args.sets)?,
+    let checkpoints = args.out.join("checkpoints");
+    let given = || match &args.config {
+        Some(path) => read_config(path, &args.sets),
+        None => Ok(RunConfig::default_with(&args.sets)?),
     };
+    let (cfg, resume) = match &args.resume {
+        Some(latest) if latest.as_os_str() == "latest" => match checkpoint::latest(&checkpoints) {
+            Some(ckpt) => (
+                read_config(&ckpt.join(checkpoint::CONFIG), &args.sets)?,
+                Some(ckpt),
+            ),
+            None => (given()?, None),
+        },
+        Some(ckpt) => {
+            checkpoint::verify(ckpt)?;
+            (
+                read_config(&ckpt.join(checkpoint::CONFIG), &args.sets)?,
+                Some(ckpt.clone()),
+            )
+        }
+        None => {
+            let cfg = given()?;
+            let ckpt = match cfg.train.resume {
+                ResumeMode::Auto => checkpoint::latest(&checkpoints),
+                ResumeMode::Disable => None,
+            };
+            (cfg, ckpt)
+        }
+    };
+    match &resume {
+        Some(ckpt) => tracing::info!("resuming from {}", ckpt.display()),
+        None if args.resume.is_some() => {
+            tracing::info!(
+                "no checkpoint in {}: starting from the beginning",
+                checkpoints.display()
+            )
+        }
+        None => {}
+    }
     if cfg.threads > 0 {
         // Read once, when rayon's and candle's CPU thread pools start: later than this.
         std::env::set_var("RAYON_NUM_THREADS", cfg.threads.to_string());
@@ -58,7 +94,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating the run directory {}", args.out.display()))?;
     write_atomic(&args.out.join("config.toml"), cfg.to_toml().as_bytes())?;
-    let model = match &args.resume {
+    let model = match &resume {
         Some(ckpt) => ckpt.join(checkpoint::MODEL_DIR).display().to_string(),
         None => cfg.model.clone(),
     };
@@ -76,28 +112,30 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         )?),
         None => None,
     };
-    let eval_before = match &args.resume {
+    let eval_before = match &resume {
         Some(ckpt) => match trainer.restore(ckpt)?.eval_before {
             Some(acc) => acc,
             None => trainer.evaluate()?,
         },
         None => {
             let interrupted = || server.as_ref().is_some_and(|s| s.interrupted());
-            warm_up(&mut trainer, cfg.warmup.steps, &interrupted)?;
+            warm_up(&mut trainer, &cfg, &checkpoints, &interrupted)?;
             trainer.finish_warmup()?;
             trainer.evaluate()?
         }
     };
     tracing::info!(eval_before, "held-out accuracy before RL");
 
-    let mut metrics = MetricsLog::open(&args.out, &cfg.logger, args.resume.is_some())?;
+    let resumed_at = resume.as_ref().map(|_| trainer.step);
+    let mut metrics = MetricsLog::open(&args.out, &cfg.logger, resumed_at)?;
     let pb = bar(cfg.steps, &format!("{:?}", cfg.algorithm).to_lowercase());
     pb.set_position(trainer.step);
-    let checkpoints = args.out.join("checkpoints");
     while trainer.step < cfg.steps {
         if server.as_ref().is_some_and(|s| s.interrupted()) {
             pb.println(format!("Ctrl-C: stopping after step {}", trainer.step));
-            trainer.save_checkpoint(&checkpoints, cfg.checkpoint.keep, Some(eval_before))?;
+            trainer
+                .save_checkpoint(&checkpoints, cfg.checkpoint.keep, Some(eval_before))
+                .with_context(|| format!("checkpointing step {}", trainer.step))?;
             break;
         }
         let mut line = trainer.step()?;
@@ -105,6 +143,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             line.insert("eval/acc".into(), json!(trainer.evaluate()?));
         }
         metrics.write(&line)?;
+        if let Some(e) = trainer.nonfinite_limit() {
+            stop_nonfinite(&mut trainer, &checkpoints, &cfg, Some(eval_before), e)?;
+        }
         let get = |k: &str| line.get(k).and_then(|v| v.as_f64()).unwrap_or(0.0);
         pb.set_message(format!(
             "reward {:.2} kept {:.2}/{:.2} step {:.1}s",
@@ -116,7 +157,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         pb.inc(1);
         let every = cfg.checkpoint.every;
         if (every > 0 && trainer.step % every == 0) || trainer.step == cfg.steps {
-            trainer.save_checkpoint(&checkpoints, cfg.checkpoint.keep, Some(eval_before))?;
+            trainer
+                .save_checkpoint(&checkpoints, cfg.checkpoint.keep, Some(eval_before))
+                .with_context(|| format!("checkpointing step {}", trainer.step))?;
         }
     }
     pb.finish();
@@ -179,20 +222,42 @@ fn bar(len: u64, what: &str) -> ProgressBar {
 /// Supervised warm-up on demonstrations (cut short by `interrupted`).
 fn warm_up(
     trainer: &mut Trainer,
-    steps: u64,
+    cfg: &RunConfig,
+    checkpoints: &Path,
     interrupted: &dyn Fn() -> bool,
 ) -> anyhow::Result<()> {
-    let warm = bar(steps, "warm-up");
-    for _ in 0..steps {
+    let warm = bar(cfg.warmup.steps, "warm-up");
+    for _ in 0..cfg.warmup.steps {
         if interrupted() {
             break;
         }
         let loss = trainer.warmup_step()?;
+        if let Some(e) = trainer.nonfinite_limit() {
+            stop_nonfinite(trainer, checkpoints, cfg, None, e)?;
+        }
         warm.set_message(format!("nll {loss:.3}"));
         warm.inc(1);
     }
     warm.finish();
     Ok(())
+}
+
+/// Ends the run after too many non-finite steps in a row: checkpoints the last good
+/// weights and optimizer (untouched by the skipped steps), then fails with `error`.
+fn stop_nonfinite(
+    trainer: &mut Trainer,
+    checkpoints: &Path,
+    cfg: &RunConfig,
+    eval_before: Option<f64>,
+    error: dppo_trainer::TrainError,
+) -> anyhow::Result<()> {
+    let dir = trainer.save_checkpoint(checkpoints, cfg.checkpoint.keep, eval_before)?;
+    Err(error).with_context(|| {
+        format!(
+            "stopping: the last good state is checkpointed in {}",
+            dir.display()
+        )
+    })
 }
 
 fn load_data(

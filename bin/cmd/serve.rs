@@ -34,6 +34,10 @@ pub struct ServeArgs {
     /// Requests accepted at once (queued or generating); more get 429.
     #[arg(long, default_value_t = 256)]
     max_pending: usize,
+    /// Require `Authorization: Bearer KEY` on every route but /health (default: the
+    /// DPPO_API_KEY environment variable; no key when neither is set).
+    #[arg(long)]
+    api_key: Option<String>,
 }
 
 /// Serves until Ctrl-C.
@@ -62,6 +66,10 @@ pub fn start(
             .unwrap_or_else(|| model.to_string()),
         max_pending: args.max_pending,
         handle_ctrl_c: true,
+        api_key: args
+            .api_key
+            .clone()
+            .or_else(|| std::env::var("DPPO_API_KEY").ok().filter(|k| !k.is_empty())),
     };
     let handle = server::spawn(
         engine,

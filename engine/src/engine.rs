@@ -305,7 +305,7 @@ impl Engine {
         self.limits
             .capacity
             .check(req.prompt_ids.len(), req.n, req.max_tokens)?;
-        let total = req.prompt_ids.len() + req.max_tokens;
+        let total = req.prompt_ids.len().saturating_add(req.max_tokens);
         if total > self.limits.max_model_len {
             return bad(format!(
                 "prompt ({} tokens) + max_tokens ({}) = {total} exceeds the model's context of {} tokens",

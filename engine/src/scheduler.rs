@@ -48,7 +48,9 @@ impl Capacity {
         if max_tokens == 0 {
             return bad("max_tokens must be at least 1".into());
         }
-        let needed = (prompt_len + max_tokens).div_ceil(self.block_size);
+        let needed = prompt_len
+            .saturating_add(max_tokens)
+            .div_ceil(self.block_size);
         if needed > self.num_blocks {
             return bad(format!(
                 "prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {needed} KV blocks, the pool has {}",

@@ -106,6 +106,15 @@ fn default_max_pos() -> usize {
     2048
 }
 
+/// The largest size a config may give any dimension (vocabulary, hidden, heads...): real
+/// models stay far below, and the bound keeps shape arithmetic from overflowing and a lying
+/// file from asking for absurd allocations.
+const MAX_DIM: usize = 1 << 24;
+/// The most layers a config may declare.
+const MAX_LAYERS: usize = 1 << 12;
+/// The longest context a config may declare (the rope tables are allocated for all of it).
+const MAX_POSITIONS: usize = 1 << 20;
+
 impl ModelConfig {
     /// Parses an HF `config.json`; `origin` names the file in error messages.
     pub fn from_hf_json(text: &str, origin: &str) -> Result<Self> {
@@ -166,6 +175,18 @@ impl ModelConfig {
         ];
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(format!("{name} must be positive"));
+        }
+        let limits = [
+            ("num_hidden_layers", self.num_hidden_layers, MAX_LAYERS),
+            (
+                "max_position_embeddings",
+                self.max_position_embeddings,
+                MAX_POSITIONS,
+            ),
+        ];
+        let sizes = positive.iter().map(|&(name, v)| (name, v, MAX_DIM));
+        if let Some((name, v, max)) = limits.into_iter().chain(sizes).find(|(_, v, max)| v > max) {
+            return Err(format!("{name} = {v} is implausibly large (at most {max})"));
         }
         if !self
             .num_attention_heads

@@ -64,6 +64,10 @@ impl TextTokenizer {
 
     /// Parses a `tokenizer.json` document; `origin` names it in errors.
     pub fn from_json(json: &str, origin: &str) -> Result<tokenizers::Tokenizer> {
+        // The tokenizers crate panics (`expect("Helper")`) on a syntax error inside the
+        // decoder: reject broken JSON before it looks.
+        serde_json::from_str::<serde::de::IgnoredAny>(json)
+            .map_err(|e| tok_err(origin, format!("not valid JSON: {e}")))?;
         tokenizers::Tokenizer::from_bytes(json.as_bytes()).map_err(|e| tok_err(origin, e))
     }
 

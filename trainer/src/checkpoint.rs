@@ -2,6 +2,10 @@
 //! state (step, policy version, data position, prompt history, GRESO state, and a rollout
 //! made ahead of its step when one step off-policy), written to a
 //! temporary directory and renamed into place; the last `keep` are kept.
+//!
+//! A manifest of every file's size and CRC-32 is written last: a checkpoint without one
+//! is incomplete, and one whose files disagree with it is corrupt. [`verify`] names the
+//! bad file; [`latest`] picks the newest checkpoint that verifies.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -29,9 +33,14 @@ pub struct TrainerState {
     /// The next step's rollout, generated ahead of it (`rollout.one_step_off_policy`).
     #[serde(default)]
     pub pending: Option<StepRollout>,
+    /// Steps skipped so far for a non-finite loss or gradient (`train/nonfinite_steps`).
+    #[serde(default)]
+    pub num_nonfinite_steps: u64,
 }
 
 const STATE: &str = "state.json";
+/// Every other file's size and CRC-32; written last.
+pub const MANIFEST: &str = "manifest.json";
 const OPTIMIZER: &str = "optimizer.safetensors";
 const REFERENCE: &str = "reference.safetensors";
 /// The policy's HF directory inside a checkpoint.
@@ -55,6 +64,10 @@ impl Trainer {
         self.settle()?;
         std::fs::create_dir_all(root).map_err(io(root))?;
         let dir = root.join(format!("step-{:06}", self.step));
+        if verify(&dir).is_ok() {
+            // This step is saved already (e.g. a resumed run stopped before its next step).
+            return Ok(dir);
+        }
         let tmp = root.join(format!(".step-{:06}.tmp", self.step));
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
@@ -86,12 +99,17 @@ impl Trainer {
                 Some(Pending::InFlight(_)) => unreachable!("settled above"),
                 None => None,
             },
+            num_nonfinite_steps: self.num_nonfinite_steps,
         };
         let json = serde_json::to_string(&state).map_err(|e| TrainError::Config(e.to_string()))?;
         write_atomic(&tmp.join(STATE), json.as_bytes())?;
         write_atomic(&tmp.join(CONFIG), self.cfg.to_toml().as_bytes())?;
+        write_manifest(&tmp)?;
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::rename(&tmp, &dir).map_err(io(&dir))?;
+        std::fs::File::open(root)
+            .and_then(|d| d.sync_all())
+            .map_err(io(root))?;
         prune_old(root, keep)?;
         Ok(dir)
     }
@@ -132,6 +150,7 @@ impl Trainer {
         self.order.drawn = state.drawn;
         self.history = state.history.clone();
         self.greso = state.greso.clone();
+        self.num_nonfinite_steps = state.num_nonfinite_steps;
         if let Some(rollout) = &state.pending {
             if rollout.step != state.step {
                 return Err(TrainError::Config(format!(
@@ -148,10 +167,89 @@ impl Trainer {
     }
 }
 
-/// Keeps the newest `keep` `step-*` directories under `root`.
-fn prune_old(root: &Path, keep: usize) -> Result<(), TrainError> {
+/// What [`MANIFEST`] records of one file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct FileSum {
+    bytes: u64,
+    crc32: u32,
+}
+
+/// Size and CRC-32 of the file at `path`.
+fn file_sum(path: &Path) -> Result<FileSum, TrainError> {
+    let bytes = std::fs::read(path).map_err(io(path))?;
+    Ok(FileSum {
+        bytes: bytes.len() as u64,
+        crc32: crc32fast::hash(&bytes),
+    })
+}
+
+/// The files under `dir`, as `/`-separated paths relative to it, sorted.
+fn files_under(dir: &Path) -> Result<Vec<String>, TrainError> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).map_err(io(&d))? {
+            let path = entry.map_err(io(&d))?.path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if let Ok(rel) = path.strip_prefix(dir) {
+                let parts: Vec<_> = rel.iter().map(|p| p.to_string_lossy()).collect();
+                out.push(parts.join("/"));
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Writes `dir`'s manifest: the size and CRC-32 of every file in it.
+fn write_manifest(dir: &Path) -> Result<(), TrainError> {
+    let mut files = BTreeMap::new();
+    for rel in files_under(dir)? {
+        files.insert(rel.clone(), file_sum(&dir.join(&rel))?);
+    }
+    let json = serde_json::to_string_pretty(&serde_json::json!({ "files": files }))
+        .map_err(|e| TrainError::Config(e.to_string()))?;
+    Ok(write_atomic(&dir.join(MANIFEST), json.as_bytes())?)
+}
+
+/// Checks checkpoint `dir` against its manifest: every listed file present with its size
+/// and CRC-32. The error names the bad file (or the missing manifest: an incomplete save).
+pub fn verify(dir: &Path) -> Result<(), TrainError> {
+    let bad = |reason: String| TrainError::Checkpoint {
+        dir: dir.display().to_string(),
+        reason,
+    };
+    let path = dir.join(MANIFEST);
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        bad(format!(
+            "no readable {MANIFEST} ({e}): the save did not finish, or predates manifests"
+        ))
+    })?;
+    let manifest: BTreeMap<String, BTreeMap<String, FileSum>> =
+        serde_json::from_str(&text).map_err(|e| bad(format!("{MANIFEST} is corrupt: {e}")))?;
+    let files = manifest
+        .get("files")
+        .filter(|f| !f.is_empty())
+        .ok_or_else(|| bad(format!("{MANIFEST} lists no files")))?;
+    for (rel, want) in files {
+        let got = file_sum(&dir.join(rel)).map_err(|e| bad(format!("{rel}: {e}")))?;
+        if got != *want {
+            return Err(bad(format!(
+                "{rel} is corrupt: {} bytes with CRC-32 {:08x}, the manifest says {} bytes \
+                 with {:08x}",
+                got.bytes, got.crc32, want.bytes, want.crc32
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The `step-*` directories under `root`, oldest first.
+fn step_dirs(root: &Path) -> Vec<PathBuf> {
     let mut steps: Vec<PathBuf> = std::fs::read_dir(root)
-        .map_err(io(root))?
+        .into_iter()
+        .flatten()
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| {
             p.file_name()
@@ -159,9 +257,94 @@ fn prune_old(root: &Path, keep: usize) -> Result<(), TrainError> {
         })
         .collect();
     steps.sort();
+    steps
+}
+
+/// The newest checkpoint under `root` that [`verify`] accepts, skipping incomplete and
+/// corrupt ones with a warning; `None` when there is none (or no `root`).
+pub fn latest(root: &Path) -> Option<PathBuf> {
+    step_dirs(root)
+        .into_iter()
+        .rev()
+        .find(|dir| match verify(dir) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!("skipping checkpoint: {e}");
+                false
+            }
+        })
+}
+
+/// Keeps the newest `keep` `step-*` directories under `root`, and removes the temporary
+/// directories of saves that never finished.
+fn prune_old(root: &Path, keep: usize) -> Result<(), TrainError> {
+    let steps = step_dirs(root);
     let excess = steps.len().saturating_sub(keep.max(1));
     for old in &steps[..excess] {
         std::fs::remove_dir_all(old).map_err(io(old))?;
     }
+    for entry in std::fs::read_dir(root).map_err(io(root))?.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with(".step-") && name.ends_with(".tmp") {
+            std::fs::remove_dir_all(entry.path()).map_err(io(&entry.path()))?;
+        }
+    }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A checkpoint-like directory with two files and, if `complete`, its manifest.
+    fn fake_checkpoint(dir: &Path, complete: bool) {
+        std::fs::create_dir_all(dir.join("model")).unwrap();
+        std::fs::write(dir.join(STATE), b"{\"step\": 1}").unwrap();
+        std::fs::write(dir.join("model/model.safetensors"), vec![7u8; 4096]).unwrap();
+        if complete {
+            write_manifest(dir).unwrap();
+        }
+    }
+
+    #[test]
+    fn verify_names_the_bad_file_and_latest_skips_bad_checkpoints() {
+        let root = std::env::temp_dir().join(format!("dppo-manifest-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let step = |n: u64| root.join(format!("step-{n:06}"));
+        assert_eq!(
+            latest(&root),
+            None,
+            "no directory: start from the beginning"
+        );
+        fake_checkpoint(&step(1), true);
+        fake_checkpoint(&step(2), true);
+        fake_checkpoint(&step(3), false);
+        verify(&step(1)).unwrap();
+        let err = verify(&step(3)).unwrap_err().to_string();
+        assert!(
+            err.contains("step-000003") && err.contains(MANIFEST),
+            "{err}"
+        );
+        assert_eq!(
+            latest(&root),
+            Some(step(2)),
+            "the incomplete one is skipped"
+        );
+        // A flipped bit, then a truncation, in step 2's weights.
+        let weights = step(2).join("model/model.safetensors");
+        let mut bytes = std::fs::read(&weights).unwrap();
+        bytes[100] ^= 4;
+        std::fs::write(&weights, &bytes).unwrap();
+        let err = verify(&step(2)).unwrap_err().to_string();
+        assert!(err.contains("model/model.safetensors is corrupt"), "{err}");
+        std::fs::write(&weights, &bytes[..1000]).unwrap();
+        let err = verify(&step(2)).unwrap_err().to_string();
+        assert!(err.contains("1000 bytes"), "{err}");
+        assert_eq!(latest(&root), Some(step(1)));
+        std::fs::remove_file(step(1).join(STATE)).unwrap();
+        let err = verify(&step(1)).unwrap_err().to_string();
+        assert!(err.contains(STATE), "{err}");
+        assert_eq!(latest(&root), None);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
 }

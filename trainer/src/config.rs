@@ -54,6 +54,39 @@ pub struct RunConfig {
     pub eval: EvalConfig,
     #[serde(default)]
     pub checkpoint: CheckpointConfig,
+    #[serde(default)]
+    pub train: TrainConfig,
+}
+
+/// `[train]`: what the run does when things go wrong, and how it starts.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Optimizer steps in a row with a NaN or infinite loss or gradient norm (each skipped,
+    /// changing nothing) after which the run writes a checkpoint of the last good state and
+    /// stops with an error (0: never stop).
+    pub max_nonfinite_steps: u64,
+    /// `auto`: continue from the newest complete checkpoint in the run directory when there
+    /// is one (verl's `resume_mode`), so the same command starts and resumes a run;
+    /// `disable` (default): always start from the beginning.
+    pub resume: ResumeMode,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            max_nonfinite_steps: 3,
+            resume: ResumeMode::Disable,
+        }
+    }
+}
+
+/// `train.resume`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ResumeMode {
+    Disable,
+    Auto,
 }
 
 /// `[checkpoint]`
@@ -332,9 +365,28 @@ impl RunConfig {
             format!("must be in (0, 1], got {}", self.rollout.top_p),
         )?;
         check(
-            self.actor.lr > 0.0,
+            self.actor.lr > 0.0 && self.actor.lr.is_finite(),
             "actor.lr",
-            format!("must be positive, got {}", self.actor.lr),
+            format!("must be positive and finite, got {}", self.actor.lr),
+        )?;
+        check(
+            self.warmup.lr > 0.0 && self.warmup.lr.is_finite(),
+            "warmup.lr",
+            format!("must be positive and finite, got {}", self.warmup.lr),
+        )?;
+        check(
+            (0.0..1.0).contains(&(self.actor.lr * self.actor.weight_decay))
+                && (0.0..1.0).contains(&(self.warmup.lr * self.actor.weight_decay)),
+            "actor.weight_decay",
+            format!(
+                "must be >= 0 with lr * weight_decay < 1, got {}",
+                self.actor.weight_decay
+            ),
+        )?;
+        check(
+            self.actor.grad_clip >= 0.0,
+            "actor.grad_clip",
+            format!("must be >= 0 (0: off), got {}", self.actor.grad_clip),
         )?;
         check(
             self.actor.eps_low >= 0.0 && self.actor.eps_low < 1.0,
@@ -468,6 +520,11 @@ mod tests {
             ("dppo.candidates=\"lowest\"", "unknown variant `lowest`"),
             ("logger=[\"tensorboard\"]", "logger: must include \"jsonl\""),
             ("logger=[\"wandb\"]", "unknown variant `wandb`"),
+            ("actor.lr=inf", "actor.lr: must be positive and finite"),
+            ("warmup.lr=nan", "warmup.lr: must be positive and finite"),
+            ("actor.weight_decay=nan", "actor.weight_decay"),
+            ("actor.grad_clip=nan", "actor.grad_clip"),
+            ("train.resume=\"always\"", "unknown variant `always`"),
         ];
         for (set, want) in cases {
             let err = RunConfig::default_with(&[set.to_string()])

@@ -38,6 +38,8 @@ pub struct StepMetrics {
     pub num_buffers: usize,
     pub pack_density: f64,
     pub train_tokens_per_s: f64,
+    /// The loss or the gradient norm was NaN or infinite: the step changed nothing.
+    pub is_nonfinite: bool,
 }
 
 /// A frozen policy for the KL term: its own copy of the weights and the model over them.
@@ -166,8 +168,9 @@ impl Learner {
     }
 
     /// One supervised step on demonstrations (mean NLL of their completion tokens) at
-    /// learning rate `lr`; returns the loss. Shares the optimizer with RL steps.
-    pub fn sft_step(&mut self, seqs: &[TrainSeq], lr: f64) -> Result<f64, TrainError> {
+    /// learning rate `lr`: `pg_loss` holds the NLL. Shares the optimizer with RL steps, and
+    /// skips the update as [`Learner::step`] does when the loss or gradient is not finite.
+    pub fn sft_step(&mut self, seqs: &[TrainSeq], lr: f64) -> Result<StepMetrics, TrainError> {
         let lengths: Vec<usize> = seqs.iter().map(|s| s.tokens.len()).collect();
         let buffers = pack(&lengths, self.cfg.pack_tokens, self.cfg.pack_window)?;
         let num_tokens: usize = seqs.iter().map(TrainSeq::num_completion_tokens).sum();
@@ -190,17 +193,43 @@ impl Learner {
                 .join()
                 .map_err(|_| TrainError::Thread("the backward thread panicked".into()))?
         })?;
-        clip_grad_norm(&mut grads, self.cfg.grad_clip)?;
-        self.optimizer.step(&self.vars, &grads, lr)?;
-        Ok(loss)
+        let m = StepMetrics {
+            pg_loss: loss,
+            grad_norm: clip_grad_norm(&mut grads, self.cfg.grad_clip)?,
+            lr,
+            num_buffers: buffers.len(),
+            ..StepMetrics::default()
+        };
+        self.apply(&grads, m)
     }
 
-    /// One optimizer step on `batch`: packed forward/backward, clipping, AdamW.
+    /// One optimizer step on `batch`: packed forward/backward, clipping, AdamW. A NaN or
+    /// infinite loss or gradient norm skips the update: weights, moments and the
+    /// optimizer's step count stay as they were, and `is_nonfinite` says so.
     pub fn step(&mut self, batch: &TrainBatch) -> Result<StepMetrics, TrainError> {
         let (mut grads, mut m) = self.gradients(batch)?;
         m.grad_norm = clip_grad_norm(&mut grads, self.cfg.grad_clip)?;
         m.lr = self.cfg.schedule.lr_at(self.optimizer.step);
-        self.optimizer.step(&self.vars, &grads, m.lr)?;
+        self.apply(&grads, m)
+    }
+
+    /// The AdamW update with `grads` at `m.lr`, unless `m`'s loss or gradient norm is NaN
+    /// or infinite: then nothing changes and `m.is_nonfinite` is set.
+    fn apply(
+        &mut self,
+        grads: &BTreeMap<String, Tensor>,
+        mut m: StepMetrics,
+    ) -> Result<StepMetrics, TrainError> {
+        m.is_nonfinite = !(m.pg_loss.is_finite() && m.grad_norm.is_finite());
+        if m.is_nonfinite {
+            tracing::warn!(
+                loss = m.pg_loss,
+                grad_norm = m.grad_norm,
+                "non-finite step skipped: weights and optimizer unchanged"
+            );
+        } else {
+            self.optimizer.step(&self.vars, grads, m.lr)?;
+        }
         Ok(m)
     }
 }
@@ -221,4 +250,87 @@ fn accumulate(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::loss::{LossAgg, Normalisers, RatioLevel};
+    use candle_core::Device;
+
+    /// Every bit of the weights, the optimizer moments and the optimizer's step count.
+    fn state_bits(learner: &Learner) -> (Vec<Vec<u32>>, u64) {
+        let bits = |t: &Tensor| -> Vec<u32> {
+            let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+            v.iter().map(|x| x.to_bits()).collect()
+        };
+        let mut all: Vec<Vec<u32>> = learner.vars.values().map(|v| bits(v)).collect();
+        for (m, v) in learner.optimizer.moments.values() {
+            all.extend([bits(m), bits(v)]);
+        }
+        (all, learner.optimizer.step)
+    }
+
+    /// Two sequences of the tiny model with `advantage` (and its negation).
+    fn batch(advantage: f64) -> TrainBatch {
+        let seq = |tokens: Vec<u32>, advantage: f64| TrainSeq {
+            rollout_logprobs: vec![-4.0; tokens.len() - 2],
+            num_prompt_tokens: 2,
+            tokens,
+            advantage,
+            weight: 1.0,
+        };
+        TrainBatch {
+            seqs: vec![
+                seq(vec![5, 6, 7, 8, 9], advantage),
+                seq(vec![5, 6, 10, 11], -advantage),
+            ],
+            norm: Normalisers {
+                num_seqs: 2.0,
+                num_tokens: 5.0,
+                max_len: 3.0,
+            },
+        }
+    }
+
+    #[test]
+    fn a_non_finite_loss_changes_no_weight_moment_or_step_count() {
+        let policy = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
+        let cfg = LearnerConfig {
+            loss: LossConfig {
+                eps_low: 0.2,
+                eps_high: 0.28,
+                loss_agg: LossAgg::TokenMean,
+                ratio_level: RatioLevel::Token,
+                beta: 0.0,
+            },
+            adamw: AdamWConfig::default(),
+            schedule: LrSchedule {
+                lr: 1e-2,
+                warmup_steps: 0,
+                cosine_total_steps: None,
+                min_lr: 0.0,
+            },
+            grad_clip: 1.0,
+            pack_tokens: 64,
+            pack_window: 8,
+        };
+        let mut learner = Learner::new(&policy.config, &policy.weights, cfg).unwrap();
+        assert!(!learner.step(&batch(1.0)).unwrap().is_nonfinite);
+        let good = state_bits(&learner);
+        assert_eq!(good.1, 1);
+        for bad in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+            let m = learner.step(&batch(bad)).unwrap();
+            assert!(m.is_nonfinite, "advantage {bad}: {m:?}");
+            assert!(
+                state_bits(&learner) == good,
+                "advantage {bad} changed the state"
+            );
+        }
+        let m = learner.step(&batch(1.0)).unwrap();
+        assert!(!m.is_nonfinite && m.pg_loss.is_finite());
+        let after = state_bits(&learner);
+        assert_eq!(after.1, 2, "the skipped steps did not count");
+        assert!(after.0 != good.0, "a finite step still trains");
+    }
 }

@@ -44,4 +44,13 @@ pub enum TrainError {
     Config(String),
     #[error("rollout came from policy version {got}, the step expected {expected}")]
     Version { expected: u64, got: u64 },
+    #[error(
+        "{in_a_row} optimizer steps in a row (up to RL step {step}) had a NaN or infinite \
+         loss or gradient norm and were skipped; the weights and optimizer are those of the \
+         last finite step. Lower actor.lr or warmup.lr, check the data and rewards, or raise \
+         train.max_nonfinite_steps"
+    )]
+    NonFinite { in_a_row: u64, step: u64 },
+    #[error("checkpoint {dir}: {reason}")]
+    Checkpoint { dir: String, reason: String },
 }

@@ -80,6 +80,10 @@ pub struct Trainer {
     /// Seconds spent outside `step` waiting for the pending rollout (before an evaluation
     /// or a checkpoint); the next step counts them as its generation time.
     settle_wait_s: f64,
+    /// Optimizer steps skipped for a NaN or infinite loss or gradient norm: in all, and
+    /// since the last finite one.
+    pub(crate) num_nonfinite_steps: u64,
+    num_nonfinite_in_a_row: u64,
 }
 
 /// The prompts drawn for a step and what prompt pruning made of them.
@@ -196,6 +200,8 @@ impl Trainer {
             engine_version: 0,
             pending: None,
             settle_wait_s: 0.0,
+            num_nonfinite_steps: 0,
+            num_nonfinite_in_a_row: 0,
             cfg,
         })
     }
@@ -226,9 +232,34 @@ impl Trainer {
                 weight: 1.0,
             });
         }
-        let loss = self.learner.sft_step(&seqs, self.cfg.warmup.lr)?;
-        self.publish()?;
-        Ok(loss)
+        let m = self.learner.sft_step(&seqs, self.cfg.warmup.lr)?;
+        if self.count_nonfinite(m.is_nonfinite) {
+            self.publish()?;
+        }
+        Ok(m.pg_loss)
+    }
+
+    /// Counts a skipped (non-finite) step or resets the streak; returns whether the
+    /// weights moved.
+    fn count_nonfinite(&mut self, is_nonfinite: bool) -> bool {
+        if is_nonfinite {
+            self.num_nonfinite_steps += 1;
+            self.num_nonfinite_in_a_row += 1;
+        } else {
+            self.num_nonfinite_in_a_row = 0;
+        }
+        !is_nonfinite
+    }
+
+    /// The error that ends the run once `train.max_nonfinite_steps` steps in a row were
+    /// skipped for a NaN or infinite loss or gradient norm (the weights and optimizer are
+    /// still those of the last finite step: checkpoint them, then stop).
+    pub fn nonfinite_limit(&self) -> Option<TrainError> {
+        let max = self.cfg.train.max_nonfinite_steps;
+        (max > 0 && self.num_nonfinite_in_a_row >= max).then_some(TrainError::NonFinite {
+            in_a_row: self.num_nonfinite_in_a_row,
+            step: self.step,
+        })
     }
 
     /// Ends the supervised warm-up: the KL term (if on) is measured against this policy.
@@ -313,7 +344,9 @@ impl Trainer {
         let m = self.learner.step(&batch)?;
         timed("train", t);
         let t = Instant::now();
-        self.publish()?;
+        if self.count_nonfinite(m.is_nonfinite) {
+            self.publish()?;
+        }
         timed("sync", t);
         timings.insert("timing_s/prune".into(), prune_s);
         timings.insert(
@@ -365,6 +398,7 @@ impl Trainer {
         put("actor/clipfrac", json!(m.clipfrac));
         put("actor/entropy", json!(m.entropy));
         put("actor/lr", json!(m.lr));
+        put("train/nonfinite_steps", json!(self.num_nonfinite_steps));
         if let Some(v) = variance {
             put("prune/grad_rel_mse", json!(v));
         }
@@ -855,6 +889,61 @@ mod tests {
             values(&trainer.learner.weights().unwrap())
         };
         assert_eq!(run(None), run(Some(1)));
+    }
+
+    /// Every optimizer moment, by parameter.
+    fn moments(trainer: &Trainer) -> BTreeMap<String, (Vec<f32>, Vec<f32>)> {
+        let flat = |t: &candle_core::Tensor| t.flatten_all().unwrap().to_vec1().unwrap();
+        trainer
+            .learner
+            .optimizer
+            .moments
+            .iter()
+            .map(|(n, (m, v))| (n.clone(), (flat(m), flat(v))))
+            .collect()
+    }
+
+    #[test]
+    fn non_finite_steps_change_nothing_and_stop_the_run_after_three_in_a_row() {
+        let mut trainer = small_trainer(&["rollout.one_step_off_policy=true"]);
+        assert_eq!(trainer.cfg.train.max_nonfinite_steps, 3, "the default");
+        let line = trainer.step().unwrap();
+        assert_eq!(line["train/nonfinite_steps"], 0);
+        let good = values(&trainer.learner.weights().unwrap());
+        let (good_moments, good_step) = (moments(&trainer), trainer.learner.optimizer.step);
+        let version = trainer.policy_version;
+        for skipped in 1..=3u64 {
+            // The engine's logprobs of the next step's rollout come back NaN.
+            trainer.settle().unwrap();
+            let Some(Pending::Done(rollout)) = &mut trainer.pending else {
+                panic!("a finished rollout waits for the next step");
+            };
+            for sample in rollout.groups.iter_mut().flat_map(|g| g.samples.iter_mut()) {
+                sample.rollout_logprobs.fill(f32::NAN);
+            }
+            let line = trainer.step().unwrap();
+            assert_eq!(line["train/nonfinite_steps"], skipped);
+            assert_eq!(values(&trainer.learner.weights().unwrap()), good);
+            assert_eq!(moments(&trainer), good_moments);
+            assert_eq!(trainer.learner.optimizer.step, good_step);
+            assert_eq!(trainer.policy_version, version, "nothing new to publish");
+            assert_eq!(trainer.nonfinite_limit().is_some(), skipped == 3);
+        }
+        let err = trainer.nonfinite_limit().unwrap().to_string();
+        assert!(
+            err.contains("3 optimizer steps in a row") && err.contains("max_nonfinite_steps"),
+            "{err}"
+        );
+        // The checkpoint written before stopping holds the last good weights.
+        let dir = std::env::temp_dir().join(format!("dppo-nonfinite-{}", std::process::id()));
+        let ckpt = trainer.save_checkpoint(&dir, 1, None).unwrap();
+        let saved = dppo_model::Policy::load(ckpt.to_str().unwrap(), &Device::Cpu).unwrap();
+        assert_eq!(values(&saved.weights), good);
+        std::fs::remove_dir_all(&dir).unwrap();
+        // A finite step resets the streak.
+        trainer.step().unwrap();
+        assert!(trainer.nonfinite_limit().is_none());
+        assert_ne!(values(&trainer.learner.weights().unwrap()), good);
     }
 
     #[test]

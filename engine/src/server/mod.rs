@@ -3,6 +3,7 @@
 //! It runs on its own thread and tokio runtime, alone (`dppo serve`) or beside the trainer
 //! (`dppo run --serve`), whose rollouts keep priority in the shared engine.
 
+mod auth;
 mod metrics;
 pub mod openai;
 mod routes;
@@ -37,6 +38,8 @@ pub struct ServerConfig {
     pub max_pending: usize,
     /// Stop on Ctrl-C (SIGINT): cancel in-flight requests and return from [`ServerHandle::wait`].
     pub handle_ctrl_c: bool,
+    /// When set, every route but `/health` needs `Authorization: Bearer <api_key>`.
+    pub api_key: Option<String>,
 }
 
 /// Errors starting or running the server.
@@ -59,6 +62,7 @@ struct AppState {
     tokenizer: TextTokenizer,
     eos_token_ids: Vec<u32>,
     model_name: String,
+    api_key: Option<String>,
     max_pending: usize,
     pending: AtomicUsize,
     counters: Counters,
@@ -152,6 +156,9 @@ pub fn spawn(
     if cfg.max_pending == 0 {
         return Err(ServerError::Config("max_pending must be at least 1".into()));
     }
+    if cfg.api_key.as_ref().is_some_and(|k| k.trim().is_empty()) {
+        return Err(ServerError::Config("the API key is empty".into()));
+    }
     let bind_err = |source| ServerError::Bind {
         addr: cfg.addr.clone(),
         source,
@@ -159,12 +166,19 @@ pub fn spawn(
     let listener = std::net::TcpListener::bind(&cfg.addr).map_err(bind_err)?;
     listener.set_nonblocking(true).map_err(bind_err)?;
     let addr = listener.local_addr().map_err(bind_err)?;
+    if cfg.api_key.is_none() && !addr.ip().is_loopback() {
+        tracing::warn!(
+            "serving on {addr}, reachable from other machines, without an API key: anyone \
+             who can connect can use the model (set --api-key or DPPO_API_KEY)"
+        );
+    }
     let (stop, shutdown) = watch::channel(false);
     let state = Arc::new(AppState {
         engine,
         tokenizer,
         eos_token_ids,
         model_name: cfg.model_name.clone(),
+        api_key: cfg.api_key.clone(),
         max_pending: cfg.max_pending,
         pending: AtomicUsize::new(0),
         counters: Counters::default(),

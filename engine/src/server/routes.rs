@@ -41,6 +41,10 @@ pub(super) fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            super::auth::require_key,
+        ))
         .with_state(state)
 }
 

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::BufReader;
+use std::io::{BufReader, Read, Seek};
 use std::path::Path;
 
 use candle_core::quantized::gguf_file::{Content, Value};
@@ -27,6 +27,12 @@ pub fn load_gguf(path: &Path, device: &Device) -> Result<GgufModel> {
     let bad = |reason: String| ModelError::weights(&origin, reason);
     let file = File::open(path).map_err(|e| ModelError::io(path, e))?;
     let mut reader = BufReader::new(file);
+    if header_alignment(&mut reader).ok().flatten() == Some(0) {
+        return Err(bad(
+            "metadata general.alignment: must be positive, got 0".into()
+        ));
+    }
+    reader.rewind().map_err(|e| ModelError::io(path, e))?;
     let content = Content::read(&mut reader).map_err(|e| {
         bad(format!(
             "not a readable GGUF file (truncated or corrupt?): {e}"
@@ -40,19 +46,20 @@ pub fn load_gguf(path: &Path, device: &Device) -> Result<GgufModel> {
     let mut tensors = BTreeMap::new();
     for (hf_name, shape) in crate::weights::param_specs(&config) {
         let gguf_name = gguf_name(&hf_name);
-        if !content.tensor_infos.contains_key(&gguf_name) {
+        let Some(info) = content.tensor_infos.get(&gguf_name) else {
             return Err(bad(format!("missing tensor {gguf_name} (for {hf_name})")));
+        };
+        // Checked before reading, so that a lying shape never sizes an allocation.
+        if info.shape.dims() != shape.as_slice() {
+            return Err(bad(format!(
+                "tensor {gguf_name} has shape {:?}, expected {shape:?}",
+                info.shape.dims()
+            )));
         }
         let q = content
             .tensor(&mut reader, &gguf_name, device)
             .map_err(|e| bad(format!("tensor {gguf_name}: {e}")))?;
         let t = q.dequantize(device)?;
-        if t.dims() != shape.as_slice() {
-            return Err(bad(format!(
-                "tensor {gguf_name} has shape {:?}, expected {shape:?}",
-                t.dims()
-            )));
-        }
         let t = match (config.arch, hf_name.rsplit('.').nth(1)) {
             (Arch::Llama, Some("q_proj")) => unpermute_rope(&t, config.num_attention_heads)?,
             (Arch::Llama, Some("k_proj")) => unpermute_rope(&t, config.num_key_value_heads)?,
@@ -66,6 +73,119 @@ pub fn load_gguf(path: &Path, device: &Device) -> Result<GgufModel> {
         tensors,
         tokenizer,
     })
+}
+
+/// The integer value of `general.alignment` in a GGUF header, found by walking the
+/// metadata: candle's reader divides by it unchecked. `None` when absent or not an integer;
+/// an error when the header cannot be walked (candle's reader then says what is wrong).
+fn header_alignment(r: &mut BufReader<File>) -> std::io::Result<Option<u64>> {
+    const KEY: &[u8; 17] = b"general.alignment";
+    let end = r.get_ref().metadata()?.len();
+    let mut w = Walker {
+        r,
+        pos: 0,
+        end,
+        wide: false,
+    };
+    let magic = w.u32()?;
+    if magic != 0x4655_4747 && magic != 0x4747_5546 {
+        return Ok(None);
+    }
+    w.wide = w.u32()? >= 2;
+    let _num_tensors = w.len()?;
+    let num_kv = w.len()?;
+    let mut alignment = None;
+    for _ in 0..num_kv {
+        let key_len = w.len()?;
+        let is_alignment = if key_len == KEY.len() as u64 {
+            w.bytes::<17>()? == *KEY
+        } else {
+            w.skip(key_len)?;
+            false
+        };
+        let kind = w.u32()?;
+        match (is_alignment, kind) {
+            (true, 0 | 1) => alignment = Some(u64::from(w.bytes::<1>()?[0])),
+            (true, 2 | 3) => alignment = Some(u64::from(u16::from_le_bytes(w.bytes()?))),
+            (true, 4 | 5) => alignment = Some(u64::from(w.u32()?)),
+            _ => w.skip_value(kind, 0)?,
+        }
+    }
+    Ok(alignment)
+}
+
+/// A bounds-checked walk over a GGUF header.
+struct Walker<'a> {
+    r: &'a mut BufReader<File>,
+    pos: u64,
+    end: u64,
+    /// Lengths are u64 from GGUF v2 on, u32 in v1.
+    wide: bool,
+}
+
+impl Walker<'_> {
+    fn bytes<const N: usize>(&mut self) -> std::io::Result<[u8; N]> {
+        let mut b = [0u8; N];
+        self.r.read_exact(&mut b)?;
+        self.pos += N as u64;
+        Ok(b)
+    }
+
+    fn u32(&mut self) -> std::io::Result<u32> {
+        Ok(u32::from_le_bytes(self.bytes()?))
+    }
+
+    fn len(&mut self) -> std::io::Result<u64> {
+        if self.wide {
+            Ok(u64::from_le_bytes(self.bytes()?))
+        } else {
+            self.u32().map(u64::from)
+        }
+    }
+
+    /// Skips `n` bytes, failing past the end of the file.
+    fn skip(&mut self, n: u64) -> std::io::Result<()> {
+        let to = self
+            .pos
+            .checked_add(n)
+            .filter(|&to| to <= self.end)
+            .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::UnexpectedEof))?;
+        self.r.seek_relative((to - self.pos) as i64)?;
+        self.pos = to;
+        Ok(())
+    }
+
+    /// Skips one metadata value of GGUF type `kind`.
+    fn skip_value(&mut self, kind: u32, depth: usize) -> std::io::Result<()> {
+        let eof = || std::io::Error::from(std::io::ErrorKind::UnexpectedEof);
+        match (kind, fixed_size(kind)) {
+            (_, Some(size)) => self.skip(size),
+            (8, None) => {
+                let len = self.len()?;
+                self.skip(len)
+            }
+            (9, None) if depth < 64 => {
+                let item = self.u32()?;
+                let len = self.len()?;
+                match fixed_size(item) {
+                    Some(size) => self.skip(len.checked_mul(size).ok_or_else(eof)?),
+                    None => (0..len).try_for_each(|_| self.skip_value(item, depth + 1)),
+                }
+            }
+            _ => Err(std::io::Error::from(std::io::ErrorKind::InvalidData)),
+        }
+    }
+}
+
+/// Bytes of a fixed-size GGUF metadata type (not strings and arrays).
+fn fixed_size(kind: u32) -> Option<u64> {
+    match kind {
+        0 | 1 | 7 => Some(1),
+        2 | 3 => Some(2),
+        4..=6 => Some(4),
+        10..=12 => Some(8),
+        _ => None,
+    }
 }
 
 /// HF tensor name -> llama.cpp tensor name.
@@ -188,7 +308,7 @@ fn config_from_meta(meta: &Meta, content: &Content) -> Result<ModelConfig> {
         .ok_or_else(|| ModelError::weights(meta.origin, "missing tensor token_embd.weight"))?;
     let vocab_size = match meta.usize(&key("vocab_size"))? {
         Some(v) => v,
-        None => embed.shape.dims()[0],
+        None => embed.shape.dims().first().copied().unwrap_or(0),
     };
     let cfg = ModelConfig {
         arch,
