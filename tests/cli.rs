@@ -654,10 +654,10 @@ fn a_full_disk_during_a_checkpoint_stops_the_run_and_keeps_the_last_one() {
     dppo_trainer::checkpoint::verify(&out.join("checkpoints/step-000002")).unwrap();
     assert!(!out.join("checkpoints/step-000004").exists());
     assert_eq!(metric_steps(&out), [1, 2, 3, 4]);
-    // Room again: `train.resume = "auto"` carries on from step 2.
+    // Room again: `resume = "auto"` carries on from step 2.
     let mut args = vec!["run", "--out", out.to_str().unwrap()];
     args.extend_from_slice(&SMALL);
-    args.extend_from_slice(&["--set", "steps=4", "--set", "train.resume=auto"]);
+    args.extend_from_slice(&["--set", "steps=4", "--set", "resume=auto"]);
     let (ok, _, stderr) = dppo(&args);
     assert!(ok, "{stderr}");
     assert_eq!(metric_steps(&out), [1, 2, 3, 4]);

@@ -70,7 +70,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         None => {
             let cfg = given()?;
-            let ckpt = match cfg.train.resume {
+            let ckpt = match cfg.resume {
                 ResumeMode::Auto => checkpoint::latest(&checkpoints),
                 ResumeMode::Disable => None,
             };

@@ -42,6 +42,11 @@ pub struct RunConfig {
     /// to repay splitting every op across cores.
     #[serde(default)]
     pub threads: usize,
+    /// `auto`: continue from the newest complete checkpoint in the run directory when there
+    /// is one (verl's `resume_mode`), so the same command starts and resumes a run;
+    /// `disable` (default): always start from the beginning.
+    #[serde(default)]
+    pub resume: ResumeMode,
     /// Metrics sinks: `jsonl` (required: the plot and resume read it) and `tensorboard`.
     #[serde(default = "default_logger")]
     pub logger: Vec<Logger>,
@@ -66,25 +71,21 @@ pub struct TrainConfig {
     /// changing nothing) after which the run writes a checkpoint of the last good state and
     /// stops with an error (0: never stop).
     pub max_nonfinite_steps: u64,
-    /// `auto`: continue from the newest complete checkpoint in the run directory when there
-    /// is one (verl's `resume_mode`), so the same command starts and resumes a run;
-    /// `disable` (default): always start from the beginning.
-    pub resume: ResumeMode,
 }
 
 impl Default for TrainConfig {
     fn default() -> Self {
         Self {
             max_nonfinite_steps: 3,
-            resume: ResumeMode::Disable,
         }
     }
 }
 
-/// `train.resume`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// `resume`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ResumeMode {
+    #[default]
     Disable,
     Auto,
 }
@@ -524,7 +525,7 @@ mod tests {
             ("warmup.lr=nan", "warmup.lr: must be positive and finite"),
             ("actor.weight_decay=nan", "actor.weight_decay"),
             ("actor.grad_clip=nan", "actor.grad_clip"),
-            ("train.resume=\"always\"", "unknown variant `always`"),
+            ("resume=\"always\"", "unknown variant `always`"),
         ];
         for (set, want) in cases {
             let err = RunConfig::default_with(&[set.to_string()])

@@ -42,6 +42,7 @@ pub const KEYS: &[KeyDoc] = &[
     key("steps", "RL optimizer steps", "integer >= 0", Some("verl trainer.total_training_steps; TRL max_steps")),
     key("deterministic", "rollouts run alone in the engine so serving never changes what is trained (bit-reproducible)", "true | false", None),
     key("threads", "CPU threads for tensor work (0: one per core, or RAYON_NUM_THREADS)", "integer >= 0", None),
+    key("resume", "auto: continue from the newest complete checkpoint in the run directory, or start when there is none", "disable | auto", Some("verl trainer.resume_mode")),
     key("logger", "metrics sinks: metrics.jsonl (required) and TensorBoard event files under tensorboard/", "[\"jsonl\"] | [\"jsonl\", \"tensorboard\"]", Some("verl trainer.logger; TRL report_to")),
     key("data.train", "training prompts: a built-in task or a JSONL file", "builtin:arithmetic | path.jsonl", Some("verl data.train_files")),
     KeyDoc { optional: true, ..key("data.eval", "held-out JSONL file (built-in tasks bring their own held-out split)", "path.jsonl", Some("verl data.val_files")) },
@@ -81,6 +82,7 @@ pub const KEYS: &[KeyDoc] = &[
     key("pack.window", "sequences per first-fit-decreasing packing window", "integer > 0", None),
     key("eval.every", "held-out evaluation every this many steps (0: before and after only)", "integer >= 0", Some("verl trainer.test_freq; TRL eval_steps")),
     key("eval.grad_variance_draws", "pruning draws measuring the pruned gradient's scatter at evaluation steps (0: off)", "integer >= 0", None),
+    key("train.max_nonfinite_steps", "NaN/inf steps in a row (each skipped, changing nothing) before the run checkpoints its last good state and stops", "integer >= 0 (0: never stop)", None),
     key("checkpoint.every", "save every this many RL steps (0: at the end only)", "integer >= 0", Some("verl trainer.save_freq; TRL save_steps")),
     key("checkpoint.keep", "checkpoints kept, newest first", "integer > 0", Some("verl trainer.max_actor_ckpt_to_keep; TRL save_total_limit")),
 ];
