@@ -6,15 +6,32 @@ use std::path::PathBuf;
 use dppo_trainer::config::RunConfig;
 use dppo_trainer::config_keys;
 
+/// The configuration flags of `dppo run` and `dppo config`.
+#[derive(Debug, clap::Args)]
+pub struct ConfigArgs {
+    /// A TOML config; the built-in default (configs/default.toml) when absent.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Override a config key, e.g. `--set dppo.r_o=0.5` (repeatable).
+    #[arg(long = "set")]
+    pub sets: Vec<String>,
+}
+
+impl ConfigArgs {
+    /// The config file with the overrides, or the built-in default with them.
+    pub fn load(&self) -> anyhow::Result<RunConfig> {
+        match &self.config {
+            Some(path) => super::run::read_config(path, &self.sets),
+            None => Ok(RunConfig::default_with(&self.sets)?),
+        }
+    }
+}
+
 /// Arguments of `dppo config`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// A TOML config; the built-in default (configs/default.toml) when absent.
-    #[arg(long)]
-    config: Option<PathBuf>,
-    /// Override a config key, e.g. `--set dppo.r_o=0.5` (repeatable).
-    #[arg(long = "set")]
-    sets: Vec<String>,
+    #[command(flatten)]
+    given: ConfigArgs,
     /// Print the reference page `docs/configuration.md` (the default, annotated) instead.
     #[arg(long, conflicts_with_all = ["config", "sets"])]
     markdown: bool,
@@ -26,10 +43,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         print!("{}", config_keys::reference_markdown());
         return Ok(());
     }
-    let cfg = match &args.config {
-        Some(path) => super::run::read_config(path, &args.sets)?,
-        None => RunConfig::default_with(&args.sets)?,
-    };
+    let cfg = args.given.load()?;
     print!("{}", config_keys::annotated_toml(&cfg).trim_start());
     Ok(())
 }

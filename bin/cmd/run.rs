@@ -19,12 +19,8 @@ use serde_json::json;
 /// Arguments of `dppo run`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// A TOML config; the built-in default (configs/default.toml) when absent.
-    #[arg(long)]
-    config: Option<PathBuf>,
-    /// Override a config key, e.g. `--set dppo.r_o=0.5` (repeatable).
-    #[arg(long = "set")]
-    sets: Vec<String>,
+    #[command(flatten)]
+    given: super::config::ConfigArgs,
     /// Run directory.
     #[arg(long, default_value = "runs/default")]
     out: PathBuf,
@@ -49,27 +45,23 @@ pub struct Args {
 /// Trains and writes the run directory.
 pub fn run(args: Args) -> anyhow::Result<()> {
     let checkpoints = args.out.join("checkpoints");
-    let given = || match &args.config {
-        Some(path) => read_config(path, &args.sets),
-        None => Ok(RunConfig::default_with(&args.sets)?),
-    };
     let (cfg, resume) = match &args.resume {
         Some(latest) if latest.as_os_str() == "latest" => match checkpoint::latest(&checkpoints) {
             Some(ckpt) => (
-                read_config(&ckpt.join(checkpoint::CONFIG), &args.sets)?,
+                read_config(&ckpt.join(checkpoint::CONFIG), &args.given.sets)?,
                 Some(ckpt),
             ),
-            None => (given()?, None),
+            None => (args.given.load()?, None),
         },
         Some(ckpt) => {
             checkpoint::verify(ckpt)?;
             (
-                read_config(&ckpt.join(checkpoint::CONFIG), &args.sets)?,
+                read_config(&ckpt.join(checkpoint::CONFIG), &args.given.sets)?,
                 Some(ckpt.clone()),
             )
         }
         None => {
-            let cfg = given()?;
+            let cfg = args.given.load()?;
             let ckpt = match cfg.resume {
                 ResumeMode::Auto => checkpoint::latest(&checkpoints),
                 ResumeMode::Disable => None,

@@ -23,7 +23,7 @@ pub enum Logger {
 
 /// A metrics file that cannot be opened or written, naming it.
 #[derive(Debug, thiserror::Error)]
-#[error("metrics {path}: {source}")]
+#[error("writing metrics to {}: {source}", path.display())]
 pub struct MetricsError {
     path: PathBuf,
     source: std::io::Error,
