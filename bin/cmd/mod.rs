@@ -5,4 +5,5 @@ pub mod convert;
 pub mod eval;
 pub mod generate;
 pub mod run;
+pub mod score;
 pub mod serve;

@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 use crate::advantages::ScaleRewards;
 use crate::loss::{LossAgg, RatioLevel};
 use crate::prune::{Algorithm, CandidateRule, CompletionScope, LevelConfig, PruneMode};
+use crate::rewards::RewardConfig;
 
 /// The configuration compiled into the binary (`dppo run` with no arguments).
 pub const DEFAULT_TOML: &str = include_str!("../../configs/default.toml");
@@ -50,6 +51,9 @@ pub struct RunConfig {
     pub eval: EvalConfig,
     #[serde(default)]
     pub checkpoint: CheckpointConfig,
+    /// `[reward]`: extraction mode and overlong penalty (see [`RewardConfig`]).
+    #[serde(default)]
+    pub reward: RewardConfig,
 }
 
 /// `[checkpoint]`
@@ -350,6 +354,22 @@ impl RunConfig {
             "dppo.history_decay",
             format!("must be in [0, 1), got {}", self.dppo.history_decay),
         )?;
+        check(
+            self.reward.overlong_buffer < self.rollout.max_response_len,
+            "reward.overlong_buffer",
+            format!(
+                "must be less than rollout.max_response_len ({}), got {}",
+                self.rollout.max_response_len, self.reward.overlong_buffer
+            ),
+        )?;
+        check(
+            self.reward.overlong_penalty >= 0.0 && self.reward.overlong_penalty.is_finite(),
+            "reward.overlong_penalty",
+            format!(
+                "must be finite and >= 0, got {}",
+                self.reward.overlong_penalty
+            ),
+        )?;
         Ok(())
     }
 }
@@ -450,6 +470,16 @@ mod tests {
             ),
             ("dppo.mode=\"random\"", "unknown variant `random`"),
             ("dppo.candidates=\"lowest\"", "unknown variant `lowest`"),
+            (
+                "reward.overlong_buffer=8",
+                "reward.overlong_buffer: must be less than rollout.max_response_len (8), got 8",
+            ),
+            (
+                "reward.overlong_penalty=-1",
+                "reward.overlong_penalty: must be finite and >= 0, got -1",
+            ),
+            ("reward.extract=\"lenient\"", "unknown variant `lenient`"),
+            ("reward.overlong=1", "unknown field `overlong`"),
         ];
         for (set, want) in cases {
             let err = RunConfig::default_with(&[set.to_string()])
