@@ -190,13 +190,14 @@ fn score_rescores_saved_samples_and_names_broken_lines() {
     ];
     let text: String = rows.iter().map(|r| format!("{r}\n")).collect();
     std::fs::write(&path, text).unwrap();
-    let score = |mode: &str| -> Value {
-        let (ok, stdout, stderr) =
-            dppo(&["score", "--data", path.to_str().unwrap(), "--extract", mode]);
+    let score = |mode: &str, extra: &[&str]| -> Value {
+        let mut args = vec!["score", "--data", path.to_str().unwrap(), "--extract", mode];
+        args.extend_from_slice(extra);
+        let (ok, stdout, stderr) = dppo(&args);
         assert!(ok, "{stderr}");
         serde_json::from_str(stdout.trim()).unwrap()
     };
-    let strict = score("strict");
+    let strict = score("strict", &[]);
     assert_eq!(
         (
             &strict["samples"],
@@ -208,8 +209,20 @@ fn score_rescores_saved_samples_and_names_broken_lines() {
     );
     assert_eq!(strict["extracted_by"]["none"], 1, "{strict}");
     assert_eq!(strict["extracted_by"]["hashes"], 1, "{strict}");
-    let boxed = score("boxed");
+    let rescored = dir.path().join("boxed.jsonl");
+    let boxed = score("boxed", &["--out", rescored.to_str().unwrap()]);
     assert_eq!(boxed["accuracy"], 0.5, "{boxed}");
+    let first: Value = serde_json::from_str(
+        std::fs::read_to_string(&rescored)
+            .unwrap()
+            .lines()
+            .next()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(first["samples"][0]["reward"], 0.0);
+    assert_eq!(first["samples"][0]["extracted_by"], "none");
+    assert_eq!(first["samples"][1]["extracted_by"], "boxed");
     std::fs::write(
         &path,
         "{\"answer\": \"3\", \"samples\": [{\"text\": \"3\", \"reward\": 1}]}\n",

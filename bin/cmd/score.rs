@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
+use dppo_model::weights::write_atomic;
 use dppo_trainer::rewards::{parse_gold, rule_name, verify, Answer, ExtractMode};
 use serde_json::{json, Value};
 
@@ -21,6 +22,10 @@ pub struct Args {
     /// each, before the summary.
     #[arg(long)]
     show_disagreements: bool,
+    /// Also write the samples file again with this verifier's `reward` and `extracted_by`
+    /// (the input to `benches/audit_math_verify.py` for a mode other than the saved one).
+    #[arg(long)]
+    out: Option<PathBuf>,
 }
 
 /// One saved sample.
@@ -30,22 +35,26 @@ struct Saved {
     is_truncated: bool,
 }
 
-/// One problem of a samples file: its line, gold answer and samples.
+/// One problem of a samples file: its line, gold answer and samples, and the line as read.
 struct Row {
     line: usize,
     gold: Answer,
     samples: Vec<Saved>,
+    json: Value,
 }
 
 /// Re-scores every sample and prints one JSON summary (agreement with the saved rewards,
 /// accuracy before and after, which rules extracted the answers).
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let rows = read_samples(&args.data)?;
+    let mut rows = read_samples(&args.data)?;
     let (mut total, mut agree, mut correct, mut saved_correct) = (0usize, 0usize, 0usize, 0usize);
     let mut extracted_by = BTreeMap::<&str, usize>::new();
-    for row in &rows {
+    for row in &mut rows {
         for (index, sample) in row.samples.iter().enumerate() {
             let verdict = verify(&sample.text, sample.is_truncated, &row.gold, args.extract);
+            let rescored = &mut row.json["samples"][index];
+            rescored["reward"] = json!(f64::from(u8::from(verdict.is_correct)));
+            rescored["extracted_by"] = json!(rule_name(verdict.extracted_by));
             let was_correct = sample.reward >= 1.0;
             total += 1;
             correct += usize::from(verdict.is_correct);
@@ -67,6 +76,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 println!("{line}");
             }
         }
+    }
+    if let Some(out) = &args.out {
+        let text: String = rows.iter().map(|r| format!("{}\n", r.json)).collect();
+        write_atomic(out, text.as_bytes())
+            .with_context(|| format!("writing --out {}", out.display()))?;
     }
     let frac = |k: usize| k as f64 / total.max(1) as f64;
     let summary = json!({
@@ -127,6 +141,7 @@ fn read_samples(path: &Path) -> anyhow::Result<Vec<Row>> {
             line: i + 1,
             gold,
             samples,
+            json: row,
         });
     }
     Ok(rows)
