@@ -598,11 +598,17 @@ fn gold_answers() -> Vec<(String, String)> {
 /// every mode that reads `\boxed{}`.
 #[test]
 fn verifier_accepts_every_real_gold_answer() {
-    use dppo_trainer::rewards::{parse_gold, verify, ExtractMode};
+    use dppo_trainer::rewards::{equivalent, parse_gold, verify, ExtractMode};
     let golds = gold_answers();
     assert!(golds.len() > 10_000, "{} gold answers", golds.len());
     for (at, raw) in golds {
         let gold = parse_gold(&raw).unwrap_or_else(|e| panic!("{at}: {e}"));
+        // `dppo score` reads gold answers back from the normal form `--samples` writes.
+        let again = parse_gold(&gold.to_string()).unwrap_or_else(|e| panic!("{at}: {e}"));
+        assert!(
+            equivalent(&again, &gold),
+            "{at}: {gold} reads back as {again}"
+        );
         let final_answer = raw.rsplit("####").next().unwrap().trim();
         let completion = format!("Reasoning... so the result is \\boxed{{{final_answer}}}.");
         for mode in [

@@ -71,13 +71,15 @@ pub fn matching_brace(s: &str, open: usize) -> Option<usize> {
     None
 }
 
-/// Unwraps the whole-answer `\text{...}`, turns `\text{ and }`/`\text{ or }` into a comma
-/// and drops other wrapped words (units) with any `^2`/`^{3}` after them.
+/// Unwraps a `\text{...}` that is the whole answer or inside braces, turns `\text{ and }`/
+/// `\text{ or }` into a comma and drops other wrapped words (units) with any `^2`/`^{3}`
+/// after them.
 fn strip_text(s: &str) -> String {
     let mut out = s.to_string();
     for cmd in TEXT_COMMANDS {
         while let Some(at) = out.find(cmd) {
-            let open = at + cmd.len();
+            let after = &out[at + cmd.len()..];
+            let open = at + cmd.len() + (after.len() - after.trim_start().len());
             if !out[open..].starts_with('{') {
                 break;
             }
@@ -86,10 +88,14 @@ fn strip_text(s: &str) -> String {
             };
             let inner = out[open + 1..close - 1].trim().to_string();
             let mut end = close;
-            let replacement = if out[..at].trim().is_empty() && out[close..].trim().is_empty() {
-                inner
-            } else if matches!(inner.as_str(), "and" | "or" | ",") {
+            let before = &out[..at];
+            let is_whole = before.trim().is_empty() && out[close..].trim().is_empty();
+            // Inside braces (`\lambda_{\text{red}}`) the words are a name, not a unit.
+            let is_nested = before.matches('{').count() > before.matches('}').count();
+            let replacement = if matches!(inner.as_str(), "and" | "or" | ",") {
                 ",".to_string()
+            } else if is_whole || is_nested {
+                inner
             } else {
                 end += unit_power_len(&out[close..]);
                 String::new()
@@ -211,11 +217,13 @@ mod tests {
             ("15\\mbox{ cm}^2", "15"),
             ("\\text{Evelyn}", "Evelyn"),
             ("1 \\text{ and } 2", "1,2"),
+            ("\\{1 \\text{ or } 2\\}", "\\{1,2\\}"),
             ("\\$32,\\!348", "32,348"),
             ("18 dollars", "18"),
             ("90^\\circ", "90"),
             ("$\\frac{1}{2}$.", "\\frac{1}{2}"),
             ("10{,}080", "10,080"),
+            ("\\lambda_{\\text {red}}", "\\lambda_{red}"),
         ] {
             assert_eq!(clean(input), want, "{input}");
         }

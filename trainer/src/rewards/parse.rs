@@ -102,7 +102,7 @@ fn decimal(chars: &[char]) -> Option<(Rational, usize)> {
         frac_len = digits(len + 1);
         len += 1 + frac_len;
     }
-    if int_len + frac_len == 0 || int_len + frac_len > 30 {
+    if int_len + frac_len == 0 || int_len + frac_len > 39 {
         return None;
     }
     let text: String = chars[..len].iter().filter(|c| **c != '.').collect();

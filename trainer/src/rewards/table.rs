@@ -1,11 +1,11 @@
-//! The equivalence table: gold answers of MATH-500 and OlympiadBench (data/eval/) against
-//! rewritten forms (must match) and near misses (must not), each boxed and scored in every
-//! extraction mode that reads `\boxed{}`.
+//! The equivalence table: gold answers of MATH-500 and OlympiadBench (a few of Minerva math)
+//! against rewritten forms (must match) and near misses (must not), each boxed and scored in
+//! every extraction mode that reads `\boxed{}`.
 
 use super::{parse_gold, verify, ExtractMode};
 
 /// (gold answer as the data set writes it, a model's answer, equivalent)
-const PAIRS: [(&str, &str, bool); 147] = [
+const PAIRS: [(&str, &str, bool); 150] = [
     // Tuples and points.
     (
         "\\left( 3, \\frac{\\pi}{2} \\right)",
@@ -231,6 +231,10 @@ const PAIRS: [(&str, &str, bool); 147] = [
         true,
     ),
     ("$2^{-2 / 3}$, $8$", "8, 2^{-2/3}", true),
+    // Scientific notation (Minerva math).
+    ("4.5e33", "4.5 \\times 10^{33}", true),
+    ("1e-5", "10^{-5}", true),
+    ("1e-5", "10^{-4}", false),
     // Equations and expressions.
     ("x=5", "5", true),
     ("x=5", "x = 5", true),
