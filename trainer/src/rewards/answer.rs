@@ -1,7 +1,9 @@
 //! The structure of an answer (a number, a number in a base, a tuple or interval, a set of
 //! solutions, a union of intervals, or text) and when two answers are equivalent.
 
-use super::normalise::{clean, is_wrapped, split_top, strip_variable};
+use std::collections::BTreeSet;
+
+use super::normalise::{assigned_variable, clean, is_wrapped, split_top, strip_variable};
 use super::parse::number;
 use super::value::{Number, Rational};
 
@@ -85,10 +87,22 @@ impl Answer {
     }
 
     /// A set of the items (sets among them, from `\pm`, flattened); one item is itself.
+    /// Items that assign different variables (`x=1, y=2`) keep their equations, so that
+    /// `x=2, y=1` differs.
     fn set<S: AsRef<str>>(items: Vec<S>) -> Self {
+        let names: BTreeSet<&str> = items
+            .iter()
+            .filter_map(|i| assigned_variable(i.as_ref()))
+            .collect();
         let mut out = Vec::new();
-        for item in items {
-            match Self::from_clean(item.as_ref()) {
+        for item in &items {
+            let item = item.as_ref();
+            let answer = if names.len() > 1 && assigned_variable(item).is_some() {
+                Answer::Text(item.to_string())
+            } else {
+                Self::from_clean(item)
+            };
+            match answer {
                 Answer::Set(inner) => out.extend(inner),
                 other => out.push(other),
             }
@@ -226,11 +240,23 @@ mod tests {
             ("(9,360)", "(9,360)"),
             ("a=2, a=-6-4 \\sqrt{2}", "\\{2,-6-4\\sqrt{2}\\}"),
             ("x \\in [-2,7]", "[-2,7]"),
+            ("x=1, y=2", "\\{x=1,y=2\\}"),
         ] {
             let answer = Answer::parse(input);
             assert_eq!(answer.to_string(), want, "{input}");
             assert_eq!(Answer::parse(want), answer, "{input} reparsed");
         }
+    }
+
+    #[test]
+    fn solutions_naming_different_variables_keep_their_names() {
+        let gold = Answer::parse("x=1, y=2");
+        assert!(equivalent(&Answer::parse("y=2, x=1"), &gold));
+        assert!(!equivalent(&Answer::parse("x=2, y=1"), &gold));
+        assert!(equivalent(
+            &Answer::parse("x=2, x=1"),
+            &Answer::parse("1, 2")
+        ));
     }
 
     #[test]

@@ -133,7 +133,7 @@ fn strip_word_unit(s: &str) -> String {
     }
 }
 
-/// `x=5`, `f(x)=...`'s right side when the left is one variable (`x`, `x_1`, `\theta`), and
+/// The right side of `x=5` when the left is one variable (`x`, `x_1`, `\theta`), and
 /// `x\in[1,2]`'s set; `=5` is `5`; anything else unchanged.
 pub fn strip_variable(s: &str) -> &str {
     for relation in ["=", "\\in"] {
@@ -144,6 +144,12 @@ pub fn strip_variable(s: &str) -> &str {
         }
     }
     s
+}
+
+/// The variable that `s` assigns (`x` of `x=5`), if any.
+pub fn assigned_variable(s: &str) -> Option<&str> {
+    let (lhs, rhs) = s.split_once('=')?;
+    (!lhs.is_empty() && !rhs.contains('=') && is_variable(lhs)).then_some(lhs)
 }
 
 fn is_variable(s: &str) -> bool {
