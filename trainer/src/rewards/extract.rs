@@ -69,7 +69,7 @@ impl ExtractMode {
 pub enum Rule {
     /// The last `\boxed{...}` or `\fbox{...}` whose braces close.
     Boxed,
-    /// The line after the last `####` (GSM8K).
+    /// The line after the last `####` (GSM8K) that is not a Markdown heading.
     Hashes,
     /// The number after the last `Answer:`.
     AnswerLine,
@@ -98,7 +98,7 @@ impl Rule {
     fn find(self, text: &str, is_truncated: bool) -> Option<&str> {
         let answer = match self {
             Rule::Boxed => last_boxed(text)?,
-            Rule::Hashes => whole_line(&text[text.rfind("####")? + 4..], is_truncated)?.trim(),
+            Rule::Hashes => whole_line(after_last_hashes(text)?, is_truncated)?.trim(),
             Rule::AnswerLine => {
                 let rest = text[text.rfind("Answer:")? + 7..].trim_start_matches(' ');
                 let len = number_len(rest)?;
@@ -162,6 +162,17 @@ fn last_boxed(text: &str) -> Option<&str> {
         }
     }
     best.map(|(_, content)| content)
+}
+
+/// The text after the last `####` that is not a Markdown heading (`#### Step 1`).
+fn after_last_hashes(text: &str) -> Option<&str> {
+    text.rmatch_indices("####")
+        .map(|(at, _)| text[at + 4..].trim_start_matches('#'))
+        .find(|rest| {
+            !rest
+                .trim_start()
+                .starts_with(|c: char| c.is_ascii_alphabetic())
+        })
 }
 
 const PHRASES: [&str; 3] = ["the final answer is", "final answer:", "the answer is"];

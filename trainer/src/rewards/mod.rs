@@ -249,6 +249,7 @@ mod tests {
             ("#### 72\nmore", Strict, "72", true, true),
             ("#### 72", Strict, "72", false, true),
             ("#### 72", Boxed, "72", false, false),
+            ("#### 72\n#### Check\nok\n", Strict, "72", true, true),
             ("The answer is 15.\nBut", Flexible, "15", true, true),
             ("The answer is 15", Flexible, "15", false, true),
             ("3 + 4 = 7", Flexible, "7", false, true),
