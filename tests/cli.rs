@@ -148,13 +148,18 @@ fn run_writes_metrics_summary_and_config() {
             .filter_map(|k| k.strip_prefix("reward/extracted_by/").map(|_| k))
             .collect();
         assert!(!rules.is_empty(), "{line}");
+        let mut counted = 0;
         for key in rules {
             assert!(
                 key.ends_with("/answer_line") || key.ends_with("/none"),
                 "{key}"
             );
-            assert!(line[key].as_u64().unwrap() > 0);
+            counted += line[key].as_u64().unwrap();
         }
+        assert!(
+            counted > 0 && counted % 8 == 0,
+            "every sample of n = 8 counted: {line}"
+        );
     }
     assert!(lines[1]["eval/acc"].is_number());
     let summary: Value =
@@ -409,6 +414,20 @@ fn resumed_run_ends_with_the_weights_of_an_uninterrupted_run() {
         total += reward;
     }
     assert_eq!(total / 8.0, report["avg@1"].as_f64().unwrap());
+    assert_eq!(
+        report["extract"], "answer",
+        "the built-in task's own format"
+    );
+    let boxed = eval(&["--extract", "boxed"]);
+    assert_eq!(
+        (
+            &boxed["extract"],
+            &boxed["extracted_by"]["none"],
+            &boxed["avg@1"]
+        ),
+        (&Value::from("boxed"), &Value::from(8), &Value::from(0.0)),
+        "an arithmetic answer is never boxed: {boxed}"
+    );
     // `dppo score` re-scores the file to the same verdicts.
     let path = samples.to_str().unwrap();
     let (ok, stdout, stderr) = dppo(&["score", "--data", path, "--extract", "answer"]);
