@@ -20,6 +20,8 @@ enum Command {
     Config(cmd::config::Args),
     /// Evaluate a model on a held-out set (avg@n, pass@k).
     Eval(cmd::eval::Args),
+    /// Re-score the samples of `dppo eval --samples` with this verifier (offline audit).
+    Score(cmd::score::Args),
     /// Complete a prompt with the paged engine.
     Generate(cmd::generate::Args),
     /// Serve a model over the OpenAI API (completions, chat, streaming).
@@ -63,6 +65,7 @@ fn main() {
         Command::Run(args) => cmd::run::run(args),
         Command::Config(args) => cmd::config::run(args),
         Command::Eval(args) => cmd::eval::run(args),
+        Command::Score(args) => cmd::score::run(args),
         Command::Generate(args) => cmd::generate::run(args),
         Command::Serve(args) => cmd::serve::run(args),
         Command::Bench(bench) => cmd::bench::run(bench),

@@ -142,6 +142,26 @@ fn run_writes_metrics_summary_and_config() {
         }
         // One publication per warm-up step and per RL step, in order.
         assert_eq!(line["policy_version"], 3 + i + 1);
+        // The built-in task's answers are read in its `Answer: N` format only.
+        let rules: Vec<&String> = line
+            .as_object()
+            .unwrap()
+            .keys()
+            .filter_map(|k| k.strip_prefix("reward/extracted_by/").map(|_| k))
+            .collect();
+        assert!(!rules.is_empty(), "{line}");
+        let mut counted = 0;
+        for key in rules {
+            assert!(
+                key.ends_with("/answer_line") || key.ends_with("/none"),
+                "{key}"
+            );
+            counted += line[key].as_u64().unwrap();
+        }
+        assert!(
+            counted > 0 && counted % 8 == 0,
+            "every sample of n = 8 counted: {line}"
+        );
     }
     assert!(lines[1]["eval/acc"].is_number());
     let summary: Value =
@@ -184,6 +204,76 @@ fn assert_tensorboard_matches_jsonl(run: &std::path::Path, lines: &[Value]) {
         }
     }
     assert!(compared > 30, "only {compared} scalars compared");
+}
+
+/// `dppo score` on a hand-written samples file: agreement with the saved rewards, the
+/// rules that extracted the answers, and broken lines named by file and line.
+#[test]
+fn score_rescores_saved_samples_and_names_broken_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("samples.jsonl");
+    let sample = |text: &str, reward: f64, truncated: bool| serde_json::json!({"text": text, "reward": reward, "truncated": truncated});
+    let rows = [
+        serde_json::json!({"answer": "284", "samples": [
+            // Issue 21's false positive: saved as correct, cut off by the token limit.
+            sample("So, the final answer is 84.\n```python\n# 284", 1.0, true),
+            sample("so \\boxed{284}", 1.0, false),
+        ]}),
+        serde_json::json!({"answer": "\\frac{1}{2}", "samples": [
+            sample("\\boxed{0.5}", 1.0, false),
+            sample("#### 1/2\n", 0.0, false),
+        ]}),
+    ];
+    let text: String = rows.iter().map(|r| format!("{r}\n")).collect();
+    std::fs::write(&path, text).unwrap();
+    let score = |mode: &str, extra: &[&str]| -> Value {
+        let mut args = vec!["score", "--data", path.to_str().unwrap(), "--extract", mode];
+        args.extend_from_slice(extra);
+        let (ok, stdout, stderr) = dppo(&args);
+        assert!(ok, "{stderr}");
+        serde_json::from_str(stdout.trim()).unwrap()
+    };
+    let strict = score("strict", &[]);
+    assert_eq!(
+        (
+            &strict["samples"],
+            &strict["disagreements"],
+            &strict["accuracy"]
+        ),
+        (&Value::from(4), &Value::from(2), &Value::from(0.75)),
+        "{strict}"
+    );
+    assert_eq!(strict["extracted_by"]["none"], 1, "{strict}");
+    assert_eq!(strict["extracted_by"]["hashes"], 1, "{strict}");
+    let rescored = dir.path().join("boxed.jsonl");
+    let boxed = score("boxed", &["--out", rescored.to_str().unwrap()]);
+    assert_eq!(boxed["accuracy"], 0.5, "{boxed}");
+    let first: Value = serde_json::from_str(
+        std::fs::read_to_string(&rescored)
+            .unwrap()
+            .lines()
+            .next()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(first["samples"][0]["reward"], 0.0);
+    assert_eq!(first["samples"][0]["extracted_by"], "none");
+    assert_eq!(first["samples"][1]["extracted_by"], "boxed");
+    std::fs::write(
+        &path,
+        "{\"answer\": \"3\", \"samples\": [{\"text\": \"3\", \"reward\": 1}]}\n",
+    )
+    .unwrap();
+    let (ok, _, stderr) = dppo(&["score", "--data", path.to_str().unwrap()]);
+    assert!(
+        !ok && stderr.contains("samples.jsonl:1: sample 0 lacks \"truncated\""),
+        "{stderr}"
+    );
+    let (ok, _, stderr) = dppo(&["score", "--data", "x.jsonl", "--extract", "loose"]);
+    assert!(
+        !ok && stderr.contains("unknown extraction mode \"loose\""),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -346,10 +436,36 @@ fn resumed_run_ends_with_the_weights_of_an_uninterrupted_run() {
         let sample = &line["samples"][0];
         let reward = sample["reward"].as_f64().unwrap();
         let text = sample["text"].as_str().unwrap();
-        assert_eq!(reward, dppo_trainer::rewards::score(text, &problem.answer));
+        let truncated = sample["truncated"].as_bool().unwrap();
+        let mode = dppo_trainer::rewards::ExtractMode::Answer;
+        let verdict = dppo_trainer::rewards::verify(text, truncated, &problem.answer, mode);
+        assert_eq!(reward, f64::from(u8::from(verdict.is_correct)));
+        let rule = dppo_trainer::rewards::rule_name(verdict.extracted_by);
+        assert_eq!(sample["extracted_by"], rule);
         total += reward;
     }
     assert_eq!(total / 8.0, report["avg@1"].as_f64().unwrap());
+    assert_eq!(
+        report["extract"], "answer",
+        "the built-in task's own format"
+    );
+    let boxed = eval(&["--extract", "boxed"]);
+    assert_eq!(
+        (
+            &boxed["extract"],
+            &boxed["extracted_by"]["none"],
+            &boxed["avg@1"]
+        ),
+        (&Value::from("boxed"), &Value::from(8), &Value::from(0.0)),
+        "an arithmetic answer is never boxed: {boxed}"
+    );
+    // `dppo score` re-scores the file to the same verdicts.
+    let path = samples.to_str().unwrap();
+    let (ok, stdout, stderr) = dppo(&["score", "--data", path, "--extract", "answer"]);
+    assert!(ok, "{stderr}");
+    let rescored: Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(rescored["agreement"], 1.0, "{rescored}");
+    assert_eq!(rescored["accuracy"], report["avg@1"], "{rescored}");
 }
 
 /// `dppo run --serve`: clients hammering the server while it trains see the policy versions

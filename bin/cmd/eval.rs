@@ -6,8 +6,9 @@ use candle_core::Device;
 use dppo_engine::{Engine, EngineConfig, SamplingParams};
 use dppo_model::weights::write_atomic;
 use dppo_trainer::config::RunConfig;
-use dppo_trainer::data::{builtin_task, load_jsonl, Fields, Problem};
+use dppo_trainer::data::{builtin_task, default_extract_mode, load_jsonl, Fields, Problem};
 use dppo_trainer::eval::{evaluate, EvalSet, EvalSpec, Graded};
+use dppo_trainer::rewards::{rule_name, ExtractMode};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 
@@ -51,6 +52,10 @@ pub struct Args {
     /// Also write every problem's samples, decoded and scored, to this JSONL file.
     #[arg(long)]
     samples: Option<PathBuf>,
+    /// How final answers are extracted: boxed, strict, flexible or answer (default: answer
+    /// for built-in tasks, strict for JSONL files).
+    #[arg(long)]
+    extract: Option<ExtractMode>,
 }
 
 /// Evaluates and prints one JSON object.
@@ -87,6 +92,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         n: args.n,
         k: args.k,
         max_tokens: args.max_tokens,
+        mode: args
+            .extract
+            .unwrap_or_else(|| default_extract_mode(&args.data)),
     };
     let set = EvalSet::new(&policy.tokenizer, problems)?;
     let (r, samples) = evaluate(&engine, &policy.tokenizer, &set, &spec)?;
@@ -94,10 +102,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         write_samples(path, set.problems(), &samples)
             .with_context(|| format!("writing --samples {}", path.display()))?;
     }
+    let mut extracted_by = std::collections::BTreeMap::<&str, usize>::new();
+    for g in samples.iter().flatten() {
+        *extracted_by.entry(rule_name(g.extracted_by)).or_default() += 1;
+    }
     let report = json!({
         "model": args.model,
         "data": args.data,
+        "extract": spec.mode.to_string(),
         "problems": set.problems().len(),
+        "extracted_by": extracted_by,
         format!("avg@{}", r.n): r.avg,
         format!("pass@{}", r.k): r.pass_at_k,
     });
@@ -115,7 +129,15 @@ fn write_samples(path: &Path, problems: &[Problem], samples: &[Vec<Graded>]) -> 
             "answer": p.answer.to_string(),
             "samples": graded
                 .iter()
-                .map(|g| json!({"text": g.text, "reward": g.reward}))
+                .map(|g| {
+                    json!({
+                        "text": g.text,
+                        "reward": g.reward,
+                        "extracted_by": rule_name(g.extracted_by),
+                        "truncated": g.is_truncated,
+                        "num_tokens": g.num_tokens,
+                    })
+                })
                 .collect::<Vec<_>>(),
         });
         out.push_str(&line.to_string());

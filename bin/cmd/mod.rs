@@ -6,6 +6,7 @@ pub mod convert;
 pub mod eval;
 pub mod generate;
 pub mod run;
+pub mod score;
 pub mod serve;
 
 use anyhow::Context;

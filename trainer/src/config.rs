@@ -7,6 +7,7 @@ use crate::advantages::ScaleRewards;
 use crate::loss::{LossAgg, RatioLevel};
 use crate::metrics_log::Logger;
 use crate::prune::{Algorithm, CandidateRule, CompletionScope, LevelConfig, PruneMode};
+use crate::rewards::RewardConfig;
 
 /// The configuration compiled into the binary (`dppo run` with no arguments).
 pub const DEFAULT_TOML: &str = include_str!("../../configs/default.toml");
@@ -61,6 +62,9 @@ pub struct RunConfig {
     pub checkpoint: CheckpointConfig,
     #[serde(default)]
     pub train: TrainConfig,
+    /// `[reward]`: extraction mode and overlong penalty (see [`RewardConfig`]).
+    #[serde(default)]
+    pub reward: RewardConfig,
 }
 
 /// `[train]`: what the run does when things go wrong, and how it starts.
@@ -419,6 +423,22 @@ impl RunConfig {
             "dppo.history_decay",
             format!("must be in [0, 1), got {}", self.dppo.history_decay),
         )?;
+        check(
+            self.reward.overlong_buffer < self.rollout.max_response_len,
+            "reward.overlong_buffer",
+            format!(
+                "must be less than rollout.max_response_len ({}), got {}",
+                self.rollout.max_response_len, self.reward.overlong_buffer
+            ),
+        )?;
+        check(
+            self.reward.overlong_penalty >= 0.0 && self.reward.overlong_penalty.is_finite(),
+            "reward.overlong_penalty",
+            format!(
+                "must be finite and >= 0, got {}",
+                self.reward.overlong_penalty
+            ),
+        )?;
         Ok(())
     }
 }
@@ -526,6 +546,16 @@ mod tests {
             ("actor.weight_decay=nan", "actor.weight_decay"),
             ("actor.grad_clip=nan", "actor.grad_clip"),
             ("resume=\"always\"", "unknown variant `always`"),
+            (
+                "reward.overlong_buffer=8",
+                "reward.overlong_buffer: must be less than rollout.max_response_len (8), got 8",
+            ),
+            (
+                "reward.overlong_penalty=-1",
+                "reward.overlong_penalty: must be finite and >= 0, got -1",
+            ),
+            ("reward.extract=\"lenient\"", "unknown variant `lenient`"),
+            ("reward.overlong=1", "unknown field `overlong`"),
         ];
         for (set, want) in cases {
             let err = RunConfig::default_with(&[set.to_string()])

@@ -7,7 +7,7 @@ use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
 
 use dppo_model::{ChatMessage, TextTokenizer};
 
-use crate::rewards::{parse_gold, Answer};
+use crate::rewards::{parse_gold, Answer, ExtractMode};
 
 /// One prompt with its gold answer.
 #[derive(Debug, Clone, PartialEq)]
@@ -112,6 +112,16 @@ pub fn load_jsonl(path: &Path, fields: &Fields) -> Result<Vec<Problem>, DataErro
     Ok(problems)
 }
 
+/// The extraction mode for a data set when `reward.extract` (or `--extract`) is not given:
+/// the built-in tasks answer `Answer: N`, JSONL data sets are read `strict`.
+pub fn default_extract_mode(data: &str) -> ExtractMode {
+    if data.starts_with("builtin:") {
+        ExtractMode::Answer
+    } else {
+        ExtractMode::Strict
+    }
+}
+
 /// A built-in task's train and held-out problems.
 pub fn builtin_task(
     name: &str,
@@ -144,7 +154,7 @@ fn arithmetic(num_train: usize, num_eval: usize, seed: u64) -> (Vec<Problem>, Ve
             out.push(Problem {
                 prompt_id: offset + out.len() as u64,
                 question: format!("What is {a}{op}{b}?"),
-                answer: crate::rewards::normalise(&c.to_string()),
+                answer: Answer::parse(&c.to_string()),
                 solution: Some(format!("Answer: {c}")),
             });
         }
@@ -223,7 +233,7 @@ pub(crate) fn mix(a: u64, b: u64, c: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rewards::score;
+    use crate::rewards::verify;
 
     #[test]
     fn problem_orders_are_seeded_epoch_permutations_that_resume_from_a_position() {
@@ -253,11 +263,9 @@ mod tests {
             .iter()
             .all(|p| !questions.contains(p.question.as_str())));
         for p in train.iter().chain(&eval) {
-            assert_eq!(
-                score(p.solution.as_deref().unwrap(), &p.answer),
-                1.0,
-                "{p:?}"
-            );
+            let mode = default_extract_mode("builtin:arithmetic");
+            let verdict = verify(p.solution.as_deref().unwrap(), false, &p.answer, mode);
+            assert!(verdict.is_correct, "{p:?}");
         }
         let (_, larger) = builtin_task("arithmetic", 3000, 300, 7).unwrap();
         assert_eq!(
@@ -308,7 +316,13 @@ mod tests {
         .unwrap();
         let problems = load_jsonl(&path, &fields).unwrap();
         assert_eq!(problems.len(), 1);
-        assert_eq!(score("\\boxed{4}", &problems[0].answer), 1.0);
+        let verdict = verify(
+            "\\boxed{4}",
+            false,
+            &problems[0].answer,
+            ExtractMode::Strict,
+        );
+        assert!(verdict.is_correct);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

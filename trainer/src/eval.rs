@@ -1,10 +1,10 @@
 //! Held-out evaluation through the engine: avg@n and unbiased pass@k (Chen et al. 2021).
 
-use dppo_engine::{Engine, GenerateRequest, Priority, SamplingParams};
+use dppo_engine::{Engine, FinishReason, GenerateRequest, Priority, SamplingParams};
 use dppo_model::TextTokenizer;
 
 use crate::data::{problem_prompts, Problem};
-use crate::rewards::score;
+use crate::rewards::{verify, ExtractMode, Rule};
 use crate::TrainError;
 
 /// Accuracy figures of one evaluation.
@@ -39,6 +39,8 @@ pub struct EvalSpec {
     /// The k of pass@k (at most n).
     pub k: usize,
     pub max_tokens: usize,
+    /// How final answers are extracted (no overlong penalty: evaluation measures accuracy).
+    pub mode: ExtractMode,
 }
 
 /// One scored sample of an evaluation.
@@ -46,7 +48,13 @@ pub struct EvalSpec {
 pub struct Graded {
     /// The decoded completion.
     pub text: String,
+    /// 1 when correct, else 0.
     pub reward: f64,
+    /// The rule that found the final answer (`None`: no rule found one).
+    pub extracted_by: Option<Rule>,
+    /// It ended on the token limit.
+    pub is_truncated: bool,
+    pub num_tokens: usize,
 }
 
 /// Held-out problems with their prompts tokenized once, so that periodic evaluations
@@ -102,8 +110,15 @@ pub fn evaluate(
             .iter()
             .map(|c| {
                 let text = tokenizer.decode(&c.token_ids, true)?;
-                let reward = score(&text, &p.answer);
-                Ok(Graded { text, reward })
+                let is_truncated = c.finish_reason == FinishReason::Length;
+                let verdict = verify(&text, is_truncated, &p.answer, spec.mode);
+                Ok(Graded {
+                    text,
+                    reward: f64::from(u8::from(verdict.is_correct)),
+                    extracted_by: verdict.extracted_by,
+                    is_truncated,
+                    num_tokens: c.token_ids.len(),
+                })
             })
             .collect::<Result<Vec<_>, TrainError>>()?;
         total += graded.iter().map(|g| g.reward).sum::<f64>();

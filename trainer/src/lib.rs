@@ -42,6 +42,8 @@ pub enum TrainError {
     Sync(#[from] dppo_sync::SyncError),
     #[error("invalid config: {0}")]
     Config(String),
+    #[error(transparent)]
+    Reward(#[from] rewards::RewardError),
     #[error("rollout came from policy version {got}, the step expected {expected}")]
     Version { expected: u64, got: u64 },
     #[error(

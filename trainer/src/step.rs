@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Device};
-use dppo_engine::{Engine, EngineConfig, GenerateRequest, Priority, RequestHandle, SamplingParams};
+use dppo_engine::{
+    Engine, EngineConfig, FinishReason, GenerateRequest, Priority, RequestHandle, SamplingParams,
+};
 use dppo_model::{Policy, TextTokenizer};
 use dppo_sync::PolicyStore;
 use rand::{rngs::StdRng, SeedableRng};
@@ -16,13 +18,15 @@ use serde_json::{json, Map, Value};
 
 use crate::advantages::compute_advantages;
 use crate::config::RunConfig;
-use crate::data::{mix, problem_prompts, Problem, ProblemOrder, DEMO_STREAM, TRAIN_STREAM};
+use crate::data::{
+    default_extract_mode, mix, problem_prompts, Problem, ProblemOrder, DEMO_STREAM, TRAIN_STREAM,
+};
 use crate::eval::{evaluate, EvalSet, EvalSpec};
 use crate::learner::{Learner, LearnerConfig};
 use crate::loss::{LossConfig, TrainSeq};
 use crate::optim::{squared_norm, AdamWConfig, LrSchedule};
 use crate::prune::{select_completions, Algorithm, Greso, LevelConfig, PromptHistory};
-use crate::rewards::score;
+use crate::rewards::{rule_name, score, Response, RewardSpec};
 use crate::rollout::{Group, Sample};
 use crate::train_batch::{build_train_batch, TrainBatch};
 use crate::TrainError;
@@ -108,6 +112,12 @@ pub struct StepRollout {
     /// one step off-policy overlaps with training. A metric only: 0 when not recorded.
     #[serde(default)]
     gen_busy_s: f64,
+    /// Completions whose answer each extraction rule found (`none`: no rule found one).
+    #[serde(default)]
+    extracted_by: BTreeMap<String, usize>,
+    /// Correct completions (0 in checkpoints written before it was recorded).
+    #[serde(default)]
+    num_correct: usize,
 }
 
 /// A step's rollout submitted to the engine: what scoring its completions needs.
@@ -268,6 +278,19 @@ impl Trainer {
         self.learner.set_reference(&weights)
     }
 
+    /// How this run scores completions (`[reward]`, with the data set's default mode).
+    fn reward_spec(&self) -> RewardSpec {
+        let reward = &self.cfg.reward;
+        RewardSpec {
+            mode: reward
+                .extract
+                .unwrap_or_else(|| default_extract_mode(&self.cfg.data.train)),
+            max_tokens: self.cfg.rollout.max_response_len,
+            overlong_buffer: reward.overlong_buffer,
+            overlong_penalty: reward.overlong_penalty,
+        }
+    }
+
     /// Greedy accuracy of the current policy on the held-out problems.
     pub fn evaluate(&mut self) -> Result<f64, TrainError> {
         self.settle()?;
@@ -279,6 +302,7 @@ impl Trainer {
             n: 1,
             k: 1,
             max_tokens: self.cfg.rollout.max_response_len,
+            mode: self.reward_spec().mode,
         };
         Ok(evaluate(&self.engine, &self.tokenizer, &self.eval, &spec)?
             .0
@@ -306,6 +330,8 @@ impl Trainer {
             gen_tokens,
             gen_busy_s,
             version,
+            extracted_by,
+            num_correct,
             ..
         } = self.finish(pending)?;
         let staleness = self.policy_version - version;
@@ -372,10 +398,11 @@ impl Trainer {
         );
         put(
             "acc/mean",
-            json!(
-                rewards.iter().filter(|&&r| r >= 1.0).count() as f64 / rewards.len().max(1) as f64
-            ),
+            json!(num_correct as f64 / rewards.len().max(1) as f64),
         );
+        for (rule, count) in extracted_by {
+            put(&format!("reward/extracted_by/{rule}"), json!(count));
+        }
         put(
             "prune/prompts_kept",
             json!(groups.len() as f64 / drawn.problems.len().max(1) as f64),
@@ -524,6 +551,8 @@ impl Trainer {
         };
         let mut groups = Vec::with_capacity(inflight.kept.len());
         let mut gen_tokens = 0;
+        let spec = self.reward_spec();
+        let (mut extracted_by, mut num_correct) = (BTreeMap::new(), 0);
         for (&(i, w_q), handle) in inflight.kept.iter().zip(inflight.handles) {
             let problem = &self.train[i];
             let mut samples = Vec::with_capacity(handle.n);
@@ -537,9 +566,18 @@ impl Trainer {
                 }
                 gen_tokens += c.token_ids.len();
                 let text = self.tokenizer.decode(&c.token_ids, true)?;
+                let response = Response {
+                    text: &text,
+                    num_tokens: c.token_ids.len(),
+                    is_truncated: c.finish_reason == FinishReason::Length,
+                };
+                let scored = score(&response, &problem.answer, &spec)?;
+                let rule = rule_name(scored.verdict.extracted_by).to_string();
+                *extracted_by.entry(rule).or_default() += 1;
+                num_correct += usize::from(scored.verdict.is_correct);
                 samples.push(Sample {
                     prompt_ids: self.train_prompts[i].clone(),
-                    reward: score(&text, &problem.answer),
+                    reward: scored.reward,
                     completion_ids: c.token_ids,
                     rollout_logprobs: c.logprobs,
                     policy_version: c.policy_version,
@@ -557,6 +595,8 @@ impl Trainer {
             groups,
             gen_tokens,
             gen_busy_s: (self.engine.stats().busy_ns - inflight.busy_ns) as f64 * 1e-9,
+            extracted_by,
+            num_correct,
         })
     }
 
