@@ -1,0 +1,366 @@
+//! The step loop of docs/design.md: draw -> prune prompts -> rollout -> reward -> advantages ->
+//! prune completions -> pack + learn -> publish -> metrics. [`Trainer::step`] reads as that
+//! loop; each concern around it lives in its own module: the supervised warm-up
+//! (`warmup`), the rollout staged ahead of its step (`staging`), publishing weights to the
+//! engine (`publish`), the gradient-variance study (`variance`) and the metrics line
+//! (`report`); checkpoints and resume are in [`crate::checkpoint`].
+
+mod publish;
+mod report;
+mod staging;
+mod variance;
+mod warmup;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{DType, Device};
+use dppo_engine::{Engine, EngineConfig, SamplingParams};
+use dppo_model::{Policy, TextTokenizer};
+use dppo_sync::PolicyStore;
+use rand::{rngs::StdRng, SeedableRng};
+use serde_json::{Map, Value};
+
+use crate::advantages::compute_advantages;
+use crate::config::RunConfig;
+use crate::data::{
+    default_extract_mode, mix, problem_prompts, Problem, ProblemOrder, DEMO_STREAM, TRAIN_STREAM,
+};
+use crate::eval::{evaluate, EvalSet, EvalSpec};
+use crate::learner::{Learner, LearnerConfig};
+use crate::loss::LossConfig;
+use crate::optim::{AdamWConfig, LrSchedule};
+use crate::prune::{select_completions, Greso, LevelConfig, PromptHistory};
+use crate::rewards::RewardSpec;
+use crate::rollout::Group;
+use crate::train_batch::{build_train_batch, TrainBatch};
+use crate::TrainError;
+
+use report::StepReport;
+pub(crate) use staging::Pending;
+pub use staging::{Drawn, StepRollout};
+
+/// Everything the loop carries from step to step.
+pub struct Trainer {
+    pub cfg: RunConfig,
+    pub learner: Learner,
+    engine: Arc<Engine>,
+    tokenizer: TextTokenizer,
+    eos: Vec<u32>,
+    train: Vec<Problem>,
+    /// Prompt ids of every training problem (chat-formatted when the model has a
+    /// template), tokenized once.
+    train_prompts: Vec<Vec<u32>>,
+    eval: EvalSet,
+    pub(crate) history: PromptHistory,
+    pub(crate) greso: Greso,
+    /// The RL data position: training problems drawn so far, epochs reshuffled by seed.
+    pub(crate) order: ProblemOrder,
+    /// The warm-up's own position over the demonstrations (`warmup.examples`).
+    demo_order: ProblemOrder,
+    store: PolicyStore,
+    pub step: u64,
+    pub policy_version: u64,
+    /// The policy version the engine generates with (behind `policy_version` while a
+    /// one-step off-policy rollout is in flight).
+    engine_version: u64,
+    /// The next step's rollout, when it was started before that step
+    /// (`rollout.one_step_off_policy`).
+    pub(crate) pending: Option<Pending>,
+    /// Seconds spent outside `step` waiting for the pending rollout (before an evaluation
+    /// or a checkpoint); the next step counts them as its generation time.
+    settle_wait_s: f64,
+    /// Optimizer steps skipped for a NaN or infinite loss or gradient norm: in all, and
+    /// since the last finite one.
+    pub(crate) num_nonfinite_steps: u64,
+    num_nonfinite_in_a_row: u64,
+}
+
+impl Trainer {
+    /// Builds the engine and the learner over `policy`.
+    pub fn new(
+        cfg: RunConfig,
+        policy: &Policy,
+        train: Vec<Problem>,
+        eval: Vec<Problem>,
+    ) -> Result<Self, TrainError> {
+        let learner_cfg = LearnerConfig {
+            loss: LossConfig {
+                eps_low: cfg.actor.eps_low,
+                eps_high: cfg.actor.eps_high,
+                loss_agg: cfg.actor.loss_agg,
+                ratio_level: cfg.actor.ratio_level,
+                beta: cfg.actor.beta,
+            },
+            adamw: AdamWConfig {
+                weight_decay: cfg.actor.weight_decay,
+                ..AdamWConfig::default()
+            },
+            schedule: LrSchedule {
+                lr: cfg.actor.lr,
+                warmup_steps: cfg.actor.warmup_steps,
+                cosine_total_steps: None,
+                min_lr: 0.0,
+            },
+            grad_clip: cfg.actor.grad_clip,
+            pack_tokens: cfg.pack.tokens,
+            pack_window: cfg.pack.window,
+        };
+        if train.is_empty() {
+            return Err(TrainError::Config(
+                "the training set is empty (data.train, data.num_train)".into(),
+            ));
+        }
+        let learner = Learner::new(&policy.config, &policy.weights, learner_cfg)?;
+        let engine_cfg = EngineConfig {
+            kv_cache_bytes: 1 << 30,
+            isolate_high_priority: cfg.deterministic,
+            ..EngineConfig::default()
+        };
+        let engine = Arc::new(Engine::new(policy, engine_cfg, Device::Cpu)?);
+        let store = PolicyStore::new(&policy.weights, Device::Cpu, DType::F32)?;
+        let train_prompts = problem_prompts(&policy.tokenizer, &train)?;
+        let eval = EvalSet::new(&policy.tokenizer, eval)?;
+        let longest = train_prompts
+            .iter()
+            .map(Vec::len)
+            .fold(eval.longest_prompt(), usize::max);
+        check_pack_tokens(&cfg, longest)?;
+        let num_demos = match cfg.warmup.examples {
+            0 => train.len(),
+            n => n.min(train.len()),
+        };
+        Ok(Self {
+            history: PromptHistory::new(cfg.dppo.history_decay),
+            greso: Greso::default(),
+            learner,
+            engine,
+            tokenizer: policy.tokenizer.clone(),
+            eos: policy.eos_token_ids().to_vec(),
+            order: ProblemOrder::new(cfg.seed, TRAIN_STREAM, train.len()),
+            train,
+            train_prompts,
+            eval,
+            demo_order: ProblemOrder::new(cfg.seed, DEMO_STREAM, num_demos),
+            store,
+            step: 0,
+            policy_version: 0,
+            engine_version: 0,
+            pending: None,
+            settle_wait_s: 0.0,
+            num_nonfinite_steps: 0,
+            num_nonfinite_in_a_row: 0,
+            cfg,
+        })
+    }
+
+    /// The engine, to share with a server (`dppo run --serve`).
+    pub fn engine(&self) -> Arc<Engine> {
+        self.engine.clone()
+    }
+
+    /// The tokenizer of the policy being trained.
+    pub fn tokenizer(&self) -> &TextTokenizer {
+        &self.tokenizer
+    }
+
+    /// Counts a skipped (non-finite) step or resets the streak; returns whether the
+    /// weights moved.
+    fn count_nonfinite(&mut self, is_nonfinite: bool) -> bool {
+        if is_nonfinite {
+            self.num_nonfinite_steps += 1;
+            self.num_nonfinite_in_a_row += 1;
+        } else {
+            self.num_nonfinite_in_a_row = 0;
+        }
+        !is_nonfinite
+    }
+
+    /// The error that ends the run once `train.max_nonfinite_steps` steps in a row were
+    /// skipped for a NaN or infinite loss or gradient norm (the weights and optimizer are
+    /// still those of the last finite step: checkpoint them, then stop).
+    pub fn nonfinite_limit(&self) -> Option<TrainError> {
+        let max = self.cfg.train.max_nonfinite_steps;
+        (max > 0 && self.num_nonfinite_in_a_row >= max).then_some(TrainError::NonFinite {
+            in_a_row: self.num_nonfinite_in_a_row,
+            step: self.step,
+        })
+    }
+
+    /// How this run scores completions (`[reward]`, with the data set's default mode).
+    fn reward_spec(&self) -> RewardSpec {
+        let reward = &self.cfg.reward;
+        RewardSpec {
+            mode: reward
+                .extract
+                .unwrap_or_else(|| default_extract_mode(&self.cfg.data.train)),
+            max_tokens: self.cfg.rollout.max_response_len,
+            overlong_buffer: reward.overlong_buffer,
+            overlong_penalty: reward.overlong_penalty,
+        }
+    }
+
+    /// Greedy accuracy of the current policy on the held-out problems.
+    pub fn evaluate(&mut self) -> Result<f64, TrainError> {
+        self.settle()?;
+        let spec = EvalSpec {
+            sampling: SamplingParams {
+                temperature: 0.0,
+                ..SamplingParams::default()
+            },
+            n: 1,
+            k: 1,
+            max_tokens: self.cfg.rollout.max_response_len,
+            mode: self.reward_spec().mode,
+        };
+        Ok(evaluate(&self.engine, &self.tokenizer, &self.eval, &spec)?
+            .0
+            .avg)
+    }
+
+    /// One RL step; returns its metrics line.
+    pub fn step(&mut self) -> Result<Map<String, Value>, TrainError> {
+        let mut timings = BTreeMap::new();
+        let start = Instant::now();
+        let mut prune_s = 0.0;
+        let pending = match self.pending.take() {
+            Some(p) => p,
+            None => {
+                let t = Instant::now();
+                let inflight = self.submit(self.step)?;
+                prune_s += t.elapsed().as_secs_f64();
+                Pending::InFlight(inflight)
+            }
+        };
+        let t = Instant::now();
+        let StepRollout {
+            drawn,
+            mut groups,
+            gen_tokens,
+            gen_busy_s,
+            version,
+            extracted_by,
+            num_correct,
+            ..
+        } = self.finish(pending)?;
+        let staleness = self.policy_version - version;
+        let gen_s = t.elapsed().as_secs_f64() + std::mem::take(&mut self.settle_wait_s);
+        timings.insert("timing_s/gen".to_string(), gen_s);
+        let mut timed = |name: &str, since: Instant| {
+            timings.insert(format!("timing_s/{name}"), since.elapsed().as_secs_f64());
+        };
+        let t = Instant::now();
+        compute_advantages(&mut groups, self.cfg.actor.scale_rewards);
+        self.history.update(&groups, self.step);
+        self.greso.update(&groups);
+        let level = self.cfg.dppo.level(self.cfg.dppo.r_o);
+        let batch = self.train_batch(
+            &groups,
+            drawn.problems.len(),
+            &level,
+            &mut self.phase_rng(2),
+        );
+        timed("reward", t);
+        if self.cfg.rollout.one_step_off_policy {
+            let t = Instant::now();
+            self.sync_engine()?;
+            self.pending = Some(Pending::InFlight(self.submit(self.step + 1)?));
+            prune_s += t.elapsed().as_secs_f64();
+        }
+        let t = Instant::now();
+        let draws = self.cfg.eval.grad_variance_draws;
+        let variance = if draws > 0 && self.cfg.eval.due(self.step + 1) {
+            Some(self.pruning_variance(&groups, drawn.problems.len(), &level, draws)?)
+        } else {
+            None
+        };
+        let variance_s = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let m = self.learner.step(&batch)?;
+        timed("train", t);
+        let t = Instant::now();
+        if self.count_nonfinite(m.is_nonfinite) {
+            self.publish()?;
+        }
+        timed("sync", t);
+        timings.insert("timing_s/prune".into(), prune_s);
+        timings.insert(
+            "timing_s/step".into(),
+            start.elapsed().as_secs_f64() - variance_s,
+        );
+        self.step += 1;
+        Ok(StepReport {
+            step: self.step,
+            policy_version: self.policy_version,
+            staleness,
+            groups: &groups,
+            num_drawn: drawn.problems.len(),
+            num_trained: batch.seqs.len(),
+            samples_per_prompt: self.cfg.rollout.n,
+            num_correct,
+            extracted_by,
+            gen_tokens,
+            gen_busy_s,
+            learner: &m,
+            num_nonfinite_steps: self.num_nonfinite_steps,
+            grad_rel_mse: variance,
+            timings,
+        }
+        .into_line())
+    }
+
+    /// Completion pruning of `groups` at `level` and the learner's batch of the survivors;
+    /// `num_drawn` counts every prompt drawn for the step.
+    fn train_batch(
+        &self,
+        groups: &[Group],
+        num_drawn: usize,
+        level: &LevelConfig,
+        rng: &mut StdRng,
+    ) -> TrainBatch {
+        let kept = select_completions(
+            groups,
+            self.cfg.algorithm,
+            level,
+            self.cfg.dppo.scope,
+            self.cfg.actor.beta,
+            rng,
+        );
+        build_train_batch(
+            groups,
+            &kept,
+            num_drawn,
+            self.cfg.rollout.n,
+            self.cfg.rollout.max_response_len,
+            self.cfg.algorithm,
+        )
+    }
+
+    /// The random stream of one phase of the current step (see `step_rng`).
+    fn phase_rng(&self, phase: u64) -> StdRng {
+        self.step_rng(self.step, phase)
+    }
+
+    /// The random stream of one phase of `step`: a function of (seed, step, phase) only,
+    /// so that a resumed run draws exactly what the uninterrupted run drew.
+    fn step_rng(&self, step: u64, phase: u64) -> StdRng {
+        StdRng::seed_from_u64(mix(self.cfg.seed, step, phase))
+    }
+}
+
+/// Start-up check: the `longest` prompt plus `max_response_len` must fit one packed buffer.
+fn check_pack_tokens(cfg: &RunConfig, longest: usize) -> Result<(), TrainError> {
+    let needed = longest + cfg.rollout.max_response_len;
+    if needed > cfg.pack.tokens {
+        return Err(TrainError::Config(format!(
+            "pack.tokens = {} is smaller than the longest prompt ({longest} tokens) plus \
+             rollout.max_response_len ({}); set pack.tokens >= {needed}",
+            cfg.pack.tokens, cfg.rollout.max_response_len
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

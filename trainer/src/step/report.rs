@@ -1,0 +1,101 @@
+//! One step's metrics line (`metrics.jsonl`): what the step measured, named as
+//! docs/design.md's conventions name it.
+
+use std::collections::BTreeMap;
+
+use serde_json::{json, Map, Value};
+
+use crate::learner::StepMetrics;
+use crate::rollout::Group;
+
+/// What one RL step produced, for its metrics line.
+pub(super) struct StepReport<'a> {
+    /// Steps done, this one included.
+    pub step: u64,
+    pub policy_version: u64,
+    /// Policy versions between the rollout's and the one trained.
+    pub staleness: u64,
+    /// The rolled-out groups, scored.
+    pub groups: &'a [Group],
+    /// Prompts drawn for the step (before prompt pruning).
+    pub num_drawn: usize,
+    /// Completions the learner trained on (after completion pruning).
+    pub num_trained: usize,
+    /// G.
+    pub samples_per_prompt: usize,
+    pub num_correct: usize,
+    /// Completions whose answer each extraction rule found.
+    pub extracted_by: BTreeMap<String, usize>,
+    pub gen_tokens: usize,
+    /// Engine seconds spent generating the rollout (0: not recorded).
+    pub gen_busy_s: f64,
+    pub learner: &'a StepMetrics,
+    pub num_nonfinite_steps: u64,
+    /// `prune/grad_rel_mse`, at the steps that measure it.
+    pub grad_rel_mse: Option<f64>,
+    /// `timing_s/*` by full metric name.
+    pub timings: BTreeMap<String, f64>,
+}
+
+impl StepReport<'_> {
+    /// The metrics line.
+    pub fn into_line(self) -> Map<String, Value> {
+        let rewards: Vec<f64> = self
+            .groups
+            .iter()
+            .flat_map(|g| g.samples.iter().map(|s| s.reward))
+            .collect();
+        let completions = (self.groups.len() * self.samples_per_prompt).max(1);
+        let mut line = Map::new();
+        let mut put = |k: &str, v: Value| {
+            line.insert(k.to_string(), v);
+        };
+        put("step", json!(self.step));
+        put("policy_version", json!(self.policy_version));
+        put("rollout/staleness", json!(self.staleness));
+        put(
+            "reward/mean",
+            json!(rewards.iter().sum::<f64>() / rewards.len().max(1) as f64),
+        );
+        put(
+            "acc/mean",
+            json!(self.num_correct as f64 / rewards.len().max(1) as f64),
+        );
+        for (rule, count) in &self.extracted_by {
+            put(&format!("reward/extracted_by/{rule}"), json!(count));
+        }
+        put(
+            "prune/prompts_kept",
+            json!(self.groups.len() as f64 / self.num_drawn.max(1) as f64),
+        );
+        put(
+            "prune/completions_kept",
+            json!(self.num_trained as f64 / completions as f64),
+        );
+        put("pack/density", json!(self.learner.pack_density));
+        put("pack/buffers", json!(self.learner.num_buffers));
+        if self.gen_busy_s > 0.0 {
+            put(
+                "perf/gen_tokens_per_s",
+                json!(self.gen_tokens as f64 / self.gen_busy_s),
+            );
+        }
+        put(
+            "perf/train_tokens_per_s",
+            json!(self.learner.train_tokens_per_s),
+        );
+        put("actor/pg_loss", json!(self.learner.pg_loss));
+        put("actor/grad_norm", json!(self.learner.grad_norm));
+        put("actor/clipfrac", json!(self.learner.clipfrac));
+        put("actor/entropy", json!(self.learner.entropy));
+        put("actor/lr", json!(self.learner.lr));
+        put("train/nonfinite_steps", json!(self.num_nonfinite_steps));
+        if let Some(v) = self.grad_rel_mse {
+            put("prune/grad_rel_mse", json!(v));
+        }
+        for (k, v) in self.timings {
+            line.insert(k, json!(v));
+        }
+        line
+    }
+}
