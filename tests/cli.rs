@@ -629,8 +629,8 @@ fn serve_takes_the_api_key_from_the_environment_and_warns_without_one() {
     assert!(stderr.contains("without an API key"), "{stderr}");
 }
 
-/// `dppo run --resume latest`, SIGKILLed at seeded random moments (some during checkpoint
-/// writes: it checkpoints every step) and restarted after each kill, ends with the
+/// `dppo run --resume latest`, SIGKILLed at seeded random moments of every step (some during
+/// checkpoint writes: it checkpoints every step) and restarted after each kill, ends with the
 /// uninterrupted run's weights and optimizer bit for bit and one metrics line per step;
 /// after the first checkpoint, no kill leaves the directory without a loadable one.
 #[test]
@@ -659,26 +659,27 @@ fn sigkilled_runs_resume_to_the_uninterrupted_weights() {
     };
     let start = Instant::now();
     assert!(spawn(&a).wait().unwrap().success());
-    let full = start.elapsed();
+    let per_step = start.elapsed() / STEPS as u32;
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let (mut kills, mut kills_with_checkpoint, mut had_checkpoint) = (0, 0, false);
     let checkpoints = b.join("checkpoints");
-    // On a loaded machine a restart may take longer than the uninterrupted run did, so
-    // kills land before the first checkpoint more often: go on (boundedly) until enough
-    // came after it.
-    let mut attempts = 0;
-    while kills < 12 || kills_with_checkpoint < 5 {
-        attempts += 1;
-        assert!(
-            attempts <= 80,
-            "{kills} kills in {attempts} attempts, {kills_with_checkpoint} after the first checkpoint"
-        );
+    let metrics = b.join("metrics.jsonl");
+    let lines_written = || {
+        std::fs::read_to_string(&metrics)
+            .map(|t| t.lines().count() as u64)
+            .unwrap_or(0)
+    };
+    // Two kills per step, each a seeded moment after the run has written that many metrics
+    // lines (so after as many checkpoints): kills follow the run's progress rather than the
+    // clock, and land in warm-ups, steps and checkpoint writes however loaded the machine.
+    for target in (0..STEPS).flat_map(|s| [s, s]) {
         let mut child = spawn(&b);
-        let delay = full.mul_f64(rng.random_range(0.05..0.6));
-        let deadline = Instant::now() + delay;
-        while Instant::now() < deadline && child.try_wait().unwrap().is_none() {
-            std::thread::sleep(Duration::from_millis(5));
+        let deadline = Instant::now() + Duration::from_secs(300);
+        while lines_written() < target && child.try_wait().unwrap().is_none() {
+            assert!(Instant::now() < deadline, "step {target} never came");
+            std::thread::sleep(Duration::from_millis(2));
         }
+        std::thread::sleep(per_step.mul_f64(rng.random_range(0.0..1.0)));
         if child.try_wait().unwrap().is_none() {
             child.kill().unwrap();
             kills += 1;
@@ -695,6 +696,10 @@ fn sigkilled_runs_resume_to_the_uninterrupted_weights() {
             dppo_model::Policy::load(ckpt.to_str().unwrap(), &candle_core::Device::Cpu).unwrap();
         }
     }
+    assert!(
+        kills >= 10 && kills_with_checkpoint >= 5,
+        "{kills} kills, {kills_with_checkpoint} after the first checkpoint"
+    );
     assert!(spawn(&b).wait().unwrap().success());
     let last = format!("checkpoints/step-{STEPS:06}");
     for file in ["model/model.safetensors", "optimizer.safetensors"] {
