@@ -277,6 +277,9 @@ fn reach(hit: Option<(f64, u64)>, base: Option<f64>) -> String {
     format!("{t:.1} s (step {step}) | {speed}")
 }
 
+/// The points of one run in one panel.
+type Points<'a> = &'a dyn Fn(&Run) -> Vec<(f64, f64)>;
+
 /// Points drawn per run for reward, which is noisy step to step: the overlay shows means of
 /// blocks of steps so that several runs stay readable.
 const REWARD_POINTS: usize = 100;
@@ -291,10 +294,10 @@ pub fn svg(runs: &[Run]) -> String {
         _ => format!("mean reward (means of {block} steps)"),
     };
     let colour = |i: usize| PALETTE[i % PALETTE.len()];
-    let panel = |title: &str, x_title: &str, points: &dyn Fn(&Run) -> Vec<(f64, f64)>| Panel {
+    let panel = |title: &str, y_title: &str, x_title: &str, points: Points| Panel {
         title: title.into(),
         x_title: x_title.into(),
-        y_title: title.split(" (").next().unwrap_or(title).into(),
+        y_title: y_title.into(),
         series: runs
             .iter()
             .enumerate()
@@ -321,10 +324,10 @@ pub fn svg(runs: &[Run]) -> String {
     let reward_step = |r: &Run| reward(r, &|i| r.steps[i].step as f64);
     Figure {
         panels: vec![
-            panel("held-out accuracy", "RL seconds", &acc_time),
-            panel("held-out accuracy", "step", &acc_step),
-            panel(&reward_title, "RL seconds", &reward_time),
-            panel(&reward_title, "step", &reward_step),
+            panel("held-out accuracy", "accuracy", "RL seconds", &acc_time),
+            panel("held-out accuracy", "accuracy", "step", &acc_step),
+            panel(&reward_title, "mean reward", "RL seconds", &reward_time),
+            panel(&reward_title, "mean reward", "step", &reward_step),
         ],
         columns: 2,
         legend: runs
