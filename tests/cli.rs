@@ -244,6 +244,8 @@ fn compare_tables_and_plots_runs_and_names_a_bad_one() {
         !ok && stderr.contains(missing.to_str().unwrap()),
         "{stderr}"
     );
+    // The I/O error is said once, not again as the error's source.
+    assert_eq!(stderr.matches("No such file").count(), 1, "{stderr}");
 }
 
 /// Small, fast run settings for the binary.

@@ -25,12 +25,13 @@ const SUMMARY_JSON: &str = "summary.json";
 /// A run directory that cannot be compared, naming the file and what is wrong with it.
 #[derive(Debug, thiserror::Error)]
 pub enum CompareError {
-    /// A file of the run is missing or unreadable.
-    #[error("{path}: {source} (is {dir} a `dppo run` output directory?)")]
+    /// A file of the run is missing or unreadable (the I/O error is part of the message,
+    /// not a separate source, so that error chains print it once).
+    #[error("{path}: {error} (is {dir} a `dppo run` output directory?)")]
     Read {
         path: PathBuf,
         dir: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// A file of the run does not hold what `dppo run` writes.
     #[error("{path}: {reason}")]
@@ -83,10 +84,10 @@ impl Run {
     pub fn load(dir: &Path) -> Result<Run, CompareError> {
         let read = |file: &str| {
             let path = dir.join(file);
-            std::fs::read_to_string(&path).map_err(|source| CompareError::Read {
+            std::fs::read_to_string(&path).map_err(|error| CompareError::Read {
                 path,
                 dir: dir.to_path_buf(),
-                source,
+                error,
             })
         };
         Run::parse(dir, &read(METRICS_JSONL)?, &read(SUMMARY_JSON)?)
