@@ -18,6 +18,8 @@ enum Command {
     Run(cmd::run::Args),
     /// Print the configuration a run would use, every key documented.
     Config(cmd::config::Args),
+    /// Compare run directories: time-to-accuracy table (markdown) and an overlay SVG.
+    Compare(cmd::compare::Args),
     /// Evaluate a model on a held-out set (avg@n, pass@k).
     Eval(cmd::eval::Args),
     /// Re-score the samples of `dppo eval --samples` with this verifier (offline audit).
@@ -64,6 +66,7 @@ fn main() {
     let result = match cli.command {
         Command::Run(args) => cmd::run::run(args),
         Command::Config(args) => cmd::config::run(args),
+        Command::Compare(args) => cmd::compare::run(args),
         Command::Eval(args) => cmd::eval::run(args),
         Command::Score(args) => cmd::score::run(args),
         Command::Generate(args) => cmd::generate::run(args),

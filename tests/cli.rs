@@ -291,6 +291,53 @@ fn run_rejects_bad_configs_naming_the_key() {
     );
 }
 
+#[test]
+fn compare_tables_and_plots_runs_and_names_a_bad_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |name: &str, algorithm: &str| {
+        let out = dir.path().join(name).to_str().unwrap().to_string();
+        let algorithm = format!("algorithm={algorithm}");
+        let mut args = vec!["run", "--set", &algorithm, "--set", "steps=3"];
+        args.extend(["--set", "eval.every=1", "--out", &out]);
+        args.extend(SMALL);
+        let (ok, _, stderr) = dppo(&args);
+        assert!(ok, "{stderr}");
+        out
+    };
+    let (grpo, dppo_run) = (run("grpo-run", "grpo"), run("dppo-run", "dppo"));
+    let svg = dir.path().join("cmp.svg");
+    let svg_arg = svg.to_str().unwrap();
+    let (ok, stdout, stderr) = dppo(&["compare", &grpo, &dppo_run, "--svg", svg_arg]);
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.starts_with("Targets: grpo-run's last evaluation"),
+        "{stdout}"
+    );
+    let rows: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.starts_with("| ") && !l.starts_with("| run |"))
+        .collect();
+    assert_eq!(rows.len(), 2, "{stdout}");
+    // The baseline's speed-up against itself is 1.
+    assert!(rows[0].starts_with("| grpo-run | grpo | "), "{stdout}");
+    assert!(rows[0].contains(" | 1.00x | "), "{stdout}");
+    assert!(rows[1].starts_with("| dppo-run | dppo | "), "{stdout}");
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    // Accuracy and reward against RL time and step: four series per run.
+    assert_eq!(svg.matches("<polyline").count(), 8);
+    assert!(svg.contains(">grpo-run</text>") && svg.contains(">dppo-run</text>"));
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let (ok, _, stderr) = dppo(&["compare", &grpo, empty.to_str().unwrap()]);
+    let missing = empty.join("metrics.jsonl");
+    assert!(
+        !ok && stderr.contains(missing.to_str().unwrap()),
+        "{stderr}"
+    );
+    // The I/O error is said once, not again as the error's source.
+    assert_eq!(stderr.matches("No such file").count(), 1, "{stderr}");
+}
+
 /// Small, fast run settings for the binary.
 const SMALL: [&str; 12] = [
     "--set",

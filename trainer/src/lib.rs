@@ -4,6 +4,7 @@
 
 pub mod advantages;
 pub mod checkpoint;
+pub mod compare;
 pub mod config;
 pub mod config_keys;
 pub mod data;
