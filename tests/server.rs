@@ -130,6 +130,7 @@ fn models_health_and_metrics() {
         "dppo_kv_blocks_used 0".to_string(),
         "dppo_queue_depth 0".to_string(),
         "dppo_policy_version 0".to_string(),
+        "# TYPE process_resident_memory_bytes gauge".to_string(),
     ] {
         assert!(
             metrics.body.contains(&line),
