@@ -93,6 +93,18 @@ impl Counters {
                 engine.blocks_used as u64,
             ),
             (
+                "dppo_kv_blocks_peak",
+                "gauge",
+                "Most KV-cache blocks held at once since the start (the pool's pages are touched on first use).",
+                engine.peak_blocks_used as u64,
+            ),
+            (
+                "dppo_kv_block_bytes",
+                "gauge",
+                "Bytes of one KV-cache block.",
+                engine.block_bytes as u64,
+            ),
+            (
                 "dppo_kv_blocks_total",
                 "gauge",
                 "KV-cache blocks in the pool.",
