@@ -28,7 +28,7 @@ enum Command {
     Generate(cmd::generate::Args),
     /// Serve a model over the OpenAI API (completions, chat, streaming).
     Serve(cmd::serve::Args),
-    /// Benchmarks (rollout throughput against a naive baseline).
+    /// Benchmarks: rollout and learner throughput, and a load test of the server.
     #[command(subcommand)]
     Bench(cmd::bench::Bench),
     /// Load a model (builtin preset, HF directory or GGUF) and save it as an HF directory.

@@ -130,6 +130,9 @@ fn models_health_and_metrics() {
         "dppo_kv_blocks_used 0".to_string(),
         "dppo_queue_depth 0".to_string(),
         "dppo_policy_version 0".to_string(),
+        "# TYPE process_resident_memory_bytes gauge".to_string(),
+        "# TYPE dppo_kv_blocks_peak gauge".to_string(),
+        format!("dppo_kv_block_bytes {}", s.engine.stats().block_bytes),
     ] {
         assert!(
             metrics.body.contains(&line),

@@ -18,6 +18,8 @@ pub enum Bench {
     Rollout(RolloutArgs),
     /// Learner throughput: one packed forward/backward + AdamW step on a synthetic batch.
     Train(TrainArgs),
+    /// Load and soak test of `dppo serve`: concurrent clients, errors, latency, leaks.
+    Serve(super::bench_serve::Args),
 }
 
 /// Arguments of `dppo bench train`.
@@ -73,6 +75,7 @@ pub fn run(bench: Bench) -> anyhow::Result<()> {
     match bench {
         Bench::Rollout(args) => rollout(args),
         Bench::Train(args) => train(args),
+        Bench::Serve(args) => super::bench_serve::run(args),
     }
 }
 

@@ -1,6 +1,7 @@
 //! One module per subcommand: each loads what it needs and calls the library crates.
 
 pub mod bench;
+pub mod bench_serve;
 pub mod compare;
 pub mod config;
 pub mod convert;

@@ -59,6 +59,9 @@ impl Default for EngineConfig {
 pub struct EngineStats {
     pub num_blocks: usize,
     pub block_size: usize,
+    /// Bytes of one KV block (keys and values of every layer). The pool's pages are touched
+    /// on first use, so its resident part grows with `peak_blocks_used`, up to the pool.
+    pub block_bytes: usize,
     pub peak_blocks_used: usize,
     pub num_preemptions: usize,
     pub num_iterations: usize,
@@ -197,6 +200,7 @@ impl Engine {
         let stats = Arc::new(Mutex::new(EngineStats {
             num_blocks,
             block_size: cfg.block_size,
+            block_bytes: shape.bytes_per_token() * cfg.block_size,
             ..EngineStats::default()
         }));
         let (tx, rx) = mpsc::channel();

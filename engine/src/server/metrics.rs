@@ -93,6 +93,18 @@ impl Counters {
                 engine.blocks_used as u64,
             ),
             (
+                "dppo_kv_blocks_peak",
+                "gauge",
+                "Most KV-cache blocks held at once since the start (the pool's pages are touched on first use).",
+                engine.peak_blocks_used as u64,
+            ),
+            (
+                "dppo_kv_block_bytes",
+                "gauge",
+                "Bytes of one KV-cache block.",
+                engine.block_bytes as u64,
+            ),
+            (
                 "dppo_kv_blocks_total",
                 "gauge",
                 "KV-cache blocks in the pool.",
@@ -109,8 +121,26 @@ impl Counters {
             header(&mut out, name, kind, help);
             let _ = writeln!(out, "{name} {value}");
         }
+        if let Some(bytes) = resident_bytes() {
+            let name = "process_resident_memory_bytes";
+            header(
+                &mut out,
+                name,
+                "gauge",
+                "Resident memory size of the process in bytes.",
+            );
+            let _ = writeln!(out, "{name} {bytes}");
+        }
         out
     }
+}
+
+/// This process's resident set size (`VmRSS` of `/proc/self/status`), where the system has it.
+fn resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find_map(|l| l.strip_prefix("VmRSS:"))?;
+    let kib: u64 = line.trim().strip_suffix("kB")?.trim().parse().ok()?;
+    Some(kib * 1024)
 }
 
 fn header(out: &mut String, name: &str, kind: &str, help: &str) {
