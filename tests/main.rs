@@ -21,6 +21,8 @@ mod http;
 mod server;
 // The binary: JSON outputs and error messages.
 mod cli;
+// --device and the device key: CUDA asked of a CPU build or a machine without a GPU.
+mod device;
 // The learner: GRPO equivalence, unbiasedness, packing, progress.
 mod trainer;
 // The shipped configs.

@@ -1,6 +1,7 @@
 //! The run configuration: TOML in the verl/TRL vocabulary, `--set key=value` overrides,
 //! unknown keys rejected, then validated once into a [`RunConfig`] the loop trusts.
 
+use dppo_model::DeviceSpec;
 use serde::{Deserialize, Serialize};
 
 use crate::advantages::ScaleRewards;
@@ -42,6 +43,10 @@ pub struct RunConfig {
     /// to repay splitting every op across cores.
     #[serde(default)]
     pub threads: usize,
+    /// Where the engine and the learner run: `cpu` (default), `cuda` or `cuda:N` (a build
+    /// with the `cuda` feature). `dppo run --device` overrides it.
+    #[serde(default)]
+    pub device: DeviceSpec,
     /// `auto`: continue from the newest complete checkpoint in the run directory when there
     /// is one (verl's `resume_mode`), so the same command starts and resumes a run;
     /// `disable` (default): always start from the beginning.

@@ -129,10 +129,12 @@ pub(crate) enum Pending {
 }
 
 impl Trainer {
-    /// Builds the engine and the learner over `policy`.
+    /// Builds the engine and the learner over `policy`, whose weights are on `device`: the
+    /// process's one handle of it, shared by both.
     pub fn new(
         cfg: RunConfig,
         policy: &Policy,
+        device: &Device,
         train: Vec<Problem>,
         eval: Vec<Problem>,
     ) -> Result<Self, TrainError> {
@@ -169,8 +171,8 @@ impl Trainer {
             isolate_high_priority: cfg.deterministic,
             ..EngineConfig::default()
         };
-        let engine = Arc::new(Engine::new(policy, engine_cfg, Device::Cpu)?);
-        let store = PolicyStore::new(&policy.weights, Device::Cpu, DType::F32)?;
+        let engine = Arc::new(Engine::new(policy, engine_cfg, device.clone())?);
+        let store = PolicyStore::new(&policy.weights, device.clone(), DType::F32)?;
         let train_prompts = problem_prompts(&policy.tokenizer, &train)?;
         let eval = EvalSet::new(&policy.tokenizer, eval)?;
         let longest = train_prompts
@@ -688,7 +690,7 @@ mod tests {
         let cfg = RunConfig::default_with(&overrides).unwrap();
         let policy = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
         let (train, eval) = builtin_task("arithmetic", 64, 4, 0).unwrap();
-        let mut trainer = Trainer::new(cfg, &policy, train, eval).unwrap();
+        let mut trainer = Trainer::new(cfg, &policy, &Device::Cpu, train, eval).unwrap();
         let mut demos = trainer.demo_order.clone();
         for _ in 0..3 {
             trainer.warmup_step().unwrap();
@@ -707,7 +709,7 @@ mod tests {
         let cfg = RunConfig::default_with(&[]).unwrap();
         let policy = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
         let (train, eval) = builtin_task("arithmetic", 64, 4, 0).unwrap();
-        let trainer = Trainer::new(cfg, &policy, train, eval).unwrap();
+        let trainer = Trainer::new(cfg, &policy, &Device::Cpu, train, eval).unwrap();
         // Four groups of 8 distinct completions; group g has g + 1 correct samples. The
         // rollout logprobs are those of a uniform policy, which the random tiny model is close
         // to, so that ratios stay inside the clip range and every completion has a gradient.
@@ -744,7 +746,7 @@ mod tests {
         let cfg = RunConfig::default_with(&["algorithm=greso".to_string()]).unwrap();
         let policy = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
         let (train, eval) = builtin_task("arithmetic", 256, 4, 0).unwrap();
-        let mut trainer = Trainer::new(cfg, &policy, train, eval).unwrap();
+        let mut trainer = Trainer::new(cfg, &policy, &Device::Cpu, train, eval).unwrap();
         // Every even prompt was all-correct on its last 16 visits: skipped with probability
         // 0.99 (GRESO's floor keeps 1%).
         for p in trainer.train.iter().filter(|p| p.prompt_id % 2 == 0) {
@@ -776,7 +778,7 @@ mod tests {
             ])
             .unwrap();
             let (train, eval) = builtin_task("arithmetic", 256, 4, 0).unwrap();
-            let mut trainer = Trainer::new(cfg, &policy, train, eval).unwrap();
+            let mut trainer = Trainer::new(cfg, &policy, &Device::Cpu, train, eval).unwrap();
             // Every prompt seen; the even ones carried no signal: they are the candidates.
             for p in &trainer.train {
                 let stats = PromptStats {
@@ -819,7 +821,7 @@ mod tests {
         let cfg = RunConfig::default_with(&overrides).unwrap();
         let policy = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
         let (train, eval) = builtin_task("arithmetic", 64, 4, 0).unwrap();
-        let mut trainer = Trainer::new(cfg, &policy, train, eval).unwrap();
+        let mut trainer = Trainer::new(cfg, &policy, &Device::Cpu, train, eval).unwrap();
         trainer.warmup_step().unwrap();
         trainer
     }
@@ -951,7 +953,9 @@ mod tests {
         let cfg = RunConfig::default_with(&[]).unwrap();
         let policy = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
         let (_, eval) = builtin_task("arithmetic", 0, 4, 0).unwrap();
-        let err = Trainer::new(cfg, &policy, Vec::new(), eval).err().unwrap();
+        let err = Trainer::new(cfg, &policy, &Device::Cpu, Vec::new(), eval)
+            .err()
+            .unwrap();
         assert!(err.to_string().contains("training set is empty"), "{err}");
     }
 }
