@@ -24,6 +24,9 @@ enum Command {
     Generate(cmd::generate::Args),
     /// Serve a model over the OpenAI API (completions, chat, streaming).
     Serve(cmd::serve::Args),
+    /// How a model and config divide a GPU's memory (weights, optimizer, activations, KV
+    /// cache), or why they do not fit; needs no GPU.
+    Plan(cmd::plan::Args),
     /// Benchmarks (rollout throughput against a naive baseline).
     #[command(subcommand)]
     Bench(cmd::bench::Bench),
@@ -65,6 +68,7 @@ fn main() {
         Command::Eval(args) => cmd::eval::run(args),
         Command::Generate(args) => cmd::generate::run(args),
         Command::Serve(args) => cmd::serve::run(args),
+        Command::Plan(args) => cmd::plan::run(args),
         Command::Bench(bench) => cmd::bench::run(bench),
         Command::Convert(args) => cmd::convert::run(args),
     };

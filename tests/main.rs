@@ -23,6 +23,8 @@ mod server;
 mod cli;
 // --device and the device key: CUDA asked of a CPU build or a machine without a GPU.
 mod device;
+// dppo plan: GPU memory plans without a GPU.
+mod plan;
 // The learner: GRPO equivalence, unbiasedness, packing, progress.
 mod trainer;
 // The shipped configs.

@@ -61,6 +61,8 @@ pub struct RunConfig {
     pub actor: ActorConfig,
     pub dppo: DppoConfig,
     pub pack: PackConfig,
+    #[serde(default)]
+    pub engine: EngineSettings,
     pub eval: EvalConfig,
     #[serde(default)]
     pub checkpoint: CheckpointConfig,
@@ -248,6 +250,24 @@ pub struct PackConfig {
     pub window: usize,
 }
 
+/// `[engine]`: the generation engine on a GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineSettings {
+    /// The fraction of the GPU's memory the process may use, as vLLM's; the KV cache gets
+    /// what weights, learner state and activations leave of it (`dppo plan` shows the split).
+    /// Default 0.5, the engine being co-located with the learner (`dppo serve` uses 0.9).
+    pub gpu_memory_utilization: f64,
+}
+
+impl Default for EngineSettings {
+    fn default() -> Self {
+        Self {
+            gpu_memory_utilization: 0.5,
+        }
+    }
+}
+
 /// `[eval]`
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -424,6 +444,12 @@ impl RunConfig {
             "dppo.history_decay",
             format!("must be in [0, 1), got {}", self.dppo.history_decay),
         )?;
+        let u = self.engine.gpu_memory_utilization;
+        check(
+            u > 0.0 && u <= 1.0,
+            "engine.gpu_memory_utilization",
+            format!("must be in (0, 1], got {u}"),
+        )?;
         Ok(())
     }
 }
@@ -531,6 +557,11 @@ mod tests {
             ("actor.weight_decay=nan", "actor.weight_decay"),
             ("actor.grad_clip=nan", "actor.grad_clip"),
             ("resume=\"always\"", "unknown variant `always`"),
+            ("device=\"gpu\"", "expected cpu, cuda or cuda:N"),
+            (
+                "engine.gpu_memory_utilization=1.5",
+                "engine.gpu_memory_utilization: must be in (0, 1], got 1.5",
+            ),
         ];
         for (set, want) in cases {
             let err = RunConfig::default_with(&[set.to_string()])

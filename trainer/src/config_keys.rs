@@ -81,6 +81,7 @@ pub const KEYS: &[KeyDoc] = &[
     key("dppo.mode", "how candidates are dropped: exactly unbiased fixed count, unbiased random count, or biased", "fixed_count | poisson | deterministic", None),
     key("pack.tokens", "tokens per packed training buffer", "integer >= the longest prompt + max_response_len", Some("verl actor.ppo_max_token_len_per_gpu")),
     key("pack.window", "sequences per first-fit-decreasing packing window", "integer > 0", None),
+    key("engine.gpu_memory_utilization", "fraction of the GPU's memory the run may use; the KV cache gets what weights, learner state and activations leave (dppo plan)", "float in (0, 1]", Some("verl actor_rollout_ref.rollout.gpu_memory_utilization")),
     key("eval.every", "held-out evaluation every this many steps (0: before and after only)", "integer >= 0", Some("verl trainer.test_freq; TRL eval_steps")),
     key("eval.grad_variance_draws", "pruning draws measuring the pruned gradient's scatter at evaluation steps (0: off)", "integer >= 0", None),
     key("train.max_nonfinite_steps", "NaN/inf steps in a row (each skipped, changing nothing) before the run checkpoints its last good state and stops", "integer >= 0 (0: never stop)", None),

@@ -10,6 +10,7 @@ pub mod data;
 pub mod eval;
 pub mod learner;
 pub mod loss;
+pub mod memory_plan;
 pub mod metrics_log;
 pub mod optim;
 pub mod pack;
