@@ -42,6 +42,10 @@ pub enum DeviceError {
         /// candle's error opening it.
         reason: String,
     },
+    /// The driver would not say how much memory the GPU has.
+    #[cfg(feature = "cuda")]
+    #[error("querying the GPU's memory: {0}")]
+    MemoryInfo(String),
 }
 
 impl FromStr for DeviceSpec {
@@ -99,6 +103,30 @@ impl DeviceSpec {
             Self::Cuda(index) => open_cuda(self, index),
         }
     }
+}
+
+/// Free and total bytes of `device`'s memory when it is a CUDA GPU; `None` on the CPU,
+/// whose KV cache is sized by configuration instead.
+#[cfg(feature = "cuda")]
+pub fn memory_info(device: &Device) -> Result<Option<(u64, u64)>, DeviceError> {
+    match device {
+        Device::Cuda(cuda) => {
+            let (free, total) = cuda
+                .cuda_stream()
+                .context()
+                .mem_get_info()
+                .map_err(|e| DeviceError::MemoryInfo(e.to_string()))?;
+            Ok(Some((free as u64, total as u64)))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// Free and total bytes of `device`'s memory when it is a CUDA GPU; `None` on the CPU,
+/// whose KV cache is sized by configuration instead (always, in a build without CUDA).
+#[cfg(not(feature = "cuda"))]
+pub fn memory_info(_device: &Device) -> Result<Option<(u64, u64)>, DeviceError> {
+    Ok(None)
 }
 
 #[cfg(feature = "cuda")]
@@ -166,8 +194,10 @@ mod tests {
     }
 
     #[test]
-    fn cpu_opens_everywhere() {
-        assert!(DeviceSpec::Cpu.open().unwrap().is_cpu());
+    fn cpu_opens_everywhere_and_has_no_gpu_memory() {
+        let cpu = DeviceSpec::Cpu.open().unwrap();
+        assert!(cpu.is_cpu());
+        assert_eq!(memory_info(&cpu).unwrap(), None);
     }
 
     #[cfg(not(feature = "cuda"))]

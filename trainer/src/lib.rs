@@ -43,6 +43,10 @@ pub enum TrainError {
     Sync(#[from] dppo_sync::SyncError),
     #[error("invalid config: {0}")]
     Config(String),
+    #[error(transparent)]
+    Device(#[from] dppo_model::DeviceError),
+    #[error("GPU memory plan: {0}")]
+    Plan(#[from] memory_plan::PlanError),
     #[error("rollout came from policy version {got}, the step expected {expected}")]
     Version { expected: u64, got: u64 },
     #[error(
