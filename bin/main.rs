@@ -28,6 +28,9 @@ enum Command {
     Generate(cmd::generate::Args),
     /// Serve a model over the OpenAI API (completions, chat, streaming).
     Serve(cmd::serve::Args),
+    /// How a model and config divide a GPU's memory (weights, optimizer, activations, KV
+    /// cache), or why they do not fit; needs no GPU.
+    Plan(cmd::plan::Args),
     /// Benchmarks: rollout and learner throughput, and a load test of the server.
     #[command(subcommand)]
     Bench(cmd::bench::Bench),
@@ -71,6 +74,7 @@ fn main() {
         Command::Score(args) => cmd::score::run(args),
         Command::Generate(args) => cmd::generate::run(args),
         Command::Serve(args) => cmd::serve::run(args),
+        Command::Plan(args) => cmd::plan::run(args),
         Command::Bench(bench) => cmd::bench::run(bench),
         Command::Convert(args) => cmd::convert::run(args),
     };

@@ -23,6 +23,10 @@ mod server;
 mod soak;
 // The binary: JSON outputs and error messages.
 mod cli;
+// --device and the device key: CUDA asked of a CPU build or a machine without a GPU.
+mod device;
+// dppo plan: GPU memory plans without a GPU.
+mod plan;
 // The learner: GRPO equivalence, unbiasedness, packing, progress.
 mod trainer;
 // The shipped configs.

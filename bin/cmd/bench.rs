@@ -8,7 +8,7 @@ use anyhow::Context;
 use candle_core::{Device, Tensor};
 use dppo_engine::naive::generate_naive;
 use dppo_engine::{Engine, EngineConfig, GenerateRequest, SamplingParams};
-use dppo_model::{ChatMessage, Policy};
+use dppo_model::{ChatMessage, DeviceSpec, Policy};
 use serde_json::json;
 
 /// Benchmarks.
@@ -27,6 +27,9 @@ pub enum Bench {
 pub struct TrainArgs {
     #[arg(long, default_value = "builtin:tiny")]
     model: String,
+    /// Where the learner runs: cpu, cuda or cuda:N (cuda needs a build with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    device: DeviceSpec,
     /// Sequences in the batch.
     #[arg(long, default_value_t = 32)]
     seqs: usize,
@@ -51,6 +54,9 @@ pub struct TrainArgs {
 pub struct RolloutArgs {
     #[arg(long, default_value = "builtin:tiny")]
     model: String,
+    /// Where the engine runs: cpu, cuda or cuda:N (cuda needs a build with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    device: DeviceSpec,
     /// Prompts (P).
     #[arg(long, default_value_t = 16)]
     prompts: usize,
@@ -100,7 +106,7 @@ fn prompts(policy: &Policy, num: usize) -> anyhow::Result<Vec<Vec<u32>>> {
 }
 
 fn rollout(args: RolloutArgs) -> anyhow::Result<()> {
-    let device = Device::Cpu;
+    let device = args.device.open()?;
     let policy = Policy::load(&args.model, &device)
         .with_context(|| format!("loading --model {}", args.model))?;
     let reqs: Vec<GenerateRequest> = prompts(&policy, args.prompts)?
@@ -199,7 +205,7 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
     use dppo_trainer::optim::{AdamWConfig, LrSchedule};
     use dppo_trainer::train_batch::TrainBatch;
 
-    let device = Device::Cpu;
+    let device = args.device.open()?;
     let policy = Policy::load(&args.model, &device)
         .with_context(|| format!("loading --model {}", args.model))?;
     let vocab = policy.config.vocab_size as u32;

@@ -2,9 +2,9 @@
 //! sampled, through the paged engine.
 
 use anyhow::Context;
-use candle_core::Device;
 use dppo_engine::{Engine, EngineConfig, SamplingParams};
 use dppo_model::weights::write_atomic;
+use dppo_model::DeviceSpec;
 use dppo_trainer::config::RunConfig;
 use dppo_trainer::data::{builtin_task, default_extract_mode, load_jsonl, Fields, Problem};
 use dppo_trainer::eval::{evaluate, EvalSet, EvalSpec, Graded};
@@ -22,6 +22,9 @@ pub struct Args {
     /// Hub revision (branch, tag or commit) when --model is a Hugging Face id; default main.
     #[arg(long)]
     revision: Option<String>,
+    /// Where the engine runs: cpu, cuda or cuda:N (cuda needs a build with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    device: DeviceSpec,
     /// A JSONL file, or `builtin:arithmetic`: the held-out split of a run with this `--seed`
     /// (the built-in default's 1000 problems; a run with `data.num_eval = n` used the first n).
     #[arg(long)]
@@ -60,7 +63,8 @@ pub struct Args {
 
 /// Evaluates and prints one JSON object.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let policy = super::load_policy(&args.model, args.revision.as_deref(), &Device::Cpu)?;
+    let device = args.device.open()?;
+    let policy = super::load_policy(&args.model, args.revision.as_deref(), &device)?;
     let mut problems = match args.data.strip_prefix("builtin:") {
         Some(task) => {
             let num_eval = RunConfig::default_with(&[])?.data.num_eval;
@@ -81,7 +85,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         args.n >= 1 && args.k >= 1 && args.k <= args.n,
         "need 1 <= --k <= --n"
     );
-    let engine = Engine::new(&policy, EngineConfig::default(), Device::Cpu)?;
+    let engine = Engine::new(&policy, EngineConfig::default(), device)?;
     let spec = EvalSpec {
         sampling: SamplingParams {
             temperature: args.temperature,

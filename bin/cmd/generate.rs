@@ -1,8 +1,8 @@
 //! `dppo generate`: complete one prompt `n` times with the paged engine.
 
-use candle_core::Device;
 use dppo_engine::{Engine, EngineConfig, GenerateRequest, SamplingParams};
 use dppo_model::ChatMessage;
+use dppo_model::DeviceSpec;
 use serde_json::json;
 
 /// Arguments of `dppo generate`.
@@ -15,6 +15,9 @@ pub struct Args {
     /// Hub revision (branch, tag or commit) when --model is a Hugging Face id; default main.
     #[arg(long)]
     revision: Option<String>,
+    /// Where the engine runs: cpu, cuda or cuda:N (cuda needs a build with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    device: DeviceSpec,
     /// The prompt text.
     #[arg(long)]
     prompt: String,
@@ -46,7 +49,8 @@ pub struct Args {
 
 /// Generates and prints the samples.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let policy = super::load_policy(&args.model, args.revision.as_deref(), &Device::Cpu)?;
+    let device = args.device.open()?;
+    let policy = super::load_policy(&args.model, args.revision.as_deref(), &device)?;
     let text = if args.chat {
         policy
             .tokenizer
@@ -55,7 +59,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         args.prompt.clone()
     };
     let prompt_ids = policy.tokenizer.encode(&text, !args.chat)?;
-    let engine = Engine::new(&policy, EngineConfig::default(), Device::Cpu)?;
+    let engine = Engine::new(&policy, EngineConfig::default(), device)?;
     let request = GenerateRequest {
         sampling: SamplingParams {
             temperature: args.temperature,

@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::Context;
-use candle_core::Device;
 use dppo_model::weights::write_atomic;
+use dppo_model::DeviceSpec;
 use dppo_trainer::checkpoint;
 use dppo_trainer::config::{ResumeMode, RunConfig};
 use dppo_trainer::data::{builtin_task, load_jsonl, Fields};
@@ -34,6 +34,10 @@ pub struct Args {
     /// Face id; default main.
     #[arg(long)]
     revision: Option<String>,
+    /// Where the engine and the learner run: cpu, cuda or cuda:N (overrides the config's
+    /// `device`; cuda needs a build with `--features cuda`).
+    #[arg(long)]
+    device: Option<DeviceSpec>,
     /// Serve the policy being trained over the OpenAI API at this address
     /// (e.g. 127.0.0.1:8000); rollouts keep priority. Ctrl-C stops after the current step.
     #[arg(long)]
@@ -45,7 +49,7 @@ pub struct Args {
 /// Trains and writes the run directory.
 pub fn run(args: Args) -> anyhow::Result<()> {
     let checkpoints = args.out.join("checkpoints");
-    let (cfg, resume) = match &args.resume {
+    let (mut cfg, resume) = match &args.resume {
         Some(latest) if latest.as_os_str() == "latest" => match checkpoint::latest(&checkpoints) {
             Some(ckpt) => (
                 read_config(&ckpt.join(checkpoint::CONFIG), &args.given.sets)?,
@@ -69,6 +73,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             (cfg, ckpt)
         }
     };
+    if let Some(device) = args.device {
+        cfg.device = device;
+    }
+    // Before anything is written or loaded: a device that cannot open fails the run at once.
+    let device = cfg.device.open()?;
     match &resume {
         Some(ckpt) => tracing::info!("resuming from {}", ckpt.display()),
         None if args.resume.is_some() => {
@@ -90,10 +99,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Some(ckpt) => ckpt.join(checkpoint::MODEL_DIR).display().to_string(),
         None => cfg.model.clone(),
     };
-    let policy = super::load_policy(&model, args.revision.as_deref(), &Device::Cpu)?;
+    let policy = super::load_policy(&model, args.revision.as_deref(), &device)?;
     let (train, eval) = load_data(&cfg)?;
     let started = Instant::now();
-    let mut trainer = Trainer::new(cfg.clone(), &policy, train, eval)?;
+    let mut trainer = Trainer::new(cfg.clone(), &policy, &device, train, eval)?;
     let server = match &args.serve {
         Some(addr) => Some(super::serve::start(
             trainer.engine(),

@@ -3,9 +3,9 @@
 use std::io::Write;
 use std::sync::Arc;
 
-use candle_core::Device;
 use dppo_engine::server::{self, ServerConfig, ServerHandle};
 use dppo_engine::{Engine, EngineConfig};
+use dppo_model::DeviceSpec;
 use dppo_model::Policy;
 
 /// Arguments of `dppo serve`.
@@ -18,6 +18,9 @@ pub struct Args {
     /// Hub revision (branch, tag or commit) when --model is a Hugging Face id; default main.
     #[arg(long)]
     revision: Option<String>,
+    /// Where the engine runs: cpu, cuda or cuda:N (cuda needs a build with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    device: DeviceSpec,
     /// Address to listen on (port 0 picks a free port).
     #[arg(long, default_value = "127.0.0.1:8000")]
     addr: String,
@@ -42,8 +45,9 @@ pub struct ServeArgs {
 
 /// Serves until Ctrl-C.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let policy = super::load_policy(&args.model, args.revision.as_deref(), &Device::Cpu)?;
-    let engine = Arc::new(Engine::new(&policy, EngineConfig::default(), Device::Cpu)?);
+    let device = args.device.open()?;
+    let policy = super::load_policy(&args.model, args.revision.as_deref(), &device)?;
+    let engine = Arc::new(Engine::new(&policy, EngineConfig::default(), device)?);
     let handle = start(engine, &policy, &args.model, &args.addr, &args.serve)?;
     handle.wait()?;
     println!("server stopped");

@@ -6,7 +6,7 @@
 //! reads them: the step loop fences at step boundaries). Otherwise each tensor is copied and
 //! cast once at publication.
 
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, DeviceLocation};
 use dppo_model::Weights;
 use parking_lot::Mutex;
 
@@ -15,9 +15,12 @@ use parking_lot::Mutex;
 pub enum SyncError {
     #[error("cannot move weights to {device:?} as {dtype:?}: {source}")]
     Transfer {
-        device: Device,
+        /// Where the weights were going (the location, not the device handle: a CUDA
+        /// handle is large).
+        device: DeviceLocation,
         dtype: DType,
-        source: dppo_model::ModelError,
+        /// Boxed: the model's error is large in a CUDA build.
+        source: Box<dppo_model::ModelError>,
     },
 }
 
@@ -81,9 +84,9 @@ impl PolicyStore {
 /// a per-tensor copy or cast otherwise.
 pub fn transfer(weights: &Weights, device: &Device, dtype: DType) -> Result<Weights, SyncError> {
     let err = |source| SyncError::Transfer {
-        device: device.clone(),
+        device: device.location(),
         dtype,
-        source,
+        source: Box::new(source),
     };
     let same = weights
         .tensors()

@@ -1,6 +1,7 @@
 //! The run configuration: TOML in the verl/TRL vocabulary, `--set key=value` overrides,
 //! unknown keys rejected, then validated once into a [`RunConfig`] the loop trusts.
 
+use dppo_model::DeviceSpec;
 use serde::{Deserialize, Serialize};
 
 use crate::advantages::ScaleRewards;
@@ -43,6 +44,10 @@ pub struct RunConfig {
     /// to repay splitting every op across cores.
     #[serde(default)]
     pub threads: usize,
+    /// Where the engine and the learner run: `cpu` (default), `cuda` or `cuda:N` (a build
+    /// with the `cuda` feature). `dppo run --device` overrides it.
+    #[serde(default)]
+    pub device: DeviceSpec,
     /// `auto`: continue from the newest complete checkpoint in the run directory when there
     /// is one (verl's `resume_mode`), so the same command starts and resumes a run;
     /// `disable` (default): always start from the beginning.
@@ -57,6 +62,8 @@ pub struct RunConfig {
     pub actor: ActorConfig,
     pub dppo: DppoConfig,
     pub pack: PackConfig,
+    #[serde(default)]
+    pub engine: EngineSettings,
     pub eval: EvalConfig,
     #[serde(default)]
     pub checkpoint: CheckpointConfig,
@@ -245,6 +252,24 @@ pub struct PackConfig {
     pub tokens: usize,
     /// Sequences per first-fit-decreasing window (`pack_window`).
     pub window: usize,
+}
+
+/// `[engine]`: the generation engine on a GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineSettings {
+    /// The fraction of the GPU's memory the process may use, as vLLM's; the KV cache gets
+    /// what weights, learner state and activations leave of it (`dppo plan` shows the split).
+    /// Default 0.5, the engine being co-located with the learner (`dppo serve` uses 0.9).
+    pub gpu_memory_utilization: f64,
+}
+
+impl Default for EngineSettings {
+    fn default() -> Self {
+        Self {
+            gpu_memory_utilization: 0.5,
+        }
+    }
 }
 
 /// `[eval]`
@@ -439,6 +464,12 @@ impl RunConfig {
                 self.reward.overlong_penalty
             ),
         )?;
+        let u = self.engine.gpu_memory_utilization;
+        check(
+            u > 0.0 && u <= 1.0,
+            "engine.gpu_memory_utilization",
+            format!("must be in (0, 1], got {u}"),
+        )?;
         Ok(())
     }
 }
@@ -556,6 +587,12 @@ mod tests {
             ),
             ("reward.extract=\"lenient\"", "unknown variant `lenient`"),
             ("reward.overlong=1", "unknown field `overlong`"),
+        )?;
+            ("device=\"gpu\"", "expected cpu, cuda or cuda:N"),
+            (
+                "engine.gpu_memory_utilization=1.5",
+                "engine.gpu_memory_utilization: must be in (0, 1], got 1.5",
+            ),
         ];
         for (set, want) in cases {
             let err = RunConfig::default_with(&[set.to_string()])

@@ -11,6 +11,7 @@ pub mod data;
 pub mod eval;
 pub mod learner;
 pub mod loss;
+pub mod memory_plan;
 pub mod metrics_log;
 pub mod optim;
 pub mod pack;
@@ -45,6 +46,10 @@ pub enum TrainError {
     Config(String),
     #[error(transparent)]
     Reward(#[from] rewards::RewardError),
+    #[error(transparent)]
+    Device(#[from] dppo_model::DeviceError),
+    #[error("GPU memory plan: {0}")]
+    Plan(#[from] memory_plan::PlanError),
     #[error("rollout came from policy version {got}, the step expected {expected}")]
     Version { expected: u64, got: u64 },
     #[error(

@@ -30,6 +30,7 @@ use crate::data::{
 use crate::eval::{evaluate, EvalSet, EvalSpec};
 use crate::learner::{Learner, LearnerConfig};
 use crate::loss::LossConfig;
+use crate::memory_plan::{self, LearnerInputs, MemoryPlan, ModelShape, PlanInputs, Precision};
 use crate::optim::{AdamWConfig, LrSchedule};
 use crate::prune::{select_completions, Greso, LevelConfig, PromptHistory};
 use crate::rewards::RewardSpec;
@@ -78,10 +79,12 @@ pub struct Trainer {
 }
 
 impl Trainer {
-    /// Builds the engine and the learner over `policy`.
+    /// Builds the engine and the learner over `policy`, whose weights are on `device`: the
+    /// process's one handle of it, shared by both.
     pub fn new(
         cfg: RunConfig,
         policy: &Policy,
+        device: &Device,
         train: Vec<Problem>,
         eval: Vec<Problem>,
     ) -> Result<Self, TrainError> {
@@ -112,14 +115,6 @@ impl Trainer {
                 "the training set is empty (data.train, data.num_train)".into(),
             ));
         }
-        let learner = Learner::new(&policy.config, &policy.weights, learner_cfg)?;
-        let engine_cfg = EngineConfig {
-            kv_cache_bytes: 1 << 30,
-            isolate_high_priority: cfg.deterministic,
-            ..EngineConfig::default()
-        };
-        let engine = Arc::new(Engine::new(policy, engine_cfg, Device::Cpu)?);
-        let store = PolicyStore::new(&policy.weights, Device::Cpu, DType::F32)?;
         let train_prompts = problem_prompts(&policy.tokenizer, &train)?;
         let eval = EvalSet::new(&policy.tokenizer, eval)?;
         let longest = train_prompts
@@ -127,6 +122,21 @@ impl Trainer {
             .map(Vec::len)
             .fold(eval.longest_prompt(), usize::max);
         check_pack_tokens(&cfg, longest)?;
+        let mut engine_cfg = EngineConfig {
+            kv_cache_bytes: 1 << 30,
+            isolate_high_priority: cfg.deterministic,
+            ..EngineConfig::default()
+        };
+        // On a GPU the KV cache gets what the memory plan leaves; the CPU keeps its size.
+        if let Some((free, total)) = dppo_model::device::memory_info(device)? {
+            let seq_len = longest + cfg.rollout.max_response_len;
+            let plan = gpu_plan(&cfg, policy, &engine_cfg, (free, total), seq_len)?;
+            tracing::info!("GPU memory plan:\n{plan}");
+            engine_cfg.kv_cache_tokens = Some(plan.kv_tokens as usize);
+        }
+        let learner = Learner::new(&policy.config, &policy.weights, learner_cfg)?;
+        let engine = Arc::new(Engine::new(policy, engine_cfg, device.clone())?);
+        let store = PolicyStore::new(&policy.weights, device.clone(), DType::F32)?;
         let num_demos = match cfg.warmup.examples {
             0 => train.len(),
             n => n.min(train.len()),
@@ -360,6 +370,31 @@ fn check_pack_tokens(cfg: &RunConfig, longest: usize) -> Result<(), TrainError> 
         )));
     }
     Ok(())
+}
+
+/// The memory plan of a co-located run on a GPU with `free` of `total` bytes: engine and
+/// learner compute in f32 today.
+fn gpu_plan(
+    cfg: &RunConfig,
+    policy: &Policy,
+    engine: &EngineConfig,
+    (free, total): (u64, u64),
+    seq_len: usize,
+) -> Result<MemoryPlan, TrainError> {
+    Ok(memory_plan::plan(&PlanInputs {
+        model: ModelShape::from(&policy.config),
+        engine_dtype: Precision::F32,
+        learner: Some(LearnerInputs {
+            compute_dtype: Precision::F32,
+            pack_tokens: cfg.pack.tokens as u64,
+        }),
+        total_memory: total,
+        free_memory: free,
+        gpu_memory_utilization: cfg.engine.gpu_memory_utilization,
+        block_size: engine.block_size as u64,
+        max_batched_tokens: engine.max_batched_tokens as u64,
+        seq_len: seq_len as u64,
+    })?)
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@ fn the_warm_up_draws_only_demonstrations_and_leaves_the_rl_position() {
     let cfg = RunConfig::default_with(&overrides).unwrap();
     let policy = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
     let (train, eval) = builtin_task("arithmetic", 64, 4, 0).unwrap();
-    let mut trainer = Trainer::new(cfg, &policy, train, eval).unwrap();
+    let mut trainer = Trainer::new(cfg, &policy, &Device::Cpu, train, eval).unwrap();
     let mut demos = trainer.demo_order.clone();
     for _ in 0..3 {
         trainer.warmup_step().unwrap();
@@ -34,7 +34,7 @@ fn pruning_variance_is_zero_unpruned_and_grows_with_the_rate() {
     let cfg = RunConfig::default_with(&[]).unwrap();
     let policy = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
     let (train, eval) = builtin_task("arithmetic", 64, 4, 0).unwrap();
-    let trainer = Trainer::new(cfg, &policy, train, eval).unwrap();
+    let trainer = Trainer::new(cfg, &policy, &Device::Cpu, train, eval).unwrap();
     // Four groups of 8 distinct completions; group g has g + 1 correct samples. The
     // rollout logprobs are those of a uniform policy, which the random tiny model is close
     // to, so that ratios stay inside the clip range and every completion has a gradient.
@@ -71,7 +71,7 @@ fn greso_draws_until_the_rollout_batch_is_full() {
     let cfg = RunConfig::default_with(&["algorithm=greso".to_string()]).unwrap();
     let policy = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
     let (train, eval) = builtin_task("arithmetic", 256, 4, 0).unwrap();
-    let mut trainer = Trainer::new(cfg, &policy, train, eval).unwrap();
+    let mut trainer = Trainer::new(cfg, &policy, &Device::Cpu, train, eval).unwrap();
     // Every even prompt was all-correct on its last 16 visits: skipped with probability
     // 0.99 (GRESO's floor keeps 1%).
     for p in trainer.train.iter().filter(|p| p.prompt_id % 2 == 0) {
@@ -103,7 +103,7 @@ fn allocation_decides_whether_prompt_pruning_refills_the_batch() {
         ])
         .unwrap();
         let (train, eval) = builtin_task("arithmetic", 256, 4, 0).unwrap();
-        let mut trainer = Trainer::new(cfg, &policy, train, eval).unwrap();
+        let mut trainer = Trainer::new(cfg, &policy, &Device::Cpu, train, eval).unwrap();
         // Every prompt seen; the even ones carried no signal: they are the candidates.
         for p in &trainer.train {
             let stats = PromptStats {
@@ -146,7 +146,7 @@ fn small_trainer(extra: &[&str]) -> Trainer {
     let cfg = RunConfig::default_with(&overrides).unwrap();
     let policy = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
     let (train, eval) = builtin_task("arithmetic", 64, 4, 0).unwrap();
-    let mut trainer = Trainer::new(cfg, &policy, train, eval).unwrap();
+    let mut trainer = Trainer::new(cfg, &policy, &Device::Cpu, train, eval).unwrap();
     trainer.warmup_step().unwrap();
     trainer
 }
@@ -278,6 +278,6 @@ fn an_empty_training_set_is_a_config_error() {
     let cfg = RunConfig::default_with(&[]).unwrap();
     let policy = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
     let (_, eval) = builtin_task("arithmetic", 0, 4, 0).unwrap();
-    let err = Trainer::new(cfg, &policy, Vec::new(), eval).err().unwrap();
+    let err = Trainer::new(cfg, &policy, &Device::Cpu, Vec::new(), eval).err().unwrap();
     assert!(err.to_string().contains("training set is empty"), "{err}");
 }

@@ -1,0 +1,74 @@
+//! `dppo plan` through the binary: a plan without a GPU, and the errors of one that does not
+//! fit or of a size that does not parse.
+
+use std::process::Command;
+
+/// Runs `dppo plan`; returns its exit code, stdout and stderr.
+fn plan(args: &[&str]) -> (Option<i32>, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_dppo"))
+        .arg("plan")
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run dppo");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn plan_prints_every_part_and_the_kv_cache_for_the_config() {
+    let (code, stdout, stderr) = plan(&[
+        "--gpu-memory",
+        "80GiB",
+        "--set",
+        "engine.gpu_memory_utilization=0.25",
+        "--set",
+        "rollout.max_response_len=100",
+        "--prompt-len",
+        "28",
+    ]);
+    assert_eq!(code, Some(0), "{stderr}");
+    for want in [
+        "builtin:tiny: 100032 parameters on a 80.00 GiB GPU",
+        "gpu_memory_utilization 0.25",
+        "budget                  20.00 GiB",
+        "f32 master weights      390.75 KiB",
+        "AdamW moments (f32)     781.50 KiB",
+        "activation budget",
+        "blocks of 16 tokens",
+        "of 128 tokens (prompt + response)",
+    ] {
+        assert!(stdout.contains(want), "{want:?} not in\n{stdout}");
+    }
+    let (code, stdout, stderr) = plan(&["--gpu-memory", "24GB", "--serve"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(
+        stdout.contains("no learner (serving); gpu_memory_utilization 0.9"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("master weights"), "{stdout}");
+}
+
+#[test]
+fn plan_says_what_does_not_fit_and_rejects_bad_sizes() {
+    let (code, _, stderr) = plan(&["--gpu-memory", "1MB"]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("does not fit: engine weights")
+            && stderr.contains("AdamW moments (f32)")
+            && stderr.contains("leaving nothing for the KV cache"),
+        "{stderr}"
+    );
+    let (code, _, stderr) = plan(&["--gpu-memory", "80G"]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("e.g. 80GiB, 24GB, 1e9"), "{stderr}");
+    let (code, _, stderr) = plan(&["--gpu-memory", "80GiB", "--free-memory", "10GiB"]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("but only 10.00 GiB of the GPU is free"),
+        "{stderr}"
+    );
+}
