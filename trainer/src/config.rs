@@ -587,7 +587,6 @@ mod tests {
             ),
             ("reward.extract=\"lenient\"", "unknown variant `lenient`"),
             ("reward.overlong=1", "unknown field `overlong`"),
-        )?;
             ("device=\"gpu\"", "expected cpu, cuda or cuda:N"),
             (
                 "engine.gpu_memory_utilization=1.5",

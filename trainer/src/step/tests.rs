@@ -278,6 +278,8 @@ fn an_empty_training_set_is_a_config_error() {
     let cfg = RunConfig::default_with(&[]).unwrap();
     let policy = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
     let (_, eval) = builtin_task("arithmetic", 0, 4, 0).unwrap();
-    let err = Trainer::new(cfg, &policy, &Device::Cpu, Vec::new(), eval).err().unwrap();
+    let err = Trainer::new(cfg, &policy, &Device::Cpu, Vec::new(), eval)
+        .err()
+        .unwrap();
     assert!(err.to_string().contains("training set is empty"), "{err}");
 }
