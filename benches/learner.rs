@@ -6,8 +6,7 @@ use candle_core::Device;
 use criterion::{criterion_group, criterion_main, Criterion};
 use dppo_model::Policy;
 use dppo_trainer::learner::{Learner, LearnerConfig};
-use dppo_trainer::loss::{LossAgg, LossConfig, Normalisers, RatioLevel, TrainSeq};
-use dppo_trainer::optim::{AdamWConfig, LrSchedule};
+use dppo_trainer::loss::{Normalisers, TrainSeq};
 use dppo_trainer::train_batch::TrainBatch;
 
 fn learner_step(c: &mut Criterion) {
@@ -30,25 +29,7 @@ fn learner_step(c: &mut Criterion) {
             max_len: 64.0,
         },
     };
-    let cfg = LearnerConfig {
-        loss: LossConfig {
-            eps_low: 0.2,
-            eps_high: 0.28,
-            loss_agg: LossAgg::TokenMean,
-            ratio_level: RatioLevel::Token,
-            beta: 0.0,
-        },
-        adamw: AdamWConfig::default(),
-        schedule: LrSchedule {
-            lr: 1e-6,
-            warmup_steps: 0,
-            cosine_total_steps: None,
-            min_lr: 0.0,
-        },
-        grad_clip: 1.0,
-        pack_tokens: 1024,
-        pack_window: 64,
-    };
+    let cfg = LearnerConfig::token_mean(1e-6, 1.0, 1024, 64);
     let mut learner = Learner::new(&policy.config, &policy.weights, cfg).unwrap();
     c.bench_function("learner_step_tiny_4096_tokens", |b| {
         b.iter(|| learner.step(&batch).unwrap())

@@ -4,17 +4,10 @@ use std::process::Command;
 
 use serde_json::Value;
 
+/// Runs `dppo`; returns whether it succeeded, its stdout and its stderr.
 fn dppo(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_dppo"))
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("run dppo");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    let (code, stdout, stderr) = crate::util::run_dppo(args);
+    (code == Some(0), stdout, stderr)
 }
 
 #[test]

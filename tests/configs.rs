@@ -37,23 +37,16 @@ fn dppo_config_prints_the_effective_config_and_its_errors() {
     let mine = dir.path().join("my.toml");
     let default = RunConfig::default_with(&["steps=7".to_string()]).unwrap();
     std::fs::write(&mine, default.to_toml()).unwrap();
-    let dppo = |args: &[&str]| {
-        std::process::Command::new(env!("CARGO_BIN_EXE_dppo"))
-            .arg("config")
-            .args(args)
-            .output()
-            .unwrap()
-    };
     let mine = mine.to_str().unwrap();
-    let out = dppo(&["--config", mine, "--set", "dppo.r_o=0.7"]);
-    assert!(out.status.success());
-    let printed = String::from_utf8(out.stdout).unwrap();
+    let (code, printed, stderr) =
+        crate::util::run_dppo(&["config", "--config", mine, "--set", "dppo.r_o=0.7"]);
+    assert_eq!(code, Some(0), "{stderr}");
     let cfg = RunConfig::from_toml(&printed, "dppo config", &[]).unwrap();
     assert_eq!((cfg.steps, cfg.dppo.r_o), (7, 0.7));
     assert!(printed.contains("# Samples per prompt (G)."), "{printed}");
-    let out = dppo(&["--config", mine, "--set", "dppo.r_o=2"]);
-    let err = String::from_utf8(out.stderr).unwrap();
-    assert_eq!(out.status.code(), Some(2), "{err}");
+    let (code, _, err) =
+        crate::util::run_dppo(&["config", "--config", mine, "--set", "dppo.r_o=2"]);
+    assert_eq!(code, Some(2), "{err}");
     assert!(
         err.contains("invalid value for dppo.r_o: must be in [0, 1), got 2"),
         "{err}"

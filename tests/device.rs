@@ -2,19 +2,10 @@
 //! `cuda` feature, or on a machine without a usable GPU, fails at once with exit status 2 and
 //! a message saying which.
 
-use std::process::Command;
-
 /// Runs dppo; returns its exit code and stderr.
 fn dppo(args: &[&str]) -> (Option<i32>, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_dppo"))
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("run dppo");
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    let (code, _, stderr) = crate::util::run_dppo(args);
+    (code, stderr)
 }
 
 /// Every command that takes `--device`, asking for `device`.

@@ -1,21 +1,12 @@
 //! `dppo plan` through the binary: a plan without a GPU, and the errors of one that does not
 //! fit or of a size that does not parse.
 
-use std::process::Command;
-
 /// Runs `dppo plan`; returns its exit code, stdout and stderr.
 fn plan(args: &[&str]) -> (Option<i32>, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_dppo"))
-        .arg("plan")
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("run dppo");
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    let args: Vec<&str> = std::iter::once("plan")
+        .chain(args.iter().copied())
+        .collect();
+    crate::util::run_dppo(&args)
 }
 
 #[test]

@@ -7,8 +7,7 @@ use candle_core::{Device, Tensor};
 use dppo_model::ops::token_logprobs;
 use dppo_model::{Arch, CausalAttention, CausalLm};
 use dppo_trainer::learner::{Learner, LearnerConfig};
-use dppo_trainer::loss::{LossAgg, LossConfig, RatioLevel};
-use dppo_trainer::optim::{AdamWConfig, LrSchedule};
+use dppo_trainer::loss::LossAgg;
 use dppo_trainer::prune::{
     select_completions, Algorithm, CandidateRule, CompletionScope, Kept, LevelConfig,
     PromptHistory, PruneMode,
@@ -25,25 +24,8 @@ const MAX_LEN: usize = 6;
 fn learner(agg: LossAgg, pack_tokens: usize) -> Learner {
     let cfg = small_config(Arch::Llama);
     let weights = random_weights(&cfg, 5);
-    let lc = LearnerConfig {
-        loss: LossConfig {
-            eps_low: 0.2,
-            eps_high: 0.28,
-            loss_agg: agg,
-            ratio_level: RatioLevel::Token,
-            beta: 0.0,
-        },
-        adamw: AdamWConfig::default(),
-        schedule: LrSchedule {
-            lr: 1e-2,
-            warmup_steps: 0,
-            cosine_total_steps: None,
-            min_lr: 0.0,
-        },
-        grad_clip: 0.0,
-        pack_tokens,
-        pack_window: 8,
-    };
+    let mut lc = LearnerConfig::token_mean(1e-2, 0.0, pack_tokens, 8);
+    lc.loss.loss_agg = agg;
     Learner::new(&cfg, &weights, lc).unwrap()
 }
 

@@ -34,6 +34,21 @@ pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
+/// Runs the `dppo` binary with `args` (`RUST_LOG=warn`) to its end; returns its exit code,
+/// stdout and stderr.
+pub fn run_dppo(args: &[&str]) -> (Option<i32>, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dppo"))
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run dppo");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 /// A committed fixture file or directory.
 pub fn fixture(rel: &str) -> PathBuf {
     repo_root().join("tests/fixtures").join(rel)

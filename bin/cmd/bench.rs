@@ -201,8 +201,7 @@ fn matmul_rate(policy: &Policy, device: &Device) -> anyhow::Result<f64> {
 
 fn train(args: TrainArgs) -> anyhow::Result<()> {
     use dppo_trainer::learner::{Learner, LearnerConfig};
-    use dppo_trainer::loss::{LossAgg, LossConfig, Normalisers, RatioLevel, TrainSeq};
-    use dppo_trainer::optim::{AdamWConfig, LrSchedule};
+    use dppo_trainer::loss::{Normalisers, TrainSeq};
     use dppo_trainer::train_batch::TrainBatch;
 
     let device = args.device.open()?;
@@ -228,25 +227,7 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
             max_len: args.completion_len as f64,
         },
     };
-    let cfg = LearnerConfig {
-        loss: LossConfig {
-            eps_low: 0.2,
-            eps_high: 0.28,
-            loss_agg: LossAgg::TokenMean,
-            ratio_level: RatioLevel::Token,
-            beta: 0.0,
-        },
-        adamw: AdamWConfig::default(),
-        schedule: LrSchedule {
-            lr: 1e-6,
-            warmup_steps: 0,
-            cosine_total_steps: None,
-            min_lr: 0.0,
-        },
-        grad_clip: 1.0,
-        pack_tokens: args.pack_tokens,
-        pack_window: 64,
-    };
+    let cfg = LearnerConfig::token_mean(1e-6, 1.0, args.pack_tokens, 64);
     let mut learner = Learner::new(&policy.config, &policy.weights, cfg)?;
     learner.step(&batch)?; // warm-up
     let start = Instant::now();

@@ -27,6 +27,33 @@ pub struct LearnerConfig {
     pub pack_window: usize,
 }
 
+impl LearnerConfig {
+    /// The built-in default's objective (clip range 0.2 / 0.28, `token-mean`, token-level
+    /// ratio, no KL term) with default AdamW at the constant learning rate `lr`: the learner
+    /// of `dppo bench train`, the learner benchmark and the tests.
+    pub fn token_mean(lr: f64, grad_clip: f64, pack_tokens: usize, pack_window: usize) -> Self {
+        Self {
+            loss: LossConfig {
+                eps_low: 0.2,
+                eps_high: 0.28,
+                loss_agg: crate::loss::LossAgg::TokenMean,
+                ratio_level: crate::loss::RatioLevel::Token,
+                beta: 0.0,
+            },
+            adamw: AdamWConfig::default(),
+            schedule: LrSchedule {
+                lr,
+                warmup_steps: 0,
+                cosine_total_steps: None,
+                min_lr: 0.0,
+            },
+            grad_clip,
+            pack_tokens,
+            pack_window,
+        }
+    }
+}
+
 /// What one optimizer step reports (`actor/*`, `pack/*`, `perf/train_tokens_per_s`).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct StepMetrics {
@@ -255,7 +282,7 @@ fn accumulate(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::loss::{LossAgg, Normalisers, RatioLevel};
+    use crate::loss::Normalisers;
     use candle_core::Device;
 
     /// Every bit of the weights, the optimizer moments and the optimizer's step count.
@@ -296,25 +323,7 @@ mod tests {
     #[test]
     fn a_non_finite_loss_changes_no_weight_moment_or_step_count() {
         let policy = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
-        let cfg = LearnerConfig {
-            loss: LossConfig {
-                eps_low: 0.2,
-                eps_high: 0.28,
-                loss_agg: LossAgg::TokenMean,
-                ratio_level: RatioLevel::Token,
-                beta: 0.0,
-            },
-            adamw: AdamWConfig::default(),
-            schedule: LrSchedule {
-                lr: 1e-2,
-                warmup_steps: 0,
-                cosine_total_steps: None,
-                min_lr: 0.0,
-            },
-            grad_clip: 1.0,
-            pack_tokens: 64,
-            pack_window: 8,
-        };
+        let cfg = LearnerConfig::token_mean(1e-2, 1.0, 64, 8);
         let mut learner = Learner::new(&policy.config, &policy.weights, cfg).unwrap();
         assert!(!learner.step(&batch(1.0)).unwrap().is_nonfinite);
         let good = state_bits(&learner);

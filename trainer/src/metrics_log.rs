@@ -82,7 +82,8 @@ impl MetricsLog {
     /// cut back off. TensorBoard gets every numeric metric as a scalar tagged with its name,
     /// at the line's `step`.
     pub fn write(&mut self, line: &Map<String, Value>) -> Result<(), MetricsError> {
-        let text = format!("{}\n", Value::Object(line.clone()));
+        let mut text = serde_json::to_string(line).expect("a JSON map always serialises");
+        text.push('\n');
         let len = self.jsonl.metadata().map(|m| m.len());
         let written = self
             .jsonl
