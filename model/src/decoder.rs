@@ -186,6 +186,11 @@ impl CausalLm {
         self.embed_tokens.device()
     }
 
+    /// The dtype of the weights (and so of the activations).
+    pub fn dtype(&self) -> candle_core::DType {
+        self.embed_tokens.dtype()
+    }
+
     /// The configuration the model was built with.
     pub fn config(&self) -> &ModelConfig {
         &self.cfg

@@ -4,12 +4,18 @@
 //! have no backward pass and silently drop gradients (candle #2168, #3568, #3569), so the
 //! model is written with these compositions of primitive ops only.
 
-use candle_core::{Result, Tensor, D};
+use candle_core::{DType, Result, Tensor, D};
 
-/// RMSNorm over the last dimension: `x / sqrt(mean(x^2) + eps) * weight`.
+/// RMSNorm over the last dimension: `x / sqrt(mean(x^2) + eps) * weight`. Computed in
+/// f32 whatever `x`'s dtype (as HF does: a bf16 mean of squares loses the small values),
+/// then cast back before the weight.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-    let inv_rms = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
-    x.broadcast_mul(&inv_rms)?.broadcast_mul(weight)
+    let dtype = x.dtype();
+    let x32 = x.to_dtype(DType::F32)?;
+    let inv_rms = (x32.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+    x32.broadcast_mul(&inv_rms)?
+        .to_dtype(dtype)?
+        .broadcast_mul(weight)
 }
 
 /// Softmax over the last dimension. The max is detached: the result does not depend on it.
