@@ -19,7 +19,7 @@ use crate::util::{random_policy, small_config};
 /// runs), each checked against the same reference.
 const MODES: [AttentionMode; 2] = [AttentionMode::Cpu, AttentionMode::Generic];
 
-fn policy() -> Policy {
+pub(crate) fn policy() -> Policy {
     let mut cfg = small_config(Arch::Llama);
     cfg.max_position_embeddings = 128;
     random_policy(&cfg, 21)
@@ -33,7 +33,7 @@ fn greedy(prompt_ids: Vec<u32>, n: usize, max_tokens: usize) -> GenerateRequest 
 }
 
 /// Prompts of lengths 1..=23 with varied contents.
-fn workload(num: usize, n: usize, vocab: usize) -> Vec<GenerateRequest> {
+pub(crate) fn workload(num: usize, n: usize, vocab: usize) -> Vec<GenerateRequest> {
     (0..num)
         .map(|p| {
             let len = 1 + (p * 7) % 23;
@@ -58,24 +58,28 @@ fn seeded_workload(num: usize, n: usize, vocab: usize, first_seed: u64) -> Vec<G
     reqs
 }
 
-fn reference(policy: &Policy, reqs: &[GenerateRequest]) -> Vec<Vec<Completion>> {
+pub(crate) fn reference(policy: &Policy, reqs: &[GenerateRequest]) -> Vec<Vec<Completion>> {
     let model = policy.model().unwrap();
     generate_naive(&model, reqs, policy.eos_token_ids(), &Device::Cpu).unwrap()
 }
 
-fn run(engine: &Engine, reqs: &[GenerateRequest]) -> Vec<Vec<Completion>> {
+pub(crate) fn run(engine: &Engine, reqs: &[GenerateRequest]) -> Vec<Vec<Completion>> {
     engine.generate(reqs.to_vec()).unwrap()
 }
 
 /// The token ids of every sample of every request.
-fn tokens(out: &[Vec<Completion>]) -> Vec<Vec<Vec<u32>>> {
+pub(crate) fn tokens(out: &[Vec<Completion>]) -> Vec<Vec<Vec<u32>>> {
     out.iter()
         .map(|cs| cs.iter().map(|c| c.token_ids.clone()).collect())
         .collect()
 }
 
 /// `got` is the reference `want`: the same tokens, and logprobs within 1e-4.
-fn assert_matches_reference(got: &[Vec<Completion>], want: &[Vec<Completion>], what: &str) {
+pub(crate) fn assert_matches_reference(
+    got: &[Vec<Completion>],
+    want: &[Vec<Completion>],
+    what: &str,
+) {
     assert_eq!(tokens(got), tokens(want), "{what}");
     for (r, (g, w)) in got.iter().zip(want).enumerate() {
         for (s, (g, w)) in g.iter().zip(w).enumerate() {
@@ -89,7 +93,11 @@ fn assert_matches_reference(got: &[Vec<Completion>], want: &[Vec<Completion>], w
     }
 }
 
-fn config(block_size: usize, kv_cache_tokens: usize, attention: AttentionMode) -> EngineConfig {
+pub(crate) fn config(
+    block_size: usize,
+    kv_cache_tokens: usize,
+    attention: AttentionMode,
+) -> EngineConfig {
     EngineConfig {
         block_size,
         kv_cache_tokens: Some(kv_cache_tokens),
@@ -391,7 +399,7 @@ fn bad_requests_get_clear_errors() {
 }
 
 /// SmolLM2 and greedy requests for its test prompts, `n` samples of `max_tokens` each.
-fn smollm2_requests(n: usize, max_tokens: usize) -> (Policy, Vec<GenerateRequest>) {
+pub(crate) fn smollm2_requests(n: usize, max_tokens: usize) -> (Policy, Vec<GenerateRequest>) {
     let path = crate::util::smollm2_gguf();
     let policy = Policy::load(path.to_str().unwrap(), &Device::Cpu).unwrap();
     let tok = &policy.tokenizer;
@@ -448,12 +456,16 @@ fn smollm2_bf16_engine_agrees_with_f32() {
             dtype: Some(dtype),
             ..config(16, 1024, AttentionMode::Auto)
         };
-        let engine = Engine::new(&policy, cfg, Device::Cpu).unwrap();
-        run(&engine, &reqs)
+        run(&Engine::new(&policy, cfg, Device::Cpu).unwrap(), &reqs)
     };
-    let (f32_out, bf16_out) = (generate(DType::F32), generate(DType::BF16));
+    assert_bf16_agrees_with_f32(&generate(DType::F32), &generate(DType::BF16));
+}
+
+/// Greedy samples of 16 tokens in bf16 (`got`) and f32 (`want`) agree on every token, and
+/// their logprobs differ by less than 0.05 on average; prints the agreement.
+pub(crate) fn assert_bf16_agrees_with_f32(want: &[Vec<Completion>], got: &[Vec<Completion>]) {
     let (mut diff_sum, mut num_compared) = (0f32, 0usize);
-    for (r, (a, b)) in f32_out.iter().zip(&bf16_out).enumerate() {
+    for (r, (a, b)) in want.iter().zip(got).enumerate() {
         let (a, b) = (&a[0], &b[0]);
         let agree = a
             .token_ids

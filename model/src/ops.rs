@@ -12,7 +12,9 @@ use candle_core::{DType, Result, Tensor, D};
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     let dtype = x.dtype();
     let x32 = x.to_dtype(DType::F32)?;
-    let inv_rms = (x32.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+    let inv_rms = (x32.sqr()?.mean_keepdim(D::Minus1)? + eps)?
+        .sqrt()?
+        .recip()?;
     x32.broadcast_mul(&inv_rms)?
         .to_dtype(dtype)?
         .broadcast_mul(weight)

@@ -144,7 +144,10 @@ impl CompletionRows {
     fn logits(&self, model: &CausalLm) -> Result<Tensor> {
         let r = &self.row;
         let hidden = model.forward(&r.input_ids, &r.positions, &mut r.attention())?;
-        model.logits(&hidden.index_select(&self.rows, 0)?)
+        // Log-softmax in f32 whatever the compute dtype.
+        model
+            .logits(&hidden.index_select(&self.rows, 0)?)?
+            .to_dtype(candle_core::DType::F32)
     }
 }
 
