@@ -4,15 +4,17 @@
 
 use candle_core::{DType, Device, Tensor};
 use dppo_engine::{AttentionMode, Engine, EngineConfig};
-use dppo_model::Policy;
+use dppo_model::{Arch, CausalLm, ModelConfig, Policy, Weights};
 use dppo_trainer::learner::{Learner, LearnerConfig};
-use dppo_trainer::loss::{Normalisers, TrainSeq};
+use dppo_trainer::prune::Algorithm;
 use dppo_trainer::train_batch::TrainBatch;
 
 use crate::engine::{
     assert_bf16_agrees_with_f32, assert_matches_reference, config, policy, reference, run,
     smollm2_requests, workload,
 };
+use crate::trainer;
+use crate::util::{random_weights, small_config};
 
 /// GPU 0, or `None` after printing why these tests are skipped.
 fn cuda() -> Option<Device> {
@@ -71,27 +73,13 @@ fn smollm2_bf16_on_cuda_agrees_with_f32_on_the_cpu() {
     assert_bf16_agrees_with_f32(&run(&cpu, &reqs), &run(&engine, &reqs));
 }
 
-/// A small batch of the tiny preset's vocabulary.
-fn batch() -> TrainBatch {
-    let seq = |tokens: Vec<u32>, advantage: f64| TrainSeq {
-        rollout_logprobs: vec![-4.0; tokens.len() - 2],
-        num_prompt_tokens: 2,
-        tokens,
-        advantage,
-        weight: 1.0,
-    };
-    TrainBatch {
-        seqs: vec![
-            seq(vec![5, 6, 7, 8, 9], 1.0),
-            seq(vec![5, 6, 10, 11], -1.0),
-            seq(vec![12, 13, 14], 0.5),
-        ],
-        norm: Normalisers {
-            num_seqs: 3.0,
-            num_tokens: 6.0,
-            max_len: 3.0,
-        },
-    }
+/// The trainer suite's batch (6 prompts x 4 samples) for its small random model.
+fn model_and_batch() -> (ModelConfig, Weights, TrainBatch) {
+    let config = small_config(Arch::Llama);
+    let weights = random_weights(&config, 5);
+    let groups = trainer::batch(&CausalLm::new(&config, &weights).unwrap());
+    let batch = trainer::train_batch(&groups, &trainer::all_kept(&groups), Algorithm::Grpo);
+    (config, weights, batch)
 }
 
 /// The learner's packed forward/backward on the GPU gives the CPU's gradients (f32, within
@@ -100,7 +88,7 @@ fn batch() -> TrainBatch {
 #[test]
 fn a_learner_step_on_cuda_follows_the_cpu() {
     let Some(gpu) = cuda() else { return };
-    let policy = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
+    let (config, weights, batch) = model_and_batch();
     let flat = |grads: &std::collections::BTreeMap<String, Tensor>| -> Vec<f32> {
         grads
             .values()
@@ -115,24 +103,24 @@ fn a_learner_step_on_cuda_follows_the_cpu() {
             .collect()
     };
     let cfg = LearnerConfig::token_mean(1e-2, 1.0, 64, 8);
-    let cpu = Learner::new(&policy.config, &policy.weights, cfg).unwrap();
-    let want = flat(&cpu.gradients(&batch()).unwrap().0);
+    let cpu = Learner::new(&config, &weights, cfg).unwrap();
+    let want = flat(&cpu.gradients(&batch).unwrap().0);
     let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
     for compute_dtype in [DType::F32, DType::BF16] {
         let cfg = LearnerConfig {
             compute_dtype,
             ..cfg
         };
-        let gpu_weights = policy.weights.to_device(&gpu).unwrap();
-        let mut learner = Learner::new(&policy.config, &gpu_weights, cfg).unwrap();
+        let gpu_weights = weights.to_device(&gpu).unwrap();
+        let mut learner = Learner::new(&config, &gpu_weights, cfg).unwrap();
         if compute_dtype == DType::F32 {
-            let got = flat(&learner.gradients(&batch()).unwrap().0);
+            let got = flat(&learner.gradients(&batch).unwrap().0);
             for (i, (a, b)) in got.iter().zip(&want).enumerate() {
                 assert!((a - b).abs() <= 1e-4 * scale, "gradient {i}: {a} vs {b}");
             }
         }
         for _ in 0..3 {
-            let m = learner.step(&batch()).unwrap();
+            let m = learner.step(&batch).unwrap();
             assert!(!m.is_nonfinite, "{compute_dtype:?}: {m:?}");
         }
         assert!(learner
