@@ -6,7 +6,7 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 use dppo_model::attention::repeat_kv;
-use dppo_model::ops::softmax_last_dim;
+use dppo_model::ops::{at_least_f32, softmax_last_dim};
 use dppo_model::AttentionBackend;
 
 use crate::kv_pool::BlockCopy;
@@ -209,10 +209,11 @@ impl Group {
             split(repeat_kv(&x, num_heads)?, lk)
         };
         let (k, v) = (keys(k_cache)?, keys(v_cache)?);
-        // 2. Masked softmax in f32 whatever the cache's dtype: (s, heads, lq, lk)
+        // 2. Masked softmax in at least f32 whatever the cache's dtype: (s, heads, lq, lk)
         let scale = 1.0 / (head_dim as f64).sqrt();
-        let scores = (q.matmul(&k.t()?)? * scale)?.to_dtype(DType::F32)?;
-        let probs = softmax_last_dim(&scores.broadcast_add(&self.mask)?)?.to_dtype(v.dtype())?;
+        let scores = at_least_f32(&(q.matmul(&k.t()?)? * scale)?)?;
+        let mask = self.mask.to_dtype(scores.dtype())?;
+        let probs = softmax_last_dim(&scores.broadcast_add(&mask)?)?.to_dtype(v.dtype())?;
         // 3. (s, heads, lq, d) -> (s * lq, heads, d)
         probs
             .matmul(&v)?

@@ -6,17 +6,25 @@
 
 use candle_core::{DType, Result, Tensor, D};
 
-/// RMSNorm over the last dimension: `x / sqrt(mean(x^2) + eps) * weight`. Computed in
-/// f32 whatever `x`'s dtype (as HF does: a bf16 mean of squares loses the small values),
-/// then cast back before the weight.
+/// `x` in f32 when it is in a half-precision dtype (bf16, f16), else `x` itself (f32 and
+/// f64 stay as they are): where reductions and softmaxes compute.
+pub fn at_least_f32(x: &Tensor) -> Result<Tensor> {
+    match x.dtype() {
+        DType::BF16 | DType::F16 => x.to_dtype(DType::F32),
+        _ => Ok(x.clone()),
+    }
+}
+
+/// RMSNorm over the last dimension: `x / sqrt(mean(x^2) + eps) * weight`. Computed in at
+/// least f32 (as HF does: a bf16 mean of squares loses the small values), then cast back
+/// before the weight.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-    let dtype = x.dtype();
-    let x32 = x.to_dtype(DType::F32)?;
-    let inv_rms = (x32.sqr()?.mean_keepdim(D::Minus1)? + eps)?
+    let wide = at_least_f32(x)?;
+    let inv_rms = (wide.sqr()?.mean_keepdim(D::Minus1)? + eps)?
         .sqrt()?
         .recip()?;
-    x32.broadcast_mul(&inv_rms)?
-        .to_dtype(dtype)?
+    wide.broadcast_mul(&inv_rms)?
+        .to_dtype(x.dtype())?
         .broadcast_mul(weight)
 }
 
