@@ -42,12 +42,13 @@ fn a_bf16_run_learns_and_writes_no_nan() {
     assert_eq!(code, Some(0), "{stderr}");
     let config = std::fs::read_to_string(out.join("config.toml")).unwrap();
     assert!(config.contains("compute_dtype = \"bf16\""), "{config}");
-    // The bf16 warm-up (800 supervised steps) and RL steps: from 0% to at least 25%.
+    // The bf16 warm-up (800 supervised steps) and RL steps: from 0% to at least 40% (f32:
+    // about 60%).
     let summary: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
     for key in ["eval_before", "eval_after"] {
         let acc = summary[key].as_f64().unwrap();
-        assert!(acc >= 0.25, "{key} = {acc}: the bf16 run did not learn");
+        assert!(acc >= 0.4, "{key} = {acc}: the bf16 run did not learn");
     }
     let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     assert_eq!(text.lines().count(), 6);

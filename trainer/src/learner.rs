@@ -158,7 +158,8 @@ impl Learner {
 
     /// The model the forward and backward passes run: over the f32 masters themselves, or
     /// over their cast to the compute dtype (a differentiable cast: the gradients reach the
-    /// masters in f32).
+    /// masters in f32). The embedding and the LM head stay f32, as under PyTorch's autocast:
+    /// an embedding gradient summed in bf16 over repeated tokens loses most of its bits.
     fn compute_model(&self) -> Result<CausalLm, TrainError> {
         if self.cfg.compute_dtype == DType::F32 {
             return Ok(self.model.clone());
@@ -166,7 +167,18 @@ impl Learner {
         let tensors = self
             .vars
             .iter()
-            .map(|(n, v)| Ok((n.clone(), v.as_tensor().to_dtype(self.cfg.compute_dtype)?)))
+            .map(|(n, v)| {
+                let t = v.as_tensor();
+                let wide = n == "model.embed_tokens.weight" || n == "lm_head.weight";
+                Ok((
+                    n.clone(),
+                    if wide {
+                        t.clone()
+                    } else {
+                        t.to_dtype(self.cfg.compute_dtype)?
+                    },
+                ))
+            })
             .collect::<candle_core::Result<_>>()?;
         let config = self.model.config();
         Ok(CausalLm::new(
