@@ -220,8 +220,8 @@ fn logprobs_are_bit_identical_alone_and_in_a_batch() {
 fn cancellation_frees_blocks_at_once() {
     let policy = policy();
     let engine = Engine::new(&policy, config(4, 512, AttentionMode::Auto), Device::Cpu).unwrap();
-    // On a loaded machine the worker may finish all 100 tokens before this thread cancels;
-    // such an attempt proves nothing and is repeated.
+    // On a loaded machine the worker may finish a sample's 100 tokens before this thread
+    // cancels; such an attempt proves nothing and is repeated.
     for _ in 0..10 {
         let mut req = greedy(vec![1, 2, 3, 4, 5], 3, 100);
         req.max_tokens = 100;
@@ -230,7 +230,7 @@ fn cancellation_frees_blocks_at_once() {
         assert!(matches!(first, Event::Token { .. }));
         handle.cancel();
         let completions = handle.wait();
-        if completions.iter().all(|c| c.token_ids.len() == 100) {
+        if completions.iter().any(|c| c.token_ids.len() == 100) {
             continue;
         }
         assert!(completions
