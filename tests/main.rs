@@ -13,6 +13,10 @@ mod model_files;
 mod hostile_files;
 // The generation engine against the contiguous-cache reference.
 mod engine;
+// bf16 engine and learner on the CPU: a short run learns.
+mod bf16;
+// The GPU path on a GPU against the CPU (skipped, saying so, without one).
+mod gpu;
 // The kernel-dependent suites under every CPU kernel this machine has.
 mod kernels;
 // A minimal HTTP client for the server tests.

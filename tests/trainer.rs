@@ -46,7 +46,7 @@ fn logprobs_of(model: &CausalLm, prompt: &[u32], completion: &[u32]) -> Vec<f32>
 
 /// A fixed batch: 6 prompts x G samples, 0/1 rewards (two groups without signal), rollout
 /// logprobs near the model's (so that some ratios clip).
-fn batch(model: &CausalLm) -> Vec<Group> {
+pub(crate) fn batch(model: &CausalLm) -> Vec<Group> {
     let mut rng = StdRng::seed_from_u64(9);
     let vocab = model.config().vocab_size as u32;
     let rewards = [
@@ -127,7 +127,7 @@ fn project(grads: &BTreeMap<String, Tensor>, dirs: &[BTreeMap<String, Tensor>]) 
         .collect()
 }
 
-fn all_kept(groups: &[Group]) -> Vec<Kept> {
+pub(crate) fn all_kept(groups: &[Group]) -> Vec<Kept> {
     let mut rng = StdRng::seed_from_u64(0);
     select_completions(
         groups,
@@ -139,7 +139,7 @@ fn all_kept(groups: &[Group]) -> Vec<Kept> {
     )
 }
 
-fn train_batch(groups: &[Group], kept: &[Kept], algorithm: Algorithm) -> TrainBatch {
+pub(crate) fn train_batch(groups: &[Group], kept: &[Kept], algorithm: Algorithm) -> TrainBatch {
     build_train_batch(groups, kept, groups.len(), G, MAX_LEN, algorithm)
 }
 

@@ -133,13 +133,8 @@ fn rollout(args: RolloutArgs) -> anyhow::Result<()> {
     engine.generate(reqs.clone())?;
     let ours_s = start.elapsed().as_secs_f64();
     let stats = engine.stats();
-    let bytes_per_token = 2
-        * policy.config.num_hidden_layers
-        * policy.config.num_key_value_heads
-        * policy.config.head_dim
-        * 4;
-    let peak_kv_mib =
-        (stats.peak_blocks_used * stats.block_size * bytes_per_token) as f64 / (1 << 20) as f64;
+    // In the engine's dtype (bf16 on a GPU).
+    let peak_kv_mib = (stats.peak_blocks_used * stats.block_bytes) as f64 / (1 << 20) as f64;
     let naive_s = if args.skip_naive {
         None
     } else {

@@ -10,7 +10,7 @@ use std::thread::JoinHandle;
 
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
-use candle_core::Device;
+use candle_core::{DType, Device};
 use dppo_model::parallel::multi_threaded;
 use dppo_model::{CausalLm, Policy, TextTokenizer, Weights};
 use parking_lot::Mutex;
@@ -20,7 +20,7 @@ use crate::kv_pool::KvPool;
 use crate::paged_attn::CacheShape;
 use crate::plan::Plan;
 use crate::request::{find_stop, Completion, Event, GenerateRequest};
-use crate::runner::Runner;
+use crate::runner::{AttentionMode, Runner};
 use crate::sampler::{sample, Sampled, SamplingParams, SeqRng};
 use crate::scheduler::{Appended, Capacity, Scheduler, SchedulerConfig, SeqRequest};
 use crate::sequence::{FinishReason, RequestId};
@@ -39,6 +39,19 @@ pub struct EngineConfig {
     pub max_batched_tokens: usize,
     /// Run high-priority batches (rollouts) alone, so other traffic cannot change them.
     pub isolate_high_priority: bool,
+    /// The attention backend (`engine.attention`).
+    pub attention: AttentionMode,
+    /// Dtype of the engine's weights and KV cache; `None`: [`default_dtype`] of the device.
+    pub dtype: Option<DType>,
+}
+
+/// The engine's dtype when none is configured: f32 on the CPU, bf16 on a GPU.
+pub fn default_dtype(device: &Device) -> DType {
+    if device.is_cpu() {
+        DType::F32
+    } else {
+        DType::BF16
+    }
 }
 
 impl Default for EngineConfig {
@@ -50,6 +63,8 @@ impl Default for EngineConfig {
             max_num_seqs: 256,
             max_batched_tokens: 2048,
             isolate_high_priority: false,
+            attention: AttentionMode::Auto,
+            dtype: None,
         }
     }
 }
@@ -166,6 +181,8 @@ pub struct Engine {
     limits: Limits,
     stats: Arc<Mutex<EngineStats>>,
     config: dppo_model::ModelConfig,
+    /// Dtype of the engine's weights and KV cache.
+    dtype: DType,
 }
 
 /// What a request is checked against before it is queued.
@@ -179,7 +196,8 @@ struct Limits {
 impl Engine {
     /// Starts the worker thread for `policy` on `device`.
     pub fn new(policy: &Policy, cfg: EngineConfig, device: Device) -> Result<Self, EngineError> {
-        let model = policy.model()?;
+        let dtype = cfg.dtype.unwrap_or_else(|| default_dtype(&device));
+        let model = CausalLm::new(&policy.config, &policy.weights.to_dtype(dtype)?)?;
         let mc = &policy.config;
         let shape = CacheShape {
             num_layers: mc.num_hidden_layers,
@@ -188,7 +206,7 @@ impl Engine {
             num_kv_heads: mc.num_key_value_heads,
             head_dim: mc.head_dim,
         };
-        let num_blocks = num_blocks(&cfg, &shape)?;
+        let num_blocks = num_blocks(&cfg, &shape, dtype)?;
         let sched_cfg = SchedulerConfig {
             max_num_seqs: cfg.max_num_seqs,
             max_batched_tokens: cfg.max_batched_tokens,
@@ -196,11 +214,11 @@ impl Engine {
         };
         let scheduler = Scheduler::new(sched_cfg, KvPool::new(num_blocks, cfg.block_size));
         let capacity = scheduler.capacity();
-        let runner = Runner::new(model, num_blocks, cfg.block_size, device);
+        let runner = Runner::new(model, num_blocks, cfg.block_size, cfg.attention, device)?;
         let stats = Arc::new(Mutex::new(EngineStats {
             num_blocks,
             block_size: cfg.block_size,
-            block_bytes: shape.bytes_per_token() * cfg.block_size,
+            block_bytes: shape.bytes_per_token(dtype) * cfg.block_size,
             ..EngineStats::default()
         }));
         let (tx, rx) = mpsc::channel();
@@ -231,6 +249,7 @@ impl Engine {
             },
             stats,
             config: mc.clone(),
+            dtype,
         })
     }
 
@@ -281,10 +300,10 @@ impl Engine {
         Ok(handles.into_iter().map(RequestHandle::wait).collect())
     }
 
-    /// Publishes new weights as `version`; running sequences continue with them from the
-    /// next iteration on.
+    /// Publishes new weights as `version` (cast to the engine's dtype unless they are in it
+    /// already); running sequences continue with them from the next iteration on.
     pub fn swap_weights(&self, weights: &Weights, version: u64) -> Result<(), EngineError> {
-        let model = Box::new(CausalLm::new(&self.config, weights)?);
+        let model = Box::new(CausalLm::new(&self.config, &weights.to_dtype(self.dtype)?)?);
         self.commands
             .lock()
             .send(Command::Swap { model, version })
@@ -345,7 +364,7 @@ impl Drop for Engine {
     }
 }
 
-fn num_blocks(cfg: &EngineConfig, shape: &CacheShape) -> Result<usize, EngineError> {
+fn num_blocks(cfg: &EngineConfig, shape: &CacheShape, dtype: DType) -> Result<usize, EngineError> {
     if cfg.block_size == 0 || cfg.max_num_seqs == 0 || cfg.max_batched_tokens == 0 {
         return Err(EngineError::InvalidConfig(
             "block_size, max_num_seqs and max_batched_tokens must be positive".into(),
@@ -353,13 +372,13 @@ fn num_blocks(cfg: &EngineConfig, shape: &CacheShape) -> Result<usize, EngineErr
     }
     let tokens = cfg
         .kv_cache_tokens
-        .unwrap_or(cfg.kv_cache_bytes / shape.bytes_per_token());
+        .unwrap_or(cfg.kv_cache_bytes / shape.bytes_per_token(dtype));
     let blocks = tokens / cfg.block_size;
     if blocks == 0 {
         return Err(EngineError::InvalidConfig(format!(
             "the KV cache holds no block of {} tokens ({} bytes per token)",
             cfg.block_size,
-            shape.bytes_per_token()
+            shape.bytes_per_token(dtype)
         )));
     }
     Ok(blocks)

@@ -1,8 +1,9 @@
 //! dppo-engine: the generation engine. A paged KV cache ([`KvPool`] bookkeeping, blocks
-//! read in place by [`paged_attn`]), a continuous-batching [`Scheduler`], a per-sequence
-//! [`sampler`], and an [`Engine`] handle that takes requests from any thread.
+//! read in place by [`paged_attn`] on the CPU, by [`generic_attn`] on any device), a
+//! continuous-batching [`Scheduler`], a per-sequence [`sampler`], and an [`Engine`] handle that takes requests from any thread.
 
 pub mod engine;
+pub mod generic_attn;
 pub mod kv_pool;
 pub mod naive;
 pub mod paged_attn;
@@ -18,6 +19,7 @@ pub use engine::{Engine, EngineConfig, EngineStats, RequestHandle};
 pub use kv_pool::{BlockCopy, BlockId, KvPool};
 pub use plan::{Plan, ScheduledSeq};
 pub use request::{Completion, Event, GenerateRequest};
+pub use runner::AttentionMode;
 pub use sampler::{SamplingParams, SeqRng, MAX_TOP_LOGPROBS};
 pub use scheduler::{Scheduler, SchedulerConfig, SeqRequest};
 pub use sequence::{FinishReason, Priority, RequestId, SeqId, Sequence};

@@ -2,7 +2,7 @@
 //! layer and are read in place through each sequence's block table (no per-step copy or
 //! concatenation of caches). CPU kernel in plain Rust, parallel over (token, head).
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 use dppo_model::parallel::multi_threaded;
 use dppo_model::AttentionBackend;
 use rayon::prelude::*;
@@ -21,13 +21,13 @@ pub struct CacheShape {
 
 impl CacheShape {
     /// Floats per token slot in one layer's K (or V).
-    fn slot_len(&self) -> usize {
+    pub(crate) fn slot_len(&self) -> usize {
         self.num_kv_heads * self.head_dim
     }
 
-    /// Bytes of K and V for one token across all layers (f32).
-    pub fn bytes_per_token(&self) -> usize {
-        2 * self.num_layers * self.slot_len() * std::mem::size_of::<f32>()
+    /// Bytes of K and V for one token across all layers, stored as `dtype`.
+    pub fn bytes_per_token(&self, dtype: DType) -> usize {
+        2 * self.num_layers * self.slot_len() * dtype.size_in_bytes()
     }
 }
 

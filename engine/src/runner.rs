@@ -1,23 +1,72 @@
 //! The only place where a plan becomes tensors: input ids, positions, slot mapping and
 //! block tables in; one forward pass; the logits rows to sample from out.
 
-use candle_core::{Device, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use dppo_model::CausalLm;
+use serde::{Deserialize, Serialize};
 
+use crate::generic_attn::{BatchIndex, GenericPagedAttention, TensorKvCache};
 use crate::paged_attn::{CacheShape, KvCache, PagedAttention, SeqAttnMeta};
 use crate::plan::Plan;
 use crate::scheduler::Scheduler;
+use crate::EngineError;
+
+/// Which attention backend the engine runs (`engine.attention`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AttentionMode {
+    /// The CPU kernel for f32 on the CPU, the generic path everywhere else.
+    #[default]
+    Auto,
+    /// The CPU kernel: f32 on the CPU only.
+    Cpu,
+    /// The device-generic path made of tensor ops, on any device and dtype.
+    Generic,
+}
+
+impl AttentionMode {
+    /// The backend to run on `device` with the cache in `dtype`: `Auto` resolved, and an
+    /// error where the CPU kernel is asked for but cannot run.
+    pub fn resolve(self, device: &Device, dtype: DType) -> std::result::Result<Self, EngineError> {
+        let cpu_kernel_fits = device.is_cpu() && dtype == DType::F32;
+        match self {
+            Self::Auto if cpu_kernel_fits => Ok(Self::Cpu),
+            Self::Auto | Self::Generic => Ok(Self::Generic),
+            Self::Cpu if cpu_kernel_fits => Ok(Self::Cpu),
+            Self::Cpu => Err(EngineError::InvalidConfig(format!(
+                "engine.attention = \"cpu\" runs f32 on the CPU only, not {dtype:?} on {:?}; \
+                 use \"auto\" or \"generic\"",
+                device.location()
+            ))),
+        }
+    }
+}
+
+/// The paged KV cache in the form its attention backend reads.
+enum Cache {
+    /// Host floats for the CPU kernel.
+    Cpu(KvCache),
+    /// Device tensors for the generic path.
+    Tensor(TensorKvCache),
+}
 
 /// The model and its paged KV cache.
 pub struct Runner {
     model: CausalLm,
-    cache: KvCache,
+    cache: Cache,
     device: Device,
 }
 
 impl Runner {
-    /// A runner with a zeroed cache of `num_blocks` blocks of `block_size` tokens.
-    pub fn new(model: CausalLm, num_blocks: usize, block_size: usize, device: Device) -> Self {
+    /// A runner with a zeroed cache of `num_blocks` blocks of `block_size` tokens, in the
+    /// model's dtype, read by the `attention` backend (see [`AttentionMode::resolve`]).
+    pub fn new(
+        model: CausalLm,
+        num_blocks: usize,
+        block_size: usize,
+        attention: AttentionMode,
+        device: Device,
+    ) -> std::result::Result<Self, EngineError> {
         let cfg = model.config();
         let shape = CacheShape {
             num_layers: cfg.num_hidden_layers,
@@ -26,11 +75,15 @@ impl Runner {
             num_kv_heads: cfg.num_key_value_heads,
             head_dim: cfg.head_dim,
         };
-        Self {
+        let cache = match attention.resolve(&device, model.dtype())? {
+            AttentionMode::Cpu => Cache::Cpu(KvCache::new(shape)),
+            _ => Cache::Tensor(TensorKvCache::new(shape, model.dtype(), &device)?),
+        };
+        Ok(Self {
             model,
-            cache: KvCache::new(shape),
+            cache,
             device,
-        }
+        })
     }
 
     /// Replaces the model (same architecture); called between iterations only.
@@ -46,8 +99,10 @@ impl Runner {
     /// Runs `plan`. Returns, for each scheduled sequence that samples, the logits row
     /// (vocab,) of its last new token; `None` for prefill chunks that sample nothing.
     pub fn run(&mut self, plan: &Plan, scheduler: &Scheduler) -> Result<Vec<Option<Vec<f32>>>> {
-        self.cache.copy_blocks(&plan.block_copies);
-        let bs = self.cache.shape().block_size;
+        let bs = match &self.cache {
+            Cache::Cpu(c) => c.shape().block_size,
+            Cache::Tensor(c) => c.shape().block_size,
+        };
         let mut input_ids = Vec::with_capacity(plan.num_tokens());
         let mut positions = Vec::with_capacity(plan.num_tokens());
         let mut slot_mapping = Vec::with_capacity(plan.num_tokens());
@@ -76,19 +131,34 @@ impl Runner {
         let n = input_ids.len();
         let input_ids = Tensor::from_vec(input_ids, n, &self.device)?;
         let positions = Tensor::from_vec(positions, n, &self.device)?;
-        let mut backend = PagedAttention {
-            cache: &mut self.cache,
-            seqs: &metas,
-            slot_mapping: &slot_mapping,
+        let hidden = match &mut self.cache {
+            Cache::Cpu(cache) => {
+                cache.copy_blocks(&plan.block_copies);
+                let mut backend = PagedAttention {
+                    cache,
+                    seqs: &metas,
+                    slot_mapping: &slot_mapping,
+                };
+                self.model.forward(&input_ids, &positions, &mut backend)?
+            }
+            Cache::Tensor(cache) => {
+                cache.copy_blocks(&plan.block_copies)?;
+                let index = BatchIndex::new(&metas, &slot_mapping, cache.shape(), &self.device)?;
+                let mut backend = GenericPagedAttention {
+                    cache,
+                    index: &index,
+                };
+                self.model.forward(&input_ids, &positions, &mut backend)?
+            }
         };
-        let hidden = self.model.forward(&input_ids, &positions, &mut backend)?;
         // Logits only where a token is sampled: the lm_head is a large share of the FLOPs.
+        // Only those rows come to the host, as f32 whatever the engine's dtype.
         let mut rows = if sample_rows.is_empty() {
             Vec::new().into_iter()
         } else {
             let idx = Tensor::new(sample_rows.as_slice(), &self.device)?;
             let logits = self.model.logits(&hidden.index_select(&idx, 0)?)?;
-            logits.to_vec2::<f32>()?.into_iter()
+            logits.to_dtype(DType::F32)?.to_vec2::<f32>()?.into_iter()
         };
         Ok(plan
             .seqs

@@ -2,7 +2,7 @@
 
 use candle_core::{Device, Result, Tensor};
 
-use crate::ops::softmax_last_dim;
+use crate::ops::{at_least_f32, softmax_last_dim};
 
 /// How a layer's attention sees the keys and values of its tokens.
 ///
@@ -54,8 +54,9 @@ pub fn causal_attention_batch(
     let k = split(&repeat_kv(k, num_heads)?, k_len)?;
     let v = split(&repeat_kv(v, num_heads)?, k_len)?;
     // (.., q_len, d) x (.., d, k_len) -> (batch, heads, q_len, k_len)
+    // Scores and softmax in at least f32 whatever the inputs' dtype.
     let scale = 1.0 / (head_dim as f64).sqrt();
-    let scores = (q.matmul(&k.t()?)? * scale)?;
+    let scores = at_least_f32(&(q.matmul(&k.t()?)? * scale)?)?;
     let scores = if q_len > 1 || k_len > num_cached + q_len {
         scores.broadcast_add(
             &causal_mask(q_len, k_len, num_cached, q.device())?.to_dtype(scores.dtype())?,
@@ -63,7 +64,7 @@ pub fn causal_attention_batch(
     } else {
         scores
     };
-    let probs = softmax_last_dim(&scores)?;
+    let probs = softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
     // (.., q_len, k_len) x (.., k_len, d) -> (batch, heads, q_len, d) -> (batch * q_len, heads, d)
     probs
         .matmul(&v)?

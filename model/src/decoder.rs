@@ -186,6 +186,11 @@ impl CausalLm {
         self.embed_tokens.device()
     }
 
+    /// The dtype of the layers' weights (and so of the activations and K/V).
+    pub fn dtype(&self) -> candle_core::DType {
+        self.norm.dtype()
+    }
+
     /// The configuration the model was built with.
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
@@ -199,7 +204,12 @@ impl CausalLm {
         positions: &Tensor,
         backend: &mut dyn AttentionBackend,
     ) -> Result<Tensor> {
-        let mut x = self.embed_tokens.index_select(input_ids, 0)?;
+        // The embedding may be wider than the layers (the learner keeps it f32 under bf16
+        // compute, so that its gradient accumulates in f32).
+        let mut x = self
+            .embed_tokens
+            .index_select(input_ids, 0)?
+            .to_dtype(self.dtype())?;
         for (layer_idx, layer) in self.layers.iter().enumerate() {
             let normed = rms_norm(&x, &layer.input_layernorm, layer.eps)?;
             let attn = layer
@@ -214,6 +224,6 @@ impl CausalLm {
 
     /// Logits (tokens, vocab) of final hidden states (tokens, hidden).
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        linear(hidden, &self.lm_head, None)
+        linear(&hidden.to_dtype(self.lm_head.dtype())?, &self.lm_head, None)
     }
 }

@@ -4,12 +4,28 @@
 //! have no backward pass and silently drop gradients (candle #2168, #3568, #3569), so the
 //! model is written with these compositions of primitive ops only.
 
-use candle_core::{Result, Tensor, D};
+use candle_core::{DType, Result, Tensor, D};
 
-/// RMSNorm over the last dimension: `x / sqrt(mean(x^2) + eps) * weight`.
+/// `x` in f32 when it is in a half-precision dtype (bf16, f16), else `x` itself (f32 and
+/// f64 stay as they are): where reductions and softmaxes compute.
+pub fn at_least_f32(x: &Tensor) -> Result<Tensor> {
+    match x.dtype() {
+        DType::BF16 | DType::F16 => x.to_dtype(DType::F32),
+        _ => Ok(x.clone()),
+    }
+}
+
+/// RMSNorm over the last dimension: `x / sqrt(mean(x^2) + eps) * weight`. Computed in at
+/// least f32 (as HF does: a bf16 mean of squares loses the small values), then cast back
+/// before the weight.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-    let inv_rms = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
-    x.broadcast_mul(&inv_rms)?.broadcast_mul(weight)
+    let wide = at_least_f32(x)?;
+    let inv_rms = (wide.sqr()?.mean_keepdim(D::Minus1)? + eps)?
+        .sqrt()?
+        .recip()?;
+    wide.broadcast_mul(&inv_rms)?
+        .to_dtype(x.dtype())?
+        .broadcast_mul(weight)
 }
 
 /// Softmax over the last dimension. The max is detached: the result does not depend on it.

@@ -3,8 +3,10 @@
 //!
 //! Same device and dtype: zero-copy (the published tensors are detached views of the
 //! learner's storage, so the caller must not step the optimizer while an engine iteration
-//! reads them: the step loop fences at step boundaries). Otherwise each tensor is copied and
-//! cast once at publication.
+//! reads them: the step loop fences at step boundaries). Otherwise each tensor is cast into
+//! persistent buffers, in place: two sets allocated once and used in turn (the engine may
+//! still read the previous version while the next one is written, one step off-policy), so
+//! no step allocates and buffer addresses stay fixed.
 
 use candle_core::{DType, Device, DeviceLocation};
 use dppo_model::Weights;
@@ -36,6 +38,9 @@ pub struct PolicyStore {
     device: Device,
     dtype: DType,
     latest: Mutex<Published>,
+    /// When publishing casts: the buffers the next version is written into (the latest
+    /// version's are the other set); allocated at the first cast publication.
+    spare: Mutex<Option<Weights>>,
 }
 
 impl PolicyStore {
@@ -49,23 +54,56 @@ impl PolicyStore {
                 version: 0,
                 weights,
             }),
+            spare: Mutex::new(None),
         })
     }
 
     /// Publishes `weights` as the next version and returns that version.
     pub fn publish(&self, weights: &Weights) -> Result<u64, SyncError> {
-        let weights = transfer(weights, &self.device, self.dtype)?;
         let mut latest = self.latest.lock();
-        latest.version += 1;
-        latest.weights = weights;
-        Ok(latest.version)
+        let version = latest.version + 1;
+        self.replace(&mut latest, weights, version)?;
+        Ok(version)
     }
 
     /// Sets the newest version to `weights` as `version` (resuming from a checkpoint).
     pub fn restore(&self, weights: &Weights, version: u64) -> Result<(), SyncError> {
-        let weights = transfer(weights, &self.device, self.dtype)?;
-        *self.latest.lock() = Published { version, weights };
+        self.replace(&mut self.latest.lock(), weights, version)
+    }
+
+    /// Makes `weights` the latest version: zero-copy when they are on the store's device
+    /// and in its dtype, else cast into the spare buffers, which then become the latest.
+    fn replace(
+        &self,
+        latest: &mut Published,
+        weights: &Weights,
+        version: u64,
+    ) -> Result<(), SyncError> {
+        let err = self.error();
+        let weights = if is_in(weights, &self.device, self.dtype) {
+            weights.clone()
+        } else {
+            let mut spare = self.spare.lock();
+            let buffers = match spare.take() {
+                Some(buffers) => {
+                    write_into(&buffers, weights, &self.device).map_err(err)?;
+                    buffers
+                }
+                None => transfer(weights, &self.device, self.dtype)?,
+            };
+            *spare = Some(std::mem::replace(&mut latest.weights, buffers.clone()));
+            buffers
+        };
+        *latest = Published { version, weights };
         Ok(())
+    }
+
+    fn error(&self) -> impl Fn(dppo_model::ModelError) -> SyncError + '_ {
+        move |source| SyncError::Transfer {
+            device: self.device.location(),
+            dtype: self.dtype,
+            source: Box::new(source),
+        }
     }
 
     /// The newest version.
@@ -88,11 +126,7 @@ pub fn transfer(weights: &Weights, device: &Device, dtype: DType) -> Result<Weig
         dtype,
         source: Box::new(source),
     };
-    let same = weights
-        .tensors()
-        .values()
-        .all(|t| t.device().same_device(device) && t.dtype() == dtype);
-    if same {
+    if is_in(weights, device, dtype) {
         return Ok(weights.clone());
     }
     let moved = weights
@@ -100,6 +134,30 @@ pub fn transfer(weights: &Weights, device: &Device, dtype: DType) -> Result<Weig
         .and_then(|w| w.to_dtype(dtype))
         .map_err(err)?;
     Ok(moved)
+}
+
+/// Whether every tensor of `weights` is on `device` in `dtype`.
+fn is_in(weights: &Weights, device: &Device, dtype: DType) -> bool {
+    weights
+        .tensors()
+        .values()
+        .all(|t| t.device().same_device(device) && t.dtype() == dtype)
+}
+
+/// Writes `weights`, moved to `device` and cast, into `buffers` in place (same names and
+/// shapes: the buffers were made from an earlier version of the same model).
+fn write_into(buffers: &Weights, weights: &Weights, device: &Device) -> dppo_model::Result<()> {
+    for (name, dst) in buffers.tensors() {
+        let src = weights
+            .tensors()
+            .get(name)
+            .ok_or_else(|| dppo_model::ModelError::Weights {
+                origin: "published".into(),
+                reason: format!("published weights lack {name}"),
+            })?;
+        dst.slice_set(&src.to_device(device)?.to_dtype(dst.dtype())?, 0, 0)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -138,5 +196,26 @@ mod tests {
             .unwrap();
         assert!(view.iter().all(|&x| x == 3.0));
         assert!(cast.iter().all(|&x| x == 1.0));
+    }
+
+    #[test]
+    fn cast_publications_write_in_place_into_two_buffers_used_in_turn() {
+        let tiny = load_preset("tiny", &Device::Cpu).unwrap();
+        let (vars, trainable) = tiny.weights.to_vars().unwrap();
+        let store = PolicyStore::new(&trainable, Device::Cpu, DType::F64).unwrap();
+        let name = "model.norm.weight";
+        let var: &Var = &vars[name];
+        let mut ids = Vec::new();
+        for version in 1..=4 {
+            var.set(&(var.as_tensor() * 2.0).unwrap()).unwrap();
+            assert_eq!(store.publish(&trainable).unwrap(), version);
+            let t = store.latest().weights.tensors()[name].clone();
+            let want = var.as_tensor().to_dtype(DType::F64).unwrap();
+            assert_eq!(t.to_vec1::<f64>().unwrap(), want.to_vec1::<f64>().unwrap());
+            ids.push(t.id());
+        }
+        // Version 1 allocates the second set; from then on the two sets alternate.
+        assert_eq!((ids[1], ids[2]), (ids[3], ids[0]));
+        assert_ne!(ids[0], ids[1]);
     }
 }

@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use dppo_model::weights::{save_safetensors_atomic, write_atomic};
 use dppo_model::Policy;
 use serde::{Deserialize, Serialize};
@@ -121,8 +121,10 @@ impl Trainer {
         let text = std::fs::read_to_string(&path).map_err(io(&path))?;
         let state: TrainerState = serde_json::from_str(&text)
             .map_err(|e| TrainError::Config(format!("{}: {e}", path.display())))?;
+        // Onto the learner's device, whichever device wrote the checkpoint.
+        let device = self.learner.model.device().clone();
         let path = dir.join(OPTIMIZER);
-        let tensors = candle_core::safetensors::load(&path, &Device::Cpu)
+        let tensors = candle_core::safetensors::load(&path, &device)
             .map_err(|e| TrainError::Config(format!("{}: {e}", path.display())))?;
         let mut moments: BTreeMap<String, (Tensor, Tensor)> = BTreeMap::new();
         for name in self.learner.vars.keys() {
@@ -136,7 +138,7 @@ impl Trainer {
         self.learner.optimizer.moments = moments;
         let path = dir.join(REFERENCE);
         if self.learner.reference.is_some() && path.exists() {
-            let tensors = candle_core::safetensors::load(&path, &Device::Cpu)
+            let tensors = candle_core::safetensors::load(&path, &device)
                 .map_err(|e| TrainError::Config(format!("{}: {e}", path.display())))?;
             let weights = dppo_model::Weights::from_tensors(
                 self.learner.model.config(),

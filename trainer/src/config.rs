@@ -1,6 +1,8 @@
 //! The run configuration: TOML in the verl/TRL vocabulary, `--set key=value` overrides,
 //! unknown keys rejected, then validated once into a [`RunConfig`] the loop trusts.
 
+use candle_core::{DType, Device};
+use dppo_engine::AttentionMode;
 use dppo_model::DeviceSpec;
 use serde::{Deserialize, Serialize};
 
@@ -82,12 +84,40 @@ pub struct TrainConfig {
     /// changing nothing) after which the run writes a checkpoint of the last good state and
     /// stops with an error (0: never stop).
     pub max_nonfinite_steps: u64,
+    /// Dtype of the learner's forward and backward passes (`auto`: f32 on the CPU, bf16 on
+    /// a GPU); master weights and optimizer state stay f32.
+    pub compute_dtype: DtypeChoice,
 }
 
 impl Default for TrainConfig {
     fn default() -> Self {
         Self {
             max_nonfinite_steps: 3,
+            compute_dtype: DtypeChoice::Auto,
+        }
+    }
+}
+
+/// A dtype as the configuration names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DtypeChoice {
+    /// f32 on the CPU, bf16 on a GPU.
+    #[default]
+    Auto,
+    F32,
+    Bf16,
+    F16,
+}
+
+impl DtypeChoice {
+    /// The dtype on `device`.
+    pub fn resolve(self, device: &Device) -> DType {
+        match self {
+            Self::Auto => dppo_engine::engine::default_dtype(device),
+            Self::F32 => DType::F32,
+            Self::Bf16 => DType::BF16,
+            Self::F16 => DType::F16,
         }
     }
 }
@@ -262,12 +292,19 @@ pub struct EngineSettings {
     /// what weights, learner state and activations leave of it (`dppo plan` shows the split).
     /// Default 0.5, the engine being co-located with the learner (`dppo serve` uses 0.9).
     pub gpu_memory_utilization: f64,
+    /// The attention backend: `auto` (the CPU kernel for f32 on the CPU, the device-generic
+    /// path elsewhere), `cpu` or `generic`.
+    pub attention: AttentionMode,
+    /// Dtype of the engine's weights and KV cache (`auto`: f32 on the CPU, bf16 on a GPU).
+    pub dtype: DtypeChoice,
 }
 
 impl Default for EngineSettings {
     fn default() -> Self {
         Self {
             gpu_memory_utilization: 0.5,
+            attention: AttentionMode::Auto,
+            dtype: DtypeChoice::Auto,
         }
     }
 }
@@ -469,6 +506,12 @@ impl RunConfig {
             u > 0.0 && u <= 1.0,
             "engine.gpu_memory_utilization",
             format!("must be in (0, 1], got {u}"),
+        )?;
+        check(
+            self.train.compute_dtype != DtypeChoice::F16,
+            "train.compute_dtype",
+            "f16 is not supported (its range overflows in the backward pass): use f32 or bf16"
+                .into(),
         )?;
         Ok(())
     }

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use dppo_model::{CausalLm, ModelConfig, Weights};
 
 use crate::loss::{buffer_loss, buffer_nll, LossConfig, TrainSeq};
@@ -25,6 +25,9 @@ pub struct LearnerConfig {
     pub pack_tokens: usize,
     /// Sequences per first-fit-decreasing window (`pack_window`).
     pub pack_window: usize,
+    /// Dtype of the forward and backward passes (`train.compute_dtype`); the master
+    /// weights, their gradients and the optimizer state stay f32 whatever it is.
+    pub compute_dtype: DType,
 }
 
 impl LearnerConfig {
@@ -50,6 +53,7 @@ impl LearnerConfig {
             grad_clip,
             pack_tokens,
             pack_window,
+            compute_dtype: DType::F32,
         }
     }
 }
@@ -76,9 +80,15 @@ pub struct Reference {
 }
 
 impl Reference {
-    fn new(config: &ModelConfig, weights: &Weights) -> Result<Self, TrainError> {
+    /// A frozen copy of `weights` (kept as given: checkpoints save it), its model reading
+    /// a cast to `compute_dtype`.
+    fn new(
+        config: &ModelConfig,
+        weights: &Weights,
+        compute_dtype: DType,
+    ) -> Result<Self, TrainError> {
         let weights = weights.deep_copy()?;
-        let model = CausalLm::new(config, &weights)?;
+        let model = CausalLm::new(config, &weights.to_dtype(compute_dtype)?)?;
         Ok(Self { weights, model })
     }
 }
@@ -106,7 +116,7 @@ impl Learner {
         let (vars, trainable) = weights.to_vars()?;
         let model = CausalLm::new(config, &trainable)?;
         let reference = if cfg.loss.beta > 0.0 {
-            Some(Reference::new(config, weights)?)
+            Some(Reference::new(config, weights, cfg.compute_dtype)?)
         } else {
             None
         };
@@ -123,7 +133,11 @@ impl Learner {
     /// reference saved in a checkpoint). No-op when the KL term is off.
     pub fn set_reference(&mut self, weights: &Weights) -> Result<(), TrainError> {
         if self.reference.is_some() {
-            self.reference = Some(Reference::new(self.model.config(), weights)?);
+            self.reference = Some(Reference::new(
+                self.model.config(),
+                weights,
+                self.cfg.compute_dtype,
+            )?);
         }
         Ok(())
     }
@@ -139,6 +153,37 @@ impl Learner {
             self.model.config(),
             tensors,
             "learner",
+        )?)
+    }
+
+    /// The model the forward and backward passes run: over the f32 masters themselves, or
+    /// over their cast to the compute dtype (a differentiable cast: the gradients reach the
+    /// masters in f32). The embedding and the LM head stay f32, as under PyTorch's autocast:
+    /// an embedding gradient summed in bf16 over repeated tokens loses most of its bits.
+    fn compute_model(&self) -> Result<CausalLm, TrainError> {
+        if self.cfg.compute_dtype == DType::F32 {
+            return Ok(self.model.clone());
+        }
+        let tensors = self
+            .vars
+            .iter()
+            .map(|(n, v)| {
+                let t = v.as_tensor();
+                let wide = n == "model.embed_tokens.weight" || n == "lm_head.weight";
+                Ok((
+                    n.clone(),
+                    if wide {
+                        t.clone()
+                    } else {
+                        t.to_dtype(self.cfg.compute_dtype)?
+                    },
+                ))
+            })
+            .collect::<candle_core::Result<_>>()?;
+        let config = self.model.config();
+        Ok(CausalLm::new(
+            config,
+            &Weights::from_tensors(config, tensors, "learner")?,
         )?)
     }
 
@@ -168,10 +213,11 @@ impl Learner {
         let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
         let mut m = StepMetrics::default();
         let (mut tokens, mut clipped) = (0usize, 0usize);
+        let model = self.compute_model()?;
         for buffer in &buffers {
             let seqs: Vec<&TrainSeq> = buffer.iter().map(|&i| &batch.seqs[i]).collect();
             let out = buffer_loss(
-                &self.model,
+                &model,
                 self.reference.as_ref().map(|r| &r.model),
                 &seqs,
                 &self.cfg.loss,
@@ -204,9 +250,10 @@ impl Learner {
         let run = || -> Result<(BTreeMap<String, Tensor>, f64), TrainError> {
             let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
             let mut total = 0.0;
+            let model = self.compute_model()?;
             for buffer in &buffers {
                 let refs: Vec<&TrainSeq> = buffer.iter().map(|&i| &seqs[i]).collect();
-                let loss = (buffer_nll(&self.model, &refs)? / num_tokens.max(1) as f64)?;
+                let loss = (buffer_nll(&model, &refs)? / num_tokens.max(1) as f64)?;
                 total += loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
                 accumulate(&mut grads, &self.vars, &loss.backward()?)?;
             }
@@ -341,5 +388,40 @@ mod tests {
         let after = state_bits(&learner);
         assert_eq!(after.1, 2, "the skipped steps did not count");
         assert!(after.0 != good.0, "a finite step still trains");
+    }
+
+    /// bf16 compute: the gradients reach the f32 masters as f32 and point where the f32
+    /// learner's do; after a step the masters and the AdamW moments are still f32.
+    #[test]
+    fn bf16_compute_keeps_f32_masters_and_moments_and_follows_f32_gradients() {
+        let policy = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
+        let learner = |compute_dtype| {
+            let cfg = LearnerConfig {
+                compute_dtype,
+                ..LearnerConfig::token_mean(1e-2, 1.0, 64, 8)
+            };
+            Learner::new(&policy.config, &policy.weights, cfg).unwrap()
+        };
+        let (f32_learner, mut bf16_learner) = (learner(DType::F32), learner(DType::BF16));
+        let (want, _) = f32_learner.gradients(&batch(1.0)).unwrap();
+        let (got, _) = bf16_learner.gradients(&batch(1.0)).unwrap();
+        let flat = |g: &BTreeMap<String, Tensor>| -> Vec<f32> {
+            g.values()
+                .flat_map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+                .collect()
+        };
+        assert!(got.values().all(|g| g.dtype() == DType::F32));
+        let (a, b) = (flat(&want), flat(&got));
+        let dot: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
+        let norm = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>().sqrt();
+        let cosine = dot / (norm(&a) * norm(&b));
+        assert!(cosine > 0.99, "cosine of bf16 and f32 gradients: {cosine}");
+        assert!(!bf16_learner.step(&batch(1.0)).unwrap().is_nonfinite);
+        assert!(bf16_learner.vars.values().all(|v| v.dtype() == DType::F32));
+        assert!(bf16_learner
+            .optimizer
+            .moments
+            .values()
+            .all(|(m, v)| m.dtype() == DType::F32 && v.dtype() == DType::F32));
     }
 }

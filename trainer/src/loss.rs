@@ -2,7 +2,7 @@
 //! weights from pruning and normalisers computed once over the full, unpruned batch.
 
 use candle_core::{DType, Device, Result, Tensor, D};
-use dppo_model::ops::{log_softmax_last_dim, token_logprobs};
+use dppo_model::ops::{at_least_f32, log_softmax_last_dim, token_logprobs};
 use dppo_model::{CausalLm, PackedRow};
 use serde::{Deserialize, Serialize};
 
@@ -144,7 +144,8 @@ impl CompletionRows {
     fn logits(&self, model: &CausalLm) -> Result<Tensor> {
         let r = &self.row;
         let hidden = model.forward(&r.input_ids, &r.positions, &mut r.attention())?;
-        model.logits(&hidden.index_select(&self.rows, 0)?)
+        // Log-softmax in at least f32 whatever the compute dtype.
+        at_least_f32(&model.logits(&hidden.index_select(&self.rows, 0)?)?)
     }
 }
 

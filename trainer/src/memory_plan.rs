@@ -141,7 +141,7 @@ pub struct MemoryPlan {
     pub master_weights: u64,
     /// AdamW's two f32 moments.
     pub optimizer_state: u64,
-    /// Gradients, in the compute dtype.
+    /// Gradients of the master weights, f32 (the compute dtype's are cast back).
     pub gradients: u64,
     /// The compute-dtype copy of the weights (0 when computing in f32).
     pub compute_weights: u64,
@@ -266,7 +266,7 @@ pub fn plan(input: &PlanInputs) -> Result<MemoryPlan, PlanError> {
         let t = learner.pack_tokens;
         plan.master_weights = 4 * m.num_parameters;
         plan.optimizer_state = 8 * m.num_parameters;
-        plan.gradients = cb * m.num_parameters;
+        plan.gradients = 4 * m.num_parameters;
         if learner.compute_dtype != Precision::F32 {
             plan.compute_weights = cb * m.num_parameters;
         }

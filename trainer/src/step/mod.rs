@@ -109,6 +109,7 @@ impl Trainer {
             grad_clip: cfg.actor.grad_clip,
             pack_tokens: cfg.pack.tokens,
             pack_window: cfg.pack.window,
+            compute_dtype: cfg.train.compute_dtype.resolve(device),
         };
         if train.is_empty() {
             return Err(TrainError::Config(
@@ -122,21 +123,31 @@ impl Trainer {
             .map(Vec::len)
             .fold(eval.longest_prompt(), usize::max);
         check_pack_tokens(&cfg, longest)?;
+        let engine_dtype = cfg.engine.dtype.resolve(device);
         let mut engine_cfg = EngineConfig {
             kv_cache_bytes: 1 << 30,
             isolate_high_priority: cfg.deterministic,
+            attention: cfg.engine.attention,
+            dtype: Some(engine_dtype),
             ..EngineConfig::default()
         };
         // On a GPU the KV cache gets what the memory plan leaves; the CPU keeps its size.
         if let Some((free, total)) = dppo_model::device::memory_info(device)? {
             let seq_len = longest + cfg.rollout.max_response_len;
-            let plan = gpu_plan(&cfg, policy, &engine_cfg, (free, total), seq_len)?;
+            let plan = gpu_plan(
+                &cfg,
+                policy,
+                &engine_cfg,
+                learner_cfg.compute_dtype,
+                (free, total),
+                seq_len,
+            )?;
             tracing::info!("GPU memory plan:\n{plan}");
             engine_cfg.kv_cache_tokens = Some(plan.kv_tokens as usize);
         }
         let learner = Learner::new(&policy.config, &policy.weights, learner_cfg)?;
         let engine = Arc::new(Engine::new(policy, engine_cfg, device.clone())?);
-        let store = PolicyStore::new(&policy.weights, device.clone(), DType::F32)?;
+        let store = PolicyStore::new(&policy.weights, device.clone(), engine_dtype)?;
         let num_demos = match cfg.warmup.examples {
             0 => train.len(),
             n => n.min(train.len()),
@@ -372,20 +383,21 @@ fn check_pack_tokens(cfg: &RunConfig, longest: usize) -> Result<(), TrainError> 
     Ok(())
 }
 
-/// The memory plan of a co-located run on a GPU with `free` of `total` bytes: engine and
-/// learner compute in f32 today.
+/// The memory plan of a co-located run on a GPU with `free` of `total` bytes, in the
+/// engine's and the learner's dtypes.
 fn gpu_plan(
     cfg: &RunConfig,
     policy: &Policy,
     engine: &EngineConfig,
+    learner_dtype: DType,
     (free, total): (u64, u64),
     seq_len: usize,
 ) -> Result<MemoryPlan, TrainError> {
     Ok(memory_plan::plan(&PlanInputs {
         model: ModelShape::from(&policy.config),
-        engine_dtype: Precision::F32,
+        engine_dtype: precision(engine.dtype.unwrap_or(DType::F32)),
         learner: Some(LearnerInputs {
-            compute_dtype: Precision::F32,
+            compute_dtype: precision(learner_dtype),
             pack_tokens: cfg.pack.tokens as u64,
         }),
         total_memory: total,
@@ -395,6 +407,15 @@ fn gpu_plan(
         max_batched_tokens: engine.max_batched_tokens as u64,
         seq_len: seq_len as u64,
     })?)
+}
+
+/// The memory plan's name of a floating-point dtype.
+fn precision(dtype: DType) -> Precision {
+    match dtype {
+        DType::BF16 => Precision::Bf16,
+        DType::F16 => Precision::F16,
+        _ => Precision::F32,
+    }
 }
 
 #[cfg(test)]
