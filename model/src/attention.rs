@@ -2,8 +2,6 @@
 
 use candle_core::{Device, Result, Tensor};
 
-use crate::ops::softmax_last_dim;
-
 /// How a layer's attention sees the keys and values of its tokens.
 ///
 /// The model computes roped `q`, `k`, `v` for the tokens it was given and hands them to the
@@ -27,7 +25,7 @@ impl AttentionBackend for CausalAttention {
 
 /// Causal attention of `q` (q_len, heads, d) over `k`, `v` (num_cached + q_len, kv_heads, d):
 /// query `i` sits at key position `num_cached + i` and sees keys `0..=num_cached + i`.
-/// Differentiable (composite softmax).
+/// Differentiable ([`crate::fused::causal_softmax`]).
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, num_cached: usize) -> Result<Tensor> {
     causal_attention_batch(q, k, v, 1, num_cached)
 }
@@ -55,15 +53,7 @@ pub fn causal_attention_batch(
     let v = split(&repeat_kv(v, num_heads)?, k_len)?;
     // (.., q_len, d) x (.., d, k_len) -> (batch, heads, q_len, k_len)
     let scale = 1.0 / (head_dim as f64).sqrt();
-    let scores = (q.matmul(&k.t()?)? * scale)?;
-    let scores = if q_len > 1 || k_len > num_cached + q_len {
-        scores.broadcast_add(
-            &causal_mask(q_len, k_len, num_cached, q.device())?.to_dtype(scores.dtype())?,
-        )?
-    } else {
-        scores
-    };
-    let probs = softmax_last_dim(&scores)?;
+    let probs = crate::fused::causal_softmax(&q.matmul(&k.t()?)?, scale, num_cached)?;
     // (.., q_len, k_len) x (.., k_len, d) -> (batch, heads, q_len, d) -> (batch * q_len, heads, d)
     probs
         .matmul(&v)?
