@@ -9,9 +9,9 @@ use candle_core::{Result, Tensor};
 
 use crate::attention::AttentionBackend;
 use crate::config::ModelConfig;
+use crate::fused::{rms_norm, silu_mul};
 use crate::linear::linear;
 use crate::lm_head::{lm_head_token_stats, TokenStats};
-use crate::fused::{rms_norm, silu_mul};
 use crate::rope::Rope;
 use crate::weights::Weights;
 

@@ -24,7 +24,11 @@ pub struct TokenStats {
 /// Log-probabilities of `targets` (rows,) u32 under `hidden` (rows, hidden) `@ weight^T`
 /// (weight: (vocab, hidden)), and the entropies. On the CPU it is one fused, chunked op;
 /// elsewhere the composite of differentiable ops (same values, all logits held).
-pub fn lm_head_token_stats(hidden: &Tensor, weight: &Tensor, targets: &Tensor) -> Result<TokenStats> {
+pub fn lm_head_token_stats(
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: &Tensor,
+) -> Result<TokenStats> {
     if hidden.device().is_cpu() {
         let rows = (CHUNK_ELEMS / weight.dim(0)?.max(1)).max(1);
         fused(hidden, weight, targets, rows)
@@ -34,7 +38,12 @@ pub fn lm_head_token_stats(hidden: &Tensor, weight: &Tensor, targets: &Tensor) -
 }
 
 /// The fused op with `chunk_rows` rows of logits per chunk.
-fn fused(hidden: &Tensor, weight: &Tensor, targets: &Tensor, chunk_rows: usize) -> Result<TokenStats> {
+fn fused(
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: &Tensor,
+    chunk_rows: usize,
+) -> Result<TokenStats> {
     let op = FusedLmHead {
         hidden: hidden.detach(),
         weight: weight.detach(),
@@ -192,7 +201,12 @@ mod tests {
     }
 
     fn values(t: &Tensor) -> Vec<f64> {
-        t.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1().unwrap()
+        t.flatten_all()
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_vec1()
+            .unwrap()
     }
 
     /// Loss `sum(coef * logprobs)` through `stats`, its gradients w.r.t. hidden and
@@ -205,7 +219,10 @@ mod tests {
         let s = stats(h.as_tensor(), w.as_tensor(), &targets).unwrap();
         let loss = (&s.logprobs * &coef).unwrap().sum_all().unwrap();
         let grads = loss.backward().unwrap();
-        assert!(!grads.get(&w).unwrap().track_op(), "w's gradient tracks ops");
+        assert!(
+            !grads.get(&w).unwrap().track_op(),
+            "w's gradient tracks ops"
+        );
         [
             values(&s.logprobs),
             values(&s.entropy),

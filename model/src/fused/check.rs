@@ -38,7 +38,9 @@ fn loss_and_grads(
     let inputs: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
     let out = f(&inputs).unwrap();
     let n = out.elem_count();
-    let probe: Vec<f64> = (0..n).map(|i| 1.0 + 0.37 * ((i * 7) % 11) as f64 - 1.9).collect();
+    let probe: Vec<f64> = (0..n)
+        .map(|i| 1.0 + 0.37 * ((i * 7) % 11) as f64 - 1.9)
+        .collect();
     let probe = Tensor::from_vec(probe, out.shape(), &Device::Cpu)
         .unwrap()
         .to_dtype(out.dtype())
@@ -68,7 +70,10 @@ pub(crate) fn fused_matches_composite(
         assert_eq!(a.len(), b.len(), "{what}");
         let scale = b.iter().fold(1e-12f64, |m, x| m.max(x.abs()));
         for (i, (x, y)) in a.iter().zip(b).enumerate() {
-            assert!((x - y).abs() <= 1e-5 * scale, "{what}[{i}]: fused {x}, composite {y}");
+            assert!(
+                (x - y).abs() <= 1e-5 * scale,
+                "{what}[{i}]: fused {x}, composite {y}"
+            );
         }
     };
     for dtype in [DType::F32, DType::F64] {

@@ -90,7 +90,9 @@ fn for_rows<R: Real>(out: &mut [R], width: usize, f: impl Fn(usize, &mut [R]) + 
             .enumerate()
             .for_each(|(r, row)| f(r, row));
     } else {
-        out.chunks_mut(width).enumerate().for_each(|(r, row)| f(r, row));
+        out.chunks_mut(width)
+            .enumerate()
+            .for_each(|(r, row)| f(r, row));
     }
 }
 

@@ -74,7 +74,10 @@ impl CustomOp3 for Rotate {
                 sl.shape()
             );
         }
-        Ok((run_kernel(self, &[(xs, xl), (cs, cl), (ss, sl)])?, xl.shape().clone()))
+        Ok((
+            run_kernel(self, &[(xs, xl), (cs, cl), (ss, sl)])?,
+            xl.shape().clone(),
+        ))
     }
 
     fn bwd(

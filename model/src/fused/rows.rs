@@ -87,7 +87,10 @@ impl CustomOp2 for RmsNorm {
             candle_core::bail!("rms_norm: x {:?} but weight {:?}", xl.shape(), wl.shape());
         }
         let kernel = NormRows { op: *self, width };
-        Ok((run_kernel(&kernel, &[(xs, xl), (ws, wl)])?, xl.shape().clone()))
+        Ok((
+            run_kernel(&kernel, &[(xs, xl), (ws, wl)])?,
+            xl.shape().clone(),
+        ))
     }
 
     fn bwd(
@@ -124,7 +127,10 @@ impl CustomOp3 for NormGradX {
         if l1.shape() != l3.shape() {
             candle_core::bail!("rms_norm backward: x and grad differ in shape");
         }
-        Ok((run_kernel(self, &[(s1, l1), (s2, l2), (s3, l3)])?, l1.shape().clone()))
+        Ok((
+            run_kernel(self, &[(s1, l1), (s2, l2), (s3, l3)])?,
+            l1.shape().clone(),
+        ))
     }
 }
 
@@ -226,7 +232,10 @@ impl CustomOp1 for CausalSoftmax {
 
     fn bwd(&self, _scores: &Tensor, probs: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let probs = probs.detach();
-        Ok(Some(probs.apply_op2_no_bwd(&grad.contiguous()?, &SoftmaxGrad(*self))?))
+        Ok(Some(probs.apply_op2_no_bwd(
+            &grad.contiguous()?,
+            &SoftmaxGrad(*self),
+        )?))
     }
 }
 

@@ -76,7 +76,10 @@ impl CustomOp2 for SiluMul {
         if gl.shape() != ul.shape() {
             candle_core::bail!("silu_mul: gate {:?} but up {:?}", gl.shape(), ul.shape());
         }
-        Ok((run_kernel(&Forward, &[(gs, gl), (us, ul)])?, gl.shape().clone()))
+        Ok((
+            run_kernel(&Forward, &[(gs, gl), (us, ul)])?,
+            gl.shape().clone(),
+        ))
     }
 
     fn bwd(
@@ -110,7 +113,10 @@ impl CustomOp3 for Backward {
         if l1.shape() != l2.shape() || l1.shape() != l3.shape() {
             candle_core::bail!("silu_mul backward: operands differ in shape");
         }
-        Ok((run_kernel(self, &[(s1, l1), (s2, l2), (s3, l3)])?, l1.shape().clone()))
+        Ok((
+            run_kernel(self, &[(s1, l1), (s2, l2), (s3, l3)])?,
+            l1.shape().clone(),
+        ))
     }
 }
 
