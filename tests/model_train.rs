@@ -36,21 +36,22 @@ fn alone_logprobs(model: &CausalLm, seq: &[u32]) -> Tensor {
     token_logprobs(&logits, &ids.narrow(0, 1, n - 1).unwrap()).unwrap()
 }
 
-/// Per-token logprobs of each next token of every sequence, from one packed row.
+/// Per-token logprobs of each next token of every sequence, from one packed row through the
+/// training path (the fused lm-head, which never holds the logits whole); `alone_logprobs`
+/// takes the composite one.
 fn packed_logprobs(model: &CausalLm, seqs: &[Vec<u32>]) -> Vec<Tensor> {
     let refs: Vec<&[u32]> = seqs.iter().map(|s| s.as_slice()).collect();
     let row = PackedRow::new(&refs, &Device::Cpu).unwrap();
     let hidden = model
         .forward(&row.input_ids, &row.positions, &mut row.attention())
         .unwrap();
-    let logits = model.logits(&hidden).unwrap();
     row.cu_seqlens
         .windows(2)
         .map(|w| {
             let (start, len) = (w[0], w[1] - w[0]);
-            let l = logits.narrow(0, start, len - 1).unwrap();
+            let h = hidden.narrow(0, start, len - 1).unwrap();
             let targets = row.input_ids.narrow(0, start + 1, len - 1).unwrap();
-            token_logprobs(&l, &targets).unwrap()
+            model.token_stats(&h, &targets).unwrap().logprobs
         })
         .collect()
 }

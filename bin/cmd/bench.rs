@@ -8,7 +8,7 @@ use anyhow::Context;
 use candle_core::{Device, Tensor};
 use dppo_engine::naive::generate_naive;
 use dppo_engine::{Engine, EngineConfig, GenerateRequest, SamplingParams};
-use dppo_model::{ChatMessage, DeviceSpec, Policy};
+use dppo_model::{ChatMessage, DeviceSpec, ModelConfig, Policy};
 use serde_json::json;
 
 /// Benchmarks.
@@ -143,7 +143,7 @@ fn rollout(args: RolloutArgs) -> anyhow::Result<()> {
         generate_naive(&model, &reqs, policy.eos_token_ids(), &device)?;
         Some(start.elapsed().as_secs_f64())
     };
-    let flops_per_s = matmul_rate(&policy, &device)?;
+    let flops_per_s = matmul_rate(&policy.config, &device)?;
     let limit_tokens_per_s = flops_per_s / (2.0 * policy.config.num_parameters() as f64);
     let tokens_per_s = num_tokens as f64 / ours_s;
     let report = json!({
@@ -172,12 +172,8 @@ fn rollout(args: RolloutArgs) -> anyhow::Result<()> {
 
 /// Measured f32 matmul FLOP/s (best of five) at the shape of a decode batch through the
 /// model's MLP.
-fn matmul_rate(policy: &Policy, device: &Device) -> anyhow::Result<f64> {
-    let (m, k, n) = (
-        128,
-        policy.config.hidden_size,
-        policy.config.intermediate_size,
-    );
+fn matmul_rate(config: &ModelConfig, device: &Device) -> anyhow::Result<f64> {
+    let (m, k, n) = (128, config.hidden_size, config.intermediate_size);
     let a = Tensor::randn(0f32, 1.0, (m, k), device)?;
     let b = Tensor::randn(0f32, 1.0, (n, k), device)?;
     a.matmul(&b.t()?)?; // warm-up
@@ -224,6 +220,9 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
     };
     let cfg = LearnerConfig::token_mean(1e-6, 1.0, args.pack_tokens, 64);
     let mut learner = Learner::new(&policy.config, &policy.weights, cfg)?;
+    // The learner trains its own copy: the loaded weights are not part of what is measured.
+    let config = policy.config.clone();
+    drop(policy);
     learner.step(&batch)?; // warm-up
     let start = Instant::now();
     let mut density = 0.0;
@@ -233,9 +232,9 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
     let seconds = start.elapsed().as_secs_f64() / args.steps as f64;
     let tokens = args.seqs * (args.prompt_len + args.completion_len);
     let tokens_per_s = tokens as f64 / seconds;
-    let flops_per_s = matmul_rate(&policy, &device)?;
+    let flops_per_s = matmul_rate(&config, &device)?;
     // Forward + backward: about 6 FLOPs per parameter per token.
-    let limit = flops_per_s / (6.0 * policy.config.num_parameters() as f64);
+    let limit = flops_per_s / (6.0 * config.num_parameters() as f64);
     let report = json!({
         "model": args.model,
         "cpu_kernel": dppo_model::cpu_kernel()?.name(),

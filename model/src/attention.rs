@@ -2,7 +2,7 @@
 
 use candle_core::{Device, Result, Tensor};
 
-use crate::ops::{at_least_f32, softmax_last_dim};
+use crate::ops::at_least_f32;
 
 /// How a layer's attention sees the keys and values of its tokens.
 ///
@@ -27,7 +27,7 @@ impl AttentionBackend for CausalAttention {
 
 /// Causal attention of `q` (q_len, heads, d) over `k`, `v` (num_cached + q_len, kv_heads, d):
 /// query `i` sits at key position `num_cached + i` and sees keys `0..=num_cached + i`.
-/// Differentiable (composite softmax).
+/// Differentiable ([`crate::fused::causal_softmax`]).
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, num_cached: usize) -> Result<Tensor> {
     causal_attention_batch(q, k, v, 1, num_cached)
 }
@@ -56,15 +56,8 @@ pub fn causal_attention_batch(
     // (.., q_len, d) x (.., d, k_len) -> (batch, heads, q_len, k_len)
     // Scores and softmax in at least f32 whatever the inputs' dtype.
     let scale = 1.0 / (head_dim as f64).sqrt();
-    let scores = at_least_f32(&(q.matmul(&k.t()?)? * scale)?)?;
-    let scores = if q_len > 1 || k_len > num_cached + q_len {
-        scores.broadcast_add(
-            &causal_mask(q_len, k_len, num_cached, q.device())?.to_dtype(scores.dtype())?,
-        )?
-    } else {
-        scores
-    };
-    let probs = softmax_last_dim(&scores)?.to_dtype(v.dtype())?;
+    let scores = at_least_f32(&q.matmul(&k.t()?)?)?;
+    let probs = crate::fused::causal_softmax(&scores, scale, num_cached)?.to_dtype(v.dtype())?;
     // (.., q_len, k_len) x (.., k_len, d) -> (batch, heads, q_len, d) -> (batch * q_len, heads, d)
     probs
         .matmul(&v)?

@@ -2,14 +2,16 @@
 //!
 //! Inputs are flat token streams (tokens,) with explicit position ids; attention goes
 //! through an [`AttentionBackend`] so that packed training rows and paged inference share
-//! this code. Only differentiable composite ops are used (see [`crate::ops`]).
+//! this code. Only differentiable ops are used: composites (see [`crate::ops`]), or for
+//! training on the CPU custom ops with their own backward (see [`crate::fused`]).
 
 use candle_core::{Result, Tensor};
 
 use crate::attention::AttentionBackend;
 use crate::config::ModelConfig;
+use crate::fused::{rms_norm, silu_mul};
 use crate::linear::linear;
-use crate::ops::{rms_norm, silu};
+use crate::lm_head::{lm_head_token_stats, TokenStats};
 use crate::rope::Rope;
 use crate::weights::Weights;
 
@@ -31,9 +33,9 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gate = silu(&linear(x, &self.gate_proj, None)?)?;
+        let gate = linear(x, &self.gate_proj, None)?;
         let up = linear(x, &self.up_proj, None)?;
-        linear(&(gate * up)?, &self.down_proj, None)
+        linear(&silu_mul(&gate, &up)?, &self.down_proj, None)
     }
 }
 
@@ -225,5 +227,14 @@ impl CausalLm {
     /// Logits (tokens, vocab) of final hidden states (tokens, hidden).
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         linear(&hidden.to_dtype(self.lm_head.dtype())?, &self.lm_head, None)
+    }
+
+    /// Log-probabilities of `targets` (tokens,) u32 and next-token entropies at final hidden
+    /// states (tokens, hidden), without ever holding the (tokens, vocab) logits whole on the
+    /// CPU (see [`crate::lm_head`]): what training needs of the lm-head.
+    /// The hidden states are cast to the lm-head's dtype (f32 under bf16 compute).
+    pub fn token_stats(&self, hidden: &Tensor, targets: &Tensor) -> Result<TokenStats> {
+        let hidden = hidden.to_dtype(self.lm_head.dtype())?;
+        lm_head_token_stats(&hidden, &self.lm_head, targets)
     }
 }

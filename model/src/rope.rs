@@ -1,4 +1,5 @@
-//! Rotary position embeddings in the HF "rotate half" layout, as composite ops.
+//! Rotary position embeddings in the HF "rotate half" layout (fused for training on the
+//! CPU, see [`crate::fused`]).
 
 use candle_core::{DType, Device, Result, Tensor, D};
 
@@ -36,24 +37,31 @@ impl Rope {
     /// Rotates `x` (tokens, heads, head_dim) by the angles of `positions` (tokens,) u32.
     pub fn apply(&self, x: &Tensor, positions: &Tensor) -> Result<Tensor> {
         let dtype = x.dtype();
-        let half = x.dim(D::Minus1)? / 2;
-        // (tokens, half) -> (tokens, 1, half): one angle per token, shared by all heads
-        let cos = self.cos.index_select(positions, 0)?.unsqueeze(1)?;
-        let sin = self.sin.index_select(positions, 0)?.unsqueeze(1)?;
+        // (tokens, half): one angle per token, shared by all heads
+        let cos = self.cos.index_select(positions, 0)?;
+        let sin = self.sin.index_select(positions, 0)?;
         let (cos, sin) = if dtype == DType::F32 {
             (cos, sin)
         } else {
             (cos.to_dtype(dtype)?, sin.to_dtype(dtype)?)
         };
-        let x1 = x.narrow(D::Minus1, 0, half)?;
-        let x2 = x.narrow(D::Minus1, half, half)?;
-        let r1 = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
-        let r2 = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
-        Tensor::cat(&[r1, r2], D::Minus1)
+        crate::fused::rope(x, &cos, &sin)
     }
 
     /// Number of positions the tables cover.
     pub fn max_positions(&self) -> usize {
         self.cos.dims()[0]
     }
+}
+
+/// The rotation of `x` (tokens, heads, head_dim) by `cos`, `sin` (tokens, head_dim / 2) as
+/// composite ops.
+pub fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let half = x.dim(D::Minus1)? / 2;
+    let (cos, sin) = (cos.unsqueeze(1)?, sin.unsqueeze(1)?);
+    let x1 = x.narrow(D::Minus1, 0, half)?;
+    let x2 = x.narrow(D::Minus1, half, half)?;
+    let r1 = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
+    let r2 = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
+    Tensor::cat(&[r1, r2], D::Minus1)
 }

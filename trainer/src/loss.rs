@@ -1,8 +1,8 @@
 //! The clipped surrogate loss of the GRPO family over one packed buffer, with per-token
 //! weights from pruning and normalisers computed once over the full, unpruned batch.
 
-use candle_core::{DType, Device, Result, Tensor, D};
-use dppo_model::ops::{at_least_f32, log_softmax_last_dim, token_logprobs};
+use candle_core::{DType, Device, Result, Tensor};
+use dppo_model::lm_head::TokenStats;
 use dppo_model::{CausalLm, PackedRow};
 use serde::{Deserialize, Serialize};
 
@@ -90,14 +90,17 @@ pub fn buffer_loss(
     norm: &Normalisers,
 ) -> Result<BufferLoss> {
     let row = CompletionRows::new(seqs, model.device())?;
-    let logits = row.logits(model)?;
-    let logprobs = token_logprobs(&logits, &row.targets)?;
+    let stats = row.token_stats(model)?;
     let ref_logprobs = match reference {
-        Some(r) if cfg.beta > 0.0 => Some(token_logprobs(&row.logits(r)?, &row.targets)?.detach()),
+        Some(r) if cfg.beta > 0.0 => Some(row.token_stats(r)?.logprobs.detach()),
         _ => None,
     };
-    let entropy_sum = entropy(&logits.detach())?;
-    let mut out = token_loss(&logprobs, ref_logprobs.as_ref(), seqs, cfg, norm)?;
+    let entropy_sum = stats
+        .entropy
+        .to_dtype(DType::F64)?
+        .sum_all()?
+        .to_scalar::<f64>()?;
+    let mut out = token_loss(&stats.logprobs, ref_logprobs.as_ref(), seqs, cfg, norm)?;
     out.entropy_sum = entropy_sum;
     Ok(out)
 }
@@ -106,9 +109,7 @@ pub fn buffer_loss(
 /// (supervised warm-up on demonstrations).
 pub fn buffer_nll(model: &CausalLm, seqs: &[&TrainSeq]) -> Result<Tensor> {
     let row = CompletionRows::new(seqs, model.device())?;
-    token_logprobs(&row.logits(model)?, &row.targets)?
-        .sum_all()?
-        .neg()
+    row.token_stats(model)?.logprobs.sum_all()?.neg()
 }
 
 /// A packed row and the rows of it whose next token is a completion token.
@@ -140,12 +141,12 @@ impl CompletionRows {
         })
     }
 
-    /// Logits (M, vocab) of `model` at the completion rows; the lm_head runs on those only.
-    fn logits(&self, model: &CausalLm) -> Result<Tensor> {
+    /// Logprobs of the targets and entropies (M,) under `model` at the completion rows;
+    /// the lm-head runs on those rows only.
+    fn token_stats(&self, model: &CausalLm) -> Result<TokenStats> {
         let r = &self.row;
         let hidden = model.forward(&r.input_ids, &r.positions, &mut r.attention())?;
-        // Log-softmax in at least f32 whatever the compute dtype.
-        at_least_f32(&model.logits(&hidden.index_select(&self.rows, 0)?)?)
+        model.token_stats(&hidden.index_select(&self.rows, 0)?, &self.targets)
     }
 }
 
@@ -234,13 +235,6 @@ fn sequence_mean(x: &Tensor, seqs: &[&TrainSeq], device: &Device) -> Result<Tens
     let avg = Tensor::from_vec(avg, (seqs.len(), m), device)?.to_dtype(x.dtype())?;
     let means = avg.matmul(&x.unsqueeze(1)?)?.squeeze(1)?;
     means.index_select(&Tensor::from_vec(owner, m, device)?, 0)
-}
-
-/// Sum over rows of the entropy of softmax(logits) (no gradient).
-fn entropy(logits: &Tensor) -> Result<f64> {
-    let logp = log_softmax_last_dim(logits)?;
-    let h = (logp.exp()? * &logp)?.sum(D::Minus1)?.neg()?;
-    h.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()
 }
 
 #[cfg(test)]
