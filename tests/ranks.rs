@@ -456,6 +456,99 @@ fn two_cpu_ranks_match_one_rank_and_resume_bit_exactly() {
     }
     assert_eq!(metrics(&resumed).len(), 4);
     assert_eq!(trained(&metrics(&two)), trained(&metrics(&resumed)));
+    // A one-rank checkpoint (with its rollout made ahead of step 3) resumed on two ranks:
+    // each takes its share of that rollout, and the run goes on as the one-rank run does.
+    let cross = dir.path().join("cross");
+    assert!(Command::new("cp")
+        .args(["-r", one.to_str().unwrap(), cross.to_str().unwrap()])
+        .status()
+        .unwrap()
+        .success());
+    let from = cross.join("checkpoints/step-000002");
+    let (ok, _, err) = finish(
+        dppo_run(
+            &cross,
+            &[
+                "--devices",
+                "cpu,cpu",
+                "--resume",
+                from.to_str().unwrap(),
+                "--set",
+                "steps=4",
+            ],
+            &[],
+        ),
+        300,
+    );
+    assert!(ok, "{err}");
+    assert_eq!(trained(&metrics(&one)), trained(&metrics(&cross)));
+    let worst = worst_relative(&checkpoint_weights(&cross, 4), &checkpoint_weights(&one, 4));
+    assert!(
+        worst <= 1e-5,
+        "1 rank resumed on 2: weights differ by {worst:e}"
+    );
+}
+
+/// Ctrl-C (SIGINT) to rank 0 reaches every rank: without `--serve` the run ends at once as
+/// a signalled process would (status 130) and rank 1 with it; with `--serve` (rank 0
+/// serves) every rank stops after the same step, with that step's checkpoint and a summary.
+#[test]
+fn ctrl_c_reaches_every_rank() {
+    for serve in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("run");
+        let mut extra = vec!["--devices", "cpu,cpu", "--set", "steps=100000"];
+        if serve {
+            extra.extend(["--serve", "127.0.0.1:0"]);
+        }
+        let mut child = dppo_run(&out, &extra, &[])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let start = Instant::now();
+        while std::fs::read_to_string(out.join("metrics.jsonl")).map_or(0, |m| m.lines().count())
+            < 2
+        {
+            assert!(
+                start.elapsed() < Duration::from_secs(120),
+                "training did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let rank1 = children_of(child.id());
+        assert_eq!(rank1.len(), 1, "rank 0 started one rank: {rank1:?}");
+        assert!(Command::new("kill")
+            .args(["-INT", &child.id().to_string()])
+            .status()
+            .unwrap()
+            .success());
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(180),
+                "serve={serve}: no stop"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(!alive(rank1[0]), "serve={serve}: rank 1 outlived the run");
+        if !serve {
+            assert_eq!(status.code(), Some(130), "{status}");
+            continue;
+        }
+        assert!(status.success(), "{status}");
+        let summary: Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap())
+                .unwrap();
+        let steps = summary["steps"].as_u64().unwrap();
+        assert!((2..100000).contains(&steps), "{summary}");
+        assert_eq!(metrics(&out).len() as u64, steps);
+        let ckpt = out.join(format!("checkpoints/step-{steps:06}/manifest.json"));
+        assert!(ckpt.exists(), "no checkpoint of the last step");
+    }
 }
 
 /// A rank that dies (SIGKILL) fails the whole run within seconds with an error naming it;

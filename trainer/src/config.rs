@@ -382,6 +382,12 @@ impl RunConfig {
             .filter(|d| **d != DeviceSpec::Cpu)
             .collect();
         check(
+            gpus.is_empty() || gpus.len() == self.devices.len(),
+            "devices",
+            "mixes cpu and cuda ranks: every rank must be a GPU (NCCL) or every rank the CPU"
+                .into(),
+        )?;
+        check(
             (1..gpus.len()).all(|i| !gpus[..i].contains(&gpus[i])),
             "devices",
             format!(

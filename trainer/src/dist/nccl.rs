@@ -104,7 +104,7 @@ impl CustomOp1 for NcclOp {
 
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
         let elems = l.shape().elem_count();
-        let dev = s.device().clone();
+        let dev = s.device.clone();
         let src = s.as_cuda_slice::<f32>()?;
         let src = match l.contiguous_offsets() {
             Some((start, end)) => src.slice(start..end),
