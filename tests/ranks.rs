@@ -174,7 +174,7 @@ fn assert_same_training(what: &str, one: &Outcome, many: &Outcome) {
             {
                 continue;
             }
-            if key.starts_with("actor/") && key != "actor/lr" {
+            if (key.starts_with("actor/") && key != "actor/lr") || key == "prune/grad_rel_mse" {
                 let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
                 assert!(
                     (x - y).abs() <= 1e-4 * x.abs().max(1e-3),
@@ -203,12 +203,14 @@ fn ranks_train_as_one_rank_with_the_whole_batch() {
         ("grpo", 2, with(&["algorithm=grpo"])),
         ("dppo", 2, with(&[])),
         (
-            "dppo, batch scope, batch-std advantages, synchronous",
+            "dppo, batch scope, batch-std advantages, synchronous, gradient-variance study",
             2,
             with(&[
                 "dppo.scope=batch",
                 "actor.scale_rewards=batch",
                 "rollout.one_step_off_policy=false",
+                "eval.every=2",
+                "eval.grad_variance_draws=2",
             ]),
         ),
         ("cppo", 2, with(&["algorithm=cppo"])),
@@ -223,6 +225,13 @@ fn ranks_train_as_one_rank_with_the_whole_batch() {
         let one = train(1, &policy, &sets, 0, 6);
         let many = train(world, &policy, &sets, 0, 6);
         assert_same_training(what, &one, &many);
+        if what.contains("variance") {
+            let measured = one
+                .lines
+                .iter()
+                .filter(|l| l.contains_key("prune/grad_rel_mse"));
+            assert_eq!(measured.count(), 3, "the study ran at steps 2, 4 and 6");
+        }
         if what == "dppo" {
             let kept = |key: &str| one.lines.iter().any(|l| l[key].as_f64().unwrap() < 1.0);
             assert!(kept("prune/prompts_kept"), "prompt pruning never acted");
@@ -323,6 +332,8 @@ fn dppo_run(out: &Path, extra: &[&str], env: &[(&str, String)]) -> Command {
         "LOCAL_WORLD_SIZE",
         "MASTER_ADDR",
         "MASTER_PORT",
+        "TORCHELASTIC_USE_AGENT_STORE",
+        "DPPO_MASTER_PORT",
     ] {
         cmd.env_remove(var);
     }

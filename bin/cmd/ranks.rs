@@ -135,6 +135,8 @@ impl Launcher {
                 .env("LOCAL_WORLD_SIZE", world.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", port.to_string())
+                .env_remove("TORCHELASTIC_USE_AGENT_STORE")
+                .env_remove("DPPO_MASTER_PORT")
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::piped());

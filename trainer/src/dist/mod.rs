@@ -211,7 +211,9 @@ pub fn broadcast_weights(
 pub struct Rendezvous {
     /// `MASTER_ADDR`: rank 0's host.
     pub addr: String,
-    /// `MASTER_PORT`: the port rank 0 listens on.
+    /// The port rank 0 listens on: `DPPO_MASTER_PORT` when set, else `MASTER_PORT`, or
+    /// `MASTER_PORT + 1` under torchrun when its agent already listens on `MASTER_PORT`
+    /// (`TORCHELASTIC_USE_AGENT_STORE=True`).
     pub port: u16,
     /// `RANK`.
     pub rank: usize,
@@ -260,10 +262,27 @@ impl Rendezvous {
             )));
         }
         let addr = need("MASTER_ADDR")?;
-        let port_text = need("MASTER_PORT")?;
-        let port = port_text.trim().parse::<u16>().map_err(|_| {
-            DistError::Rendezvous(format!("MASTER_PORT={port_text:?} is not a port number"))
-        })?;
+        let port_of = |name: &str, text: String| {
+            text.trim()
+                .parse::<u16>()
+                .map_err(|_| DistError::Rendezvous(format!("{name}={text:?} is not a port number")))
+        };
+        let master_port = port_of("MASTER_PORT", need("MASTER_PORT")?)?;
+        // torchrun's agent may already listen on MASTER_PORT (its own store, shared with
+        // PyTorch workers): rank 0 then listens on the next port.
+        let agent_store = get("TORCHELASTIC_USE_AGENT_STORE")
+            .is_some_and(|v| matches!(v.trim(), "True" | "true" | "1"));
+        let port = match get("DPPO_MASTER_PORT") {
+            Some(text) => port_of("DPPO_MASTER_PORT", text)?,
+            None if agent_store => master_port.checked_add(1).ok_or_else(|| {
+                DistError::Rendezvous(
+                    "MASTER_PORT=65535 leaves no port after torchrun's store: set \
+                     DPPO_MASTER_PORT"
+                        .into(),
+                )
+            })?,
+            None => master_port,
+        };
         let local_rank = match get("LOCAL_RANK") {
             Some(text) => number("LOCAL_RANK", text)?,
             None => rank,

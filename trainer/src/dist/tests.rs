@@ -213,6 +213,30 @@ fn the_rendezvous_reads_torchrun_variables() {
     .unwrap()
     .unwrap();
     assert_eq!((no_local.local_rank, no_local.local_world_size), (1, 2));
+    // Under torchrun's agent store rank 0 listens one port up, unless told a port.
+    let torchrun = [
+        ("RANK", "0"),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29500"),
+        ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+    ];
+    let port = |extra: &'static [(&'static str, &'static str)]| {
+        let pairs: Vec<_> = torchrun.iter().chain(extra).copied().collect();
+        Rendezvous::from_vars(|name| {
+            pairs
+                .iter()
+                .rev()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| v.to_string())
+        })
+        .unwrap()
+        .unwrap()
+        .port
+    };
+    assert_eq!(port(&[]), 29501);
+    assert_eq!(port(&[("TORCHELASTIC_USE_AGENT_STORE", "False")]), 29500);
+    assert_eq!(port(&[("DPPO_MASTER_PORT", "4000")]), 4000);
     for (vars, want) in [
         (&[("RANK", "0")][..], "WORLD_SIZE is not set"),
         (
