@@ -275,6 +275,17 @@ fn run_rejects_bad_configs_naming_the_key() {
     assert!(!ok && stderr.contains("dppo.r_o"), "{stderr}");
     let (ok, _, stderr) = dppo(&["run", "--set", "rollout.nn=3"]);
     assert!(!ok && stderr.contains("unknown field `nn`"), "{stderr}");
+    for (devices, want) in [
+        ("devices=[\"cuda:1\", \"cuda:1\"]", "lists a GPU twice"),
+        ("devices=[\"cpu\", \"cuda:1\"]", "mixes cpu and cuda ranks"),
+        ("devices=[\"tpu\"]", "expected cpu, cuda or cuda:N"),
+        ("rank_timeout_s=0", "rank_timeout_s"),
+    ] {
+        let (ok, _, stderr) = dppo(&["run", "--set", devices]);
+        assert!(!ok && stderr.contains(want), "{devices}: {stderr}");
+    }
+    let (ok, _, stderr) = dppo(&["run", "--device", "cpu", "--devices", "cpu,cpu"]);
+    assert!(!ok && stderr.contains("cannot be used with"), "{stderr}");
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("run").to_str().unwrap().to_string();
     let (ok, _, stderr) = dppo(&["run", "--set", "pack.tokens=16", "--out", &out]);

@@ -33,6 +33,8 @@ mod device;
 mod plan;
 // The learner: GRPO equivalence, unbiasedness, packing, progress.
 mod trainer;
+// Data parallelism on CPU ranks: W ranks train as one; the --devices launcher.
+mod ranks;
 // The shipped configs.
 mod configs;
 // Models named by Hugging Face id, from a local hub cache.

@@ -8,6 +8,7 @@ pub mod convert;
 pub mod eval;
 pub mod generate;
 pub mod plan;
+pub mod ranks;
 pub mod run;
 pub mod score;
 pub mod serve;

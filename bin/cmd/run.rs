@@ -3,7 +3,8 @@
 //! run directory.
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use dppo_model::weights::write_atomic;
@@ -11,10 +12,13 @@ use dppo_model::DeviceSpec;
 use dppo_trainer::checkpoint;
 use dppo_trainer::config::{ResumeMode, RunConfig};
 use dppo_trainer::data::{builtin_task, load_jsonl, Fields};
+use dppo_trainer::dist::{Collective, Single, TcpCollective};
 use dppo_trainer::metrics_log::{MetricsLog, METRICS_JSONL};
 use dppo_trainer::step::Trainer;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
+
+use super::ranks::{self, Launcher, Role};
 
 /// Arguments of `dppo run`.
 #[derive(Debug, clap::Args)]
@@ -36,10 +40,17 @@ pub struct Args {
     revision: Option<String>,
     /// Where the engine and the learner run: cpu, cuda or cuda:N (overrides the config's
     /// `device`; cuda needs a build with `--features cuda`).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "devices")]
     device: Option<DeviceSpec>,
+    /// Data-parallel ranks, one process per device: cpu,cpu or cuda:0,cuda:1,... (overrides
+    /// the config's `devices`). This process becomes rank 0 and starts the others; processes
+    /// started with torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT are
+    /// those ranks directly.
+    #[arg(long, value_delimiter = ',')]
+    devices: Option<Vec<DeviceSpec>>,
     /// Serve the policy being trained over the OpenAI API at this address
     /// (e.g. 127.0.0.1:8000); rollouts keep priority. Ctrl-C stops after the current step.
+    /// With several ranks, rank 0 serves from its engine.
     #[arg(long)]
     serve: Option<String>,
     #[command(flatten)]
@@ -76,9 +87,65 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if let Some(device) = args.device {
         cfg.device = device;
     }
+    if let Some(devices) = &args.devices {
+        cfg.devices = devices.clone();
+    }
+    let timeout = Duration::from_secs(cfg.rank_timeout_s);
+    match ranks::role(&cfg)? {
+        Role::Single => {
+            if let Some(&device) = cfg.devices.first() {
+                cfg.device = device;
+            }
+            train(&args, cfg, resume, Arc::new(Single), 1)
+        }
+        Role::Member(rdv) => {
+            cfg.device = ranks::device_of(&cfg, rdv.local_rank)?;
+            let collective = ranks::connect(&rdv, timeout)?;
+            train(&args, cfg, resume, collective, rdv.local_world_size)
+        }
+        Role::Launcher => {
+            let world = cfg.devices.len();
+            cfg.device = cfg.devices[0];
+            let (launcher, listener) = Launcher::start(world, args.serve.is_none())?;
+            tracing::info!("started ranks 1..{world}: {:?}", &cfg.devices[1..]);
+            let collective: Arc<dyn Collective> =
+                match TcpCollective::root(listener, world, timeout) {
+                    Ok(tcp) => Arc::new(tcp),
+                    Err(e) => return Err(launcher.fail(e.into())),
+                };
+            // Rank 0 keeps the connections open until it knows why the run failed, so that
+            // the other ranks do not fail first for want of it.
+            match train(&args, cfg, resume, collective.clone(), world) {
+                Ok(()) => {
+                    launcher.finish();
+                    Ok(())
+                }
+                Err(e) => Err(launcher.fail(e)),
+            }
+        }
+    }
+}
+
+/// One rank's run (the only one's, on one rank): rank 0 writes the run directory, serves,
+/// and prints; every rank trains its share.
+fn train(
+    args: &Args,
+    cfg: RunConfig,
+    resume: Option<PathBuf>,
+    collective: Arc<dyn Collective>,
+    local_world: usize,
+) -> anyhow::Result<()> {
+    let (rank, world) = (collective.rank(), collective.world_size());
+    let lead = rank == 0;
+    if world > 1 {
+        agree(collective.as_ref(), &cfg, resume.as_deref())?;
+    }
+    let checkpoints = args.out.join("checkpoints");
     // Before anything is written or loaded: a device that cannot open fails the run at once.
     let device = cfg.device.open()?;
+    let collective = device_collective(collective, &device)?;
     match &resume {
+        _ if !lead => {}
         Some(ckpt) => tracing::info!("resuming from {}", ckpt.display()),
         None if args.resume.is_some() => {
             tracing::info!(
@@ -88,13 +155,21 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         None => {}
     }
-    if cfg.threads > 0 {
+    let threads = match world {
+        1 => cfg.threads,
+        // Ranks on one node share its cores, unless told otherwise.
+        _ if std::env::var_os("RAYON_NUM_THREADS").is_some() && cfg.threads == 0 => 0,
+        _ => ranks::threads_per_rank(cfg.threads, local_world),
+    };
+    if threads > 0 {
         // Read once, when rayon's and candle's CPU thread pools start: later than this.
-        std::env::set_var("RAYON_NUM_THREADS", cfg.threads.to_string());
+        std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
     }
-    std::fs::create_dir_all(&args.out)
-        .with_context(|| format!("creating the run directory {}", args.out.display()))?;
-    write_atomic(&args.out.join("config.toml"), cfg.to_toml().as_bytes())?;
+    if lead {
+        std::fs::create_dir_all(&args.out)
+            .with_context(|| format!("creating the run directory {}", args.out.display()))?;
+        write_atomic(&args.out.join("config.toml"), cfg.to_toml().as_bytes())?;
+    }
     let model = match &resume {
         Some(ckpt) => ckpt.join(checkpoint::MODEL_DIR).display().to_string(),
         None => cfg.model.clone(),
@@ -102,25 +177,27 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let policy = super::load_policy(&model, args.revision.as_deref(), &device)?;
     let (train, eval) = load_data(&cfg)?;
     let started = Instant::now();
-    let mut trainer = Trainer::new(cfg.clone(), &policy, &device, train, eval)?;
+    let mut trainer =
+        Trainer::with_collective(cfg.clone(), &policy, &device, train, eval, collective)?;
     let server = match &args.serve {
-        Some(addr) => Some(super::serve::start(
+        Some(addr) if lead => Some(super::serve::start(
             trainer.engine(),
             &policy,
             &model,
             addr,
             &args.serve_args,
         )?),
-        None => None,
+        _ => None,
     };
+    // Ctrl-C with --serve (rank 0's): every rank stops after the same step.
+    let interrupted = || server.as_ref().is_some_and(|s| s.interrupted());
     let eval_before = match &resume {
         Some(ckpt) => match trainer.restore(ckpt)?.eval_before {
             Some(acc) => acc,
             None => trainer.evaluate()?,
         },
         None => {
-            let interrupted = || server.as_ref().is_some_and(|s| s.interrupted());
-            warm_up(&mut trainer, &cfg, &checkpoints, &interrupted)?;
+            warm_up(&mut trainer, &cfg, &checkpoints, &interrupted, lead)?;
             trainer.finish_warmup()?;
             trainer.evaluate()?
         }
@@ -128,11 +205,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     tracing::info!(eval_before, "held-out accuracy before RL");
 
     let resumed_at = resume.as_ref().map(|_| trainer.step);
-    let mut metrics = MetricsLog::open(&args.out, &cfg.logger, resumed_at)?;
-    let pb = bar(cfg.steps, &format!("{:?}", cfg.algorithm).to_lowercase());
+    let mut metrics = match lead {
+        true => Some(MetricsLog::open(&args.out, &cfg.logger, resumed_at)?),
+        false => None,
+    };
+    let pb = bar(
+        cfg.steps,
+        &format!("{:?}", cfg.algorithm).to_lowercase(),
+        lead,
+    );
     pb.set_position(trainer.step);
     while trainer.step < cfg.steps {
-        if server.as_ref().is_some_and(|s| s.interrupted()) {
+        if trainer.any_rank(interrupted())? {
             pb.println(format!("Ctrl-C: stopping after step {}", trainer.step));
             trainer
                 .save_checkpoint(&checkpoints, cfg.checkpoint.keep, Some(eval_before))
@@ -143,7 +227,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         if cfg.eval.due(trainer.step) {
             line.insert("eval/acc".into(), json!(trainer.evaluate()?));
         }
-        metrics.write(&line)?;
+        if let Some(metrics) = &mut metrics {
+            metrics.write(&line)?;
+        }
         if let Some(e) = trainer.nonfinite_limit() {
             stop_nonfinite(&mut trainer, &checkpoints, &cfg, Some(eval_before), e)?;
         }
@@ -165,6 +251,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     pb.finish();
     let eval_after = trainer.evaluate()?;
+    if !lead {
+        return Ok(());
+    }
     let metrics_path = args.out.join(METRICS_JSONL);
     let lines: Vec<serde_json::Value> = std::fs::read_to_string(&metrics_path)?
         .lines()
@@ -181,6 +270,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "eval_after": eval_after,
         "wall_s": started.elapsed().as_secs_f64(),
         "policy_version": trainer.policy_version,
+        "ranks": world,
     });
     write_atomic(
         &args.out.join("summary.json"),
@@ -211,7 +301,69 @@ pub(crate) fn read_config(path: &std::path::Path, sets: &[String]) -> anyhow::Re
     )?)
 }
 
-fn bar(len: u64, what: &str) -> ProgressBar {
+/// Fails unless every rank runs the same configuration (its device aside) from the same
+/// checkpoint: ranks started by hand or by an external launcher with different arguments.
+fn agree(
+    collective: &dyn Collective,
+    cfg: &RunConfig,
+    resume: Option<&Path>,
+) -> anyhow::Result<()> {
+    let mut shared = cfg.clone();
+    shared.device = DeviceSpec::Cpu;
+    let mine = format!(
+        "{}\n# resume: {}",
+        shared.to_toml(),
+        resume.map_or("none".into(), |p| p.display().to_string())
+    );
+    let all = collective.all_gather_bytes(mine.as_bytes())?;
+    for (rank, theirs) in all.iter().enumerate().skip(1) {
+        if *theirs != all[0] {
+            let theirs = String::from_utf8_lossy(theirs);
+            let first = String::from_utf8_lossy(&all[0]);
+            let differs = first
+                .lines()
+                .zip(theirs.lines())
+                .find(|(a, b)| a != b)
+                .map_or("(one is longer)".to_string(), |(a, b)| {
+                    format!("rank 0 has `{a}`, rank {rank} `{b}`")
+                });
+            anyhow::bail!(
+                "rank {rank} runs another configuration than rank 0: {differs}; start every \
+                 rank with the same arguments"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The collective the ranks' tensors travel by: NCCL between GPUs in a build with the
+/// `nccl` feature, else `host` (through host memory).
+fn device_collective(
+    host: Arc<dyn Collective>,
+    device: &candle_core::Device,
+) -> anyhow::Result<Arc<dyn Collective>> {
+    if host.world_size() == 1 || !device.is_cuda() {
+        return Ok(host);
+    }
+    #[cfg(feature = "nccl")]
+    {
+        let nccl = dppo_trainer::dist::NcclCollective::new(host, device)?;
+        Ok(Arc::new(nccl))
+    }
+    #[cfg(not(feature = "nccl"))]
+    {
+        tracing::warn!(
+            "GPU ranks without the `nccl` feature: gradients are all-reduced through host \
+             memory over TCP (build with --features nccl)"
+        );
+        Ok(host)
+    }
+}
+
+fn bar(len: u64, what: &str, visible: bool) -> ProgressBar {
+    if !visible {
+        return ProgressBar::hidden();
+    }
     let pb = ProgressBar::new(len);
     pb.set_style(
         ProgressStyle::with_template(&format!("{what} {{bar:30}} {{pos}}/{{len}} {{msg}}"))
@@ -226,10 +378,11 @@ fn warm_up(
     cfg: &RunConfig,
     checkpoints: &Path,
     interrupted: &dyn Fn() -> bool,
+    lead: bool,
 ) -> anyhow::Result<()> {
-    let warm = bar(cfg.warmup.steps, "warm-up");
+    let warm = bar(cfg.warmup.steps, "warm-up", lead);
     for _ in 0..cfg.warmup.steps {
-        if interrupted() {
+        if trainer.any_rank(interrupted())? {
             break;
         }
         let loss = trainer.warmup_step()?;

@@ -36,6 +36,15 @@ pub struct TrainerState {
     /// Steps skipped so far for a non-finite loss or gradient (`train/nonfinite_steps`).
     #[serde(default)]
     pub num_nonfinite_steps: u64,
+    /// Ranks of the run that wrote it (1 before data parallelism). A run resumed with as
+    /// many continues bit for bit; with another number it continues from the same state,
+    /// its gradients summed in another order.
+    #[serde(default = "one")]
+    pub world_size: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 const STATE: &str = "state.json";
@@ -55,6 +64,10 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
 impl Trainer {
     /// Writes `root/step-NNNNNN` atomically and deletes all but the newest `keep`. Waits
     /// for a rollout in flight first, so that it is saved with the step it belongs to.
+    ///
+    /// With several ranks every rank calls it: they check that their weights agree, rank 0
+    /// gathers the rollout waiting for the next step (each rank holds its share) and writes
+    /// the checkpoint, and all return once it is written.
     pub fn save_checkpoint(
         &mut self,
         root: &Path,
@@ -62,11 +75,54 @@ impl Trainer {
         eval_before: Option<f64>,
     ) -> Result<PathBuf, TrainError> {
         self.settle()?;
-        std::fs::create_dir_all(root).map_err(io(root))?;
         let dir = root.join(format!("step-{:06}", self.step));
-        if verify(&dir).is_ok() {
-            // This step is saved already (e.g. a resumed run stopped before its next step).
+        let (rank, world) = self.rank();
+        if world > 1 {
+            self.check_replicas()?;
+            let pending = match &self.pending {
+                Some(Pending::Done(rollout)) => Some(rollout),
+                Some(Pending::InFlight(_)) => unreachable!("settled"),
+                None => None,
+            };
+            let whole = self.gather_rollout(pending)?;
+            let written = match rank {
+                0 => self.write_checkpoint(root, &dir, keep, eval_before, whole.as_ref()),
+                _ => Ok(()),
+            };
+            // Rank 0's outcome, so that no rank goes on past a checkpoint that failed.
+            let failed = self.any_rank(written.is_err())?;
+            written?;
+            if failed {
+                return Err(TrainError::Checkpoint {
+                    dir: dir.display().to_string(),
+                    reason: "rank 0 could not write it (its output says why)".into(),
+                });
+            }
             return Ok(dir);
+        }
+        let pending = match &self.pending {
+            Some(Pending::Done(rollout)) => Some(rollout.clone()),
+            Some(Pending::InFlight(_)) => unreachable!("settled above"),
+            None => None,
+        };
+        self.write_checkpoint(root, &dir, keep, eval_before, pending.as_ref())?;
+        Ok(dir)
+    }
+
+    /// Writes checkpoint `dir` under `root` with `pending`, the whole step's rollout waiting
+    /// for the next step.
+    fn write_checkpoint(
+        &self,
+        root: &Path,
+        dir: &Path,
+        keep: usize,
+        eval_before: Option<f64>,
+        pending: Option<&StepRollout>,
+    ) -> Result<(), TrainError> {
+        std::fs::create_dir_all(root).map_err(io(root))?;
+        if verify(dir).is_ok() {
+            // This step is saved already (e.g. a resumed run stopped before its next step).
+            return Ok(());
         }
         let tmp = root.join(format!(".step-{:06}.tmp", self.step));
         let _ = std::fs::remove_dir_all(&tmp);
@@ -94,24 +150,20 @@ impl Trainer {
             history: self.history.clone(),
             greso: self.greso.clone(),
             eval_before,
-            pending: match &self.pending {
-                Some(Pending::Done(rollout)) => Some(rollout.clone()),
-                Some(Pending::InFlight(_)) => unreachable!("settled above"),
-                None => None,
-            },
+            pending: pending.cloned(),
             num_nonfinite_steps: self.num_nonfinite_steps,
+            world_size: self.rank().1,
         };
         let json = serde_json::to_string(&state).map_err(|e| TrainError::Config(e.to_string()))?;
         write_atomic(&tmp.join(STATE), json.as_bytes())?;
         write_atomic(&tmp.join(CONFIG), self.cfg.to_toml().as_bytes())?;
         write_manifest(&tmp)?;
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::rename(&tmp, &dir).map_err(io(&dir))?;
+        let _ = std::fs::remove_dir_all(dir);
+        std::fs::rename(&tmp, dir).map_err(io(dir))?;
         std::fs::File::open(root)
             .and_then(|d| d.sync_all())
             .map_err(io(root))?;
-        prune_old(root, keep)?;
-        Ok(dir)
+        prune_old(root, keep)
     }
 
     /// Restores the optimizer and the loop state from checkpoint `dir` (the weights came
@@ -163,7 +215,19 @@ impl Trainer {
                 )));
             }
         }
-        self.pending = state.pending.clone().map(Pending::Done);
+        let world = self.rank().1;
+        if state.world_size != world {
+            tracing::warn!(
+                "{} was written by {} rank(s), this run has {world}: it continues from the \
+                 same state, but not bit for bit as the original run would have",
+                dir.display(),
+                state.world_size
+            );
+        }
+        self.pending = state
+            .pending
+            .clone()
+            .map(|rollout| Pending::Done(self.share_of(rollout)));
         self.resume_version(state.policy_version)?;
         Ok(state)
     }

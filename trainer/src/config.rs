@@ -50,6 +50,17 @@ pub struct RunConfig {
     /// with the `cuda` feature). `dppo run --device` overrides it.
     #[serde(default)]
     pub device: DeviceSpec,
+    /// Data-parallel ranks, one per device (`["cpu", "cpu"]`, `["cuda:0", "cuda:1"]`):
+    /// `dppo run` starts one process per device, each with a replica of the policy and its
+    /// own engine, and shards every step's prompts over them. Empty (default): one process
+    /// on `device`. `dppo run --devices` overrides it.
+    #[serde(default)]
+    pub devices: Vec<DeviceSpec>,
+    /// Seconds a rank waits for the others (at the rendezvous and at every collective)
+    /// before the run fails naming the rank that stopped answering. A rank that exits is
+    /// noticed at once.
+    #[serde(default = "default_rank_timeout")]
+    pub rank_timeout_s: u64,
     /// `auto`: continue from the newest complete checkpoint in the run directory when there
     /// is one (verl's `resume_mode`), so the same command starts and resumes a run;
     /// `disable` (default): always start from the beginning.
@@ -147,6 +158,10 @@ fn default_logger() -> Vec<Logger> {
 
 fn default_deterministic() -> bool {
     true
+}
+
+fn default_rank_timeout() -> u64 {
+    600
 }
 
 impl Default for CheckpointConfig {
@@ -391,6 +406,34 @@ impl RunConfig {
             format!(
                 "must include \"jsonl\" (the plot, dppo compare and resume read metrics.jsonl), got {:?}",
                 self.logger
+            ),
+        )?;
+        check(
+            self.rank_timeout_s > 0,
+            "rank_timeout_s",
+            "must be positive".into(),
+        )?;
+        let gpus: Vec<_> = self
+            .devices
+            .iter()
+            .filter(|d| **d != DeviceSpec::Cpu)
+            .collect();
+        check(
+            gpus.is_empty() || gpus.len() == self.devices.len(),
+            "devices",
+            "mixes cpu and cuda ranks: every rank must be a GPU (NCCL) or every rank the CPU"
+                .into(),
+        )?;
+        check(
+            (1..gpus.len()).all(|i| !gpus[..i].contains(&gpus[i])),
+            "devices",
+            format!(
+                "lists a GPU twice ({}): one rank per GPU (CPU ranks may repeat `cpu`)",
+                self.devices
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ),
         )?;
         check(

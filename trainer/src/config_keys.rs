@@ -43,6 +43,8 @@ pub const KEYS: &[KeyDoc] = &[
     key("deterministic", "rollouts run alone in the engine so serving never changes what is trained (bit-reproducible)", "true | false", None),
     key("threads", "CPU threads for tensor work (0: one per core, or RAYON_NUM_THREADS)", "integer >= 0", None),
     key("device", "where the engine and the learner run (cuda needs a build with the cuda feature)", "cpu | cuda | cuda:N", Some("verl trainer.device")),
+    key("devices", "data-parallel ranks, one process per device, each with a replica of the policy and its own engine (empty: one process on device)", "[] | [\"cpu\", \"cpu\"] | [\"cuda:0\", \"cuda:1\", ...]", Some("torchrun --nproc-per-node; verl trainer.n_gpus_per_node")),
+    key("rank_timeout_s", "seconds a rank waits for the others before the run fails naming the rank that stopped answering", "integer > 0", Some("torch.distributed timeout")),
     key("resume", "auto: continue from the newest complete checkpoint in the run directory, or start when there is none", "disable | auto", Some("verl trainer.resume_mode")),
     key("logger", "metrics sinks: metrics.jsonl (required) and TensorBoard event files under tensorboard/", "[\"jsonl\"] | [\"jsonl\", \"tensorboard\"]", Some("verl trainer.logger; TRL report_to")),
     key("data.train", "training prompts: a built-in task or a JSONL file", "builtin:arithmetic | path.jsonl", Some("verl data.train_files")),

@@ -78,6 +78,14 @@ impl EvalSet {
         &self.problems
     }
 
+    /// The problems in `range` (one rank's share of an evaluation).
+    pub fn shard(&self, range: std::ops::Range<usize>) -> Self {
+        Self {
+            problems: self.problems[range.clone()].to_vec(),
+            prompts: self.prompts[range].to_vec(),
+        }
+    }
+
     /// The length of the longest prompt in tokens (0 when empty).
     pub fn longest_prompt(&self) -> usize {
         self.prompts.iter().map(Vec::len).max().unwrap_or(0)

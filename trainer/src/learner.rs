@@ -2,10 +2,13 @@
 //! gradients accumulated into one AdamW step.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Tensor, Var};
 use dppo_model::{CausalLm, ModelConfig, Weights};
+
+use crate::dist::{shard_range, sum_f64, Collective, Single};
 
 use crate::loss::{buffer_loss, buffer_nll, LossConfig, TrainSeq};
 use crate::optim::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule};
@@ -96,14 +99,89 @@ impl Reference {
 /// Stack for the backward pass: candle's graph walk recurses once per op.
 const BACKWARD_STACK: usize = 512 << 20;
 
+/// Gradient elements per all-reduce between ranks (16 MiB of f32, as PyTorch DDP's 25 MB
+/// buckets): large enough to amortise a collective's latency, small enough not to double
+/// the gradients' memory at once.
+const BUCKET_ELEMS: usize = 1 << 22;
+
+/// What one rank's forward/backward passes add up, before any division: summed over ranks
+/// for the global batch's metrics.
+#[derive(Debug, Clone, Copy, Default)]
+struct Sums {
+    pg_loss: f64,
+    tokens: usize,
+    clipped: usize,
+    entropy: f64,
+    num_buffers: usize,
+    /// Tokens of every packed sequence (prompt and completion).
+    seq_tokens: usize,
+    /// Seconds of forward/backward (ranks run at once: their maximum).
+    seconds: f64,
+}
+
+impl Sums {
+    /// The step's metrics from these sums (`grad_norm` and `lr` are set later).
+    fn metrics(&self, pack_tokens: usize) -> StepMetrics {
+        StepMetrics {
+            pg_loss: self.pg_loss,
+            num_buffers: self.num_buffers,
+            pack_density: if self.num_buffers == 0 {
+                1.0
+            } else {
+                self.seq_tokens as f64 / (self.num_buffers * pack_tokens) as f64
+            },
+            clipfrac: self.clipped as f64 / self.tokens.max(1) as f64,
+            entropy: self.entropy / self.tokens.max(1) as f64,
+            train_tokens_per_s: self.seq_tokens as f64 / self.seconds,
+            ..StepMetrics::default()
+        }
+    }
+
+    /// The sums over every rank (in rank order, so every rank gets the same bits).
+    fn over_ranks(&self, coll: &dyn Collective) -> Result<Self, TrainError> {
+        if coll.world_size() == 1 {
+            return Ok(*self);
+        }
+        let counts = sum_f64(
+            coll,
+            &[
+                self.pg_loss,
+                self.tokens as f64,
+                self.clipped as f64,
+                self.entropy,
+                self.num_buffers as f64,
+                self.seq_tokens as f64,
+            ],
+        )?;
+        let slowest = coll
+            .all_gather_f64(&[self.seconds])?
+            .iter()
+            .map(|s| s[0])
+            .fold(0.0, f64::max);
+        Ok(Self {
+            pg_loss: counts[0],
+            tokens: counts[1] as usize,
+            clipped: counts[2] as usize,
+            entropy: counts[3],
+            num_buffers: counts[4] as usize,
+            seq_tokens: counts[5] as usize,
+            seconds: slowest,
+        })
+    }
+}
+
 /// Trainable f32 master weights, the model reading them, the optimizer, and (when the KL
-/// term is on) a frozen copy of the initial policy as reference.
+/// term is on) a frozen copy of the initial policy as reference. With several ranks, each
+/// holds a replica: gradients are all-reduced before clipping, so every replica takes the
+/// same AdamW step.
 pub struct Learner {
     pub cfg: LearnerConfig,
     pub vars: BTreeMap<String, Var>,
     pub model: CausalLm,
     pub reference: Option<Reference>,
     pub optimizer: AdamW,
+    /// The ranks this learner's replicas span ([`Single`] unless set).
+    collective: Arc<dyn Collective>,
 }
 
 impl Learner {
@@ -126,7 +204,19 @@ impl Learner {
             model,
             reference,
             optimizer: AdamW::new(cfg.adamw),
+            collective: Arc::new(Single),
         })
+    }
+
+    /// Makes this learner one replica of a data-parallel group: its steps all-reduce
+    /// gradients and metrics over `collective`'s ranks.
+    pub fn set_collective(&mut self, collective: Arc<dyn Collective>) {
+        self.collective = collective;
+    }
+
+    /// The ranks this learner's replicas span.
+    pub fn collective(&self) -> &Arc<dyn Collective> {
+        &self.collective
     }
 
     /// Makes `weights` the KL reference (e.g. the policy after supervised warm-up, or the
@@ -187,11 +277,32 @@ impl Learner {
         )?)
     }
 
-    /// Gradients of the batch loss, summed over packed buffers, plus metric sums.
+    /// Gradients of the batch loss, summed over packed buffers, plus metric sums: this
+    /// rank's sequences only.
     pub fn gradients(
         &self,
         batch: &TrainBatch,
     ) -> Result<(BTreeMap<String, Tensor>, StepMetrics), TrainError> {
+        let (grads, sums) = self.local_gradients(batch)?;
+        Ok((grads, sums.metrics(self.cfg.pack_tokens)))
+    }
+
+    /// The gradients of the global batch: every rank's [`Learner::gradients`] of its share,
+    /// all-reduced, with the metrics of the whole batch. The same bits on every rank.
+    pub fn reduced_gradients(
+        &self,
+        batch: &TrainBatch,
+    ) -> Result<(BTreeMap<String, Tensor>, StepMetrics), TrainError> {
+        let (mut grads, sums) = self.local_gradients(batch)?;
+        let sums = sums.over_ranks(self.collective.as_ref())?;
+        self.all_reduce(&mut grads)?;
+        Ok((grads, sums.metrics(self.cfg.pack_tokens)))
+    }
+
+    fn local_gradients(
+        &self,
+        batch: &TrainBatch,
+    ) -> Result<(BTreeMap<String, Tensor>, Sums), TrainError> {
         std::thread::scope(|scope| {
             std::thread::Builder::new()
                 .name("dppo-backward".into())
@@ -206,13 +317,12 @@ impl Learner {
     fn accumulate(
         &self,
         batch: &TrainBatch,
-    ) -> Result<(BTreeMap<String, Tensor>, StepMetrics), TrainError> {
+    ) -> Result<(BTreeMap<String, Tensor>, Sums), TrainError> {
         let start = Instant::now();
         let lengths: Vec<usize> = batch.seqs.iter().map(|s| s.tokens.len()).collect();
         let buffers = pack(&lengths, self.cfg.pack_tokens, self.cfg.pack_window)?;
         let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
-        let mut m = StepMetrics::default();
-        let (mut tokens, mut clipped) = (0usize, 0usize);
+        let mut m = Sums::default();
         let model = self.compute_model()?;
         for buffer in &buffers {
             let seqs: Vec<&TrainSeq> = buffer.iter().map(|&i| &batch.seqs[i]).collect();
@@ -227,26 +337,67 @@ impl Learner {
                 .loss
                 .to_dtype(candle_core::DType::F64)?
                 .to_scalar::<f64>()?;
-            tokens += out.num_tokens;
-            clipped += out.num_clipped;
+            m.tokens += out.num_tokens;
+            m.clipped += out.num_clipped;
             m.entropy += out.entropy_sum;
             accumulate(&mut grads, &self.vars, &out.loss.backward()?)?;
         }
         m.num_buffers = buffers.len();
-        m.pack_density = crate::pack::density(&lengths, buffers.len(), self.cfg.pack_tokens);
-        m.clipfrac = clipped as f64 / tokens.max(1) as f64;
-        m.entropy /= tokens.max(1) as f64;
-        m.train_tokens_per_s = lengths.iter().sum::<usize>() as f64 / start.elapsed().as_secs_f64();
+        m.seq_tokens = lengths.iter().sum();
+        m.seconds = start.elapsed().as_secs_f64();
         Ok((grads, m))
+    }
+
+    /// Sums `grads` over the ranks in place, flattened into buckets of [`BUCKET_ELEMS`]:
+    /// one all-reduce per bucket. A parameter some rank has a gradient for gets one on
+    /// every rank (zeros where a rank had none); one no rank reached stays without, as on
+    /// a single rank (the optimizer then leaves it and its moments alone).
+    fn all_reduce(&self, grads: &mut BTreeMap<String, Tensor>) -> Result<(), TrainError> {
+        let coll = self.collective.as_ref();
+        if coll.world_size() == 1 {
+            return Ok(());
+        }
+        let mut reached: Vec<f32> = self
+            .vars
+            .keys()
+            .map(|name| f32::from(u8::from(grads.contains_key(name))))
+            .collect();
+        coll.all_reduce_sum(&mut reached)?;
+        let mut bucket: Vec<(String, Tensor)> = Vec::new();
+        let mut elems = 0;
+        for ((name, var), reached) in self.vars.iter().zip(reached) {
+            if reached == 0.0 {
+                continue;
+            }
+            let g = match grads.remove(name) {
+                Some(g) => g,
+                None => var.as_tensor().zeros_like()?,
+            };
+            elems += g.elem_count();
+            bucket.push((name.clone(), g));
+            if elems >= BUCKET_ELEMS {
+                reduce_bucket(coll, std::mem::take(&mut bucket), grads)?;
+                elems = 0;
+            }
+        }
+        if !bucket.is_empty() {
+            reduce_bucket(coll, bucket, grads)?;
+        }
+        Ok(())
     }
 
     /// One supervised step on demonstrations (mean NLL of their completion tokens) at
     /// learning rate `lr`: `pg_loss` holds the NLL. Shares the optimizer with RL steps, and
     /// skips the update as [`Learner::step`] does when the loss or gradient is not finite.
+    ///
+    /// With several ranks every rank passes the whole batch: each trains on its contiguous
+    /// share, normalised by the whole batch's token count, and the gradients are summed.
     pub fn sft_step(&mut self, seqs: &[TrainSeq], lr: f64) -> Result<StepMetrics, TrainError> {
+        let num_tokens: usize = seqs.iter().map(TrainSeq::num_completion_tokens).sum();
+        let coll = self.collective.clone();
+        let seqs = &seqs[shard_range(seqs.len(), coll.rank(), coll.world_size())];
         let lengths: Vec<usize> = seqs.iter().map(|s| s.tokens.len()).collect();
         let buffers = pack(&lengths, self.cfg.pack_tokens, self.cfg.pack_window)?;
-        let num_tokens: usize = seqs.iter().map(TrainSeq::num_completion_tokens).sum();
         let run = || -> Result<(BTreeMap<String, Tensor>, f64), TrainError> {
             let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
             let mut total = 0.0;
@@ -267,11 +418,15 @@ impl Learner {
                 .join()
                 .map_err(|_| TrainError::Thread("the backward thread panicked".into()))?
         })?;
+        self.all_reduce(&mut grads)?;
+        let [loss, num_buffers] = sum_f64(coll.as_ref(), &[loss, buffers.len() as f64])?[..] else {
+            unreachable!("two sums")
+        };
         let m = StepMetrics {
             pg_loss: loss,
             grad_norm: clip_grad_norm(&mut grads, self.cfg.grad_clip)?,
             lr,
-            num_buffers: buffers.len(),
+            num_buffers: num_buffers as usize,
             ..StepMetrics::default()
         };
         self.apply(&grads, m)
@@ -280,8 +435,11 @@ impl Learner {
     /// One optimizer step on `batch`: packed forward/backward, clipping, AdamW. A NaN or
     /// infinite loss or gradient norm skips the update: weights, moments and the
     /// optimizer's step count stay as they were, and `is_nonfinite` says so.
+    ///
+    /// With several ranks, `batch` is this rank's share of the step's sequences (with the
+    /// normalisers of the whole batch): the gradients and metrics are those of the whole.
     pub fn step(&mut self, batch: &TrainBatch) -> Result<StepMetrics, TrainError> {
-        let (mut grads, mut m) = self.gradients(batch)?;
+        let (mut grads, mut m) = self.reduced_gradients(batch)?;
         m.grad_norm = clip_grad_norm(&mut grads, self.cfg.grad_clip)?;
         m.lr = self.cfg.schedule.lr_at(self.optimizer.step);
         self.apply(&grads, m)
@@ -306,6 +464,28 @@ impl Learner {
         }
         Ok(m)
     }
+}
+
+/// All-reduces one bucket of gradients (flattened into one tensor) and puts each back into
+/// `grads` in its own shape and storage.
+fn reduce_bucket(
+    coll: &dyn Collective,
+    bucket: Vec<(String, Tensor)>,
+    grads: &mut BTreeMap<String, Tensor>,
+) -> Result<(), TrainError> {
+    let flat: Vec<Tensor> = bucket
+        .iter()
+        .map(|(_, g)| g.flatten_all())
+        .collect::<candle_core::Result<_>>()?;
+    let summed = coll.all_reduce_sum_tensor(&Tensor::cat(&flat, 0)?)?;
+    let mut offset = 0;
+    for (name, g) in bucket {
+        let n = g.elem_count();
+        let reduced = summed.narrow(0, offset, n)?.reshape(g.shape())?.copy()?;
+        grads.insert(name, reduced);
+        offset += n;
+    }
+    Ok(())
 }
 
 /// Adds the gradients in `store` of every var to `grads`.

@@ -8,6 +8,7 @@ pub mod compare;
 pub mod config;
 pub mod config_keys;
 pub mod data;
+pub mod dist;
 pub mod eval;
 pub mod learner;
 pub mod loss;
@@ -61,4 +62,11 @@ pub enum TrainError {
     NonFinite { in_a_row: u64, step: u64 },
     #[error("checkpoint {dir}: {reason}")]
     Checkpoint { dir: String, reason: String },
+    #[error(transparent)]
+    Dist(#[from] dist::DistError),
+    #[error(
+        "the replicas diverged by step {step}: their weights' checksums differ ({checksums}); \
+         every rank must hold the same weights after each step"
+    )]
+    Diverged { step: u64, checksums: String },
 }

@@ -28,8 +28,32 @@ pub fn build_train_batch(
     max_len: usize,
     algorithm: Algorithm,
 ) -> TrainBatch {
+    build_train_shard(
+        groups,
+        kept,
+        0..groups.len(),
+        num_drawn_prompts,
+        group_size,
+        max_len,
+        algorithm,
+    )
+}
+
+/// One rank's share of the train batch: the kept sequences of the groups in `own` only,
+/// with the normalisers of the whole batch (`groups` and `kept` are the whole step's, as
+/// every rank sees them), so that the ranks' losses add up to the one-rank loss.
+pub fn build_train_shard(
+    groups: &[Group],
+    kept: &[Kept],
+    own: std::ops::Range<usize>,
+    num_drawn_prompts: usize,
+    group_size: usize,
+    max_len: usize,
+    algorithm: Algorithm,
+) -> TrainBatch {
     let seqs: Vec<TrainSeq> = kept
         .iter()
+        .filter(|k| own.contains(&k.group_idx))
         .map(|k| {
             let group = &groups[k.group_idx];
             let s = &group.samples[k.sample_idx];
@@ -50,10 +74,14 @@ pub fn build_train_batch(
     };
     let norm = match algorithm {
         Algorithm::Cppo => Normalisers {
-            num_seqs: seqs.len() as f64,
-            num_tokens: seqs
+            num_seqs: kept.len() as f64,
+            num_tokens: kept
                 .iter()
-                .map(|s| s.num_completion_tokens())
+                .map(|k| {
+                    groups[k.group_idx].samples[k.sample_idx]
+                        .completion_ids
+                        .len()
+                })
                 .sum::<usize>() as f64,
             max_len: max_len as f64,
         },

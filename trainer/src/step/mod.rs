@@ -2,16 +2,19 @@
 //! prune completions -> pack + learn -> publish -> metrics. [`Trainer::step`] reads as that
 //! loop; each concern around it lives in its own module: the supervised warm-up
 //! (`warmup`), the rollout staged ahead of its step (`staging`), publishing weights to the
-//! engine (`publish`), the gradient-variance study (`variance`) and the metrics line
-//! (`report`); checkpoints and resume are in [`crate::checkpoint`].
+//! engine (`publish`), the gradient-variance study (`variance`), the metrics line
+//! (`report`) and the step's batch across data-parallel ranks (`shard`); checkpoints and
+//! resume are in [`crate::checkpoint`].
 
 mod publish;
 mod report;
+mod shard;
 mod staging;
 mod variance;
 mod warmup;
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -27,6 +30,7 @@ use crate::config::RunConfig;
 use crate::data::{
     default_extract_mode, mix, problem_prompts, Problem, ProblemOrder, DEMO_STREAM, TRAIN_STREAM,
 };
+use crate::dist::{broadcast_weights, shard_range, sum_f64, weights_checksum, Collective, Single};
 use crate::eval::{evaluate, EvalSet, EvalSpec};
 use crate::learner::{Learner, LearnerConfig};
 use crate::loss::LossConfig;
@@ -35,14 +39,20 @@ use crate::optim::{AdamWConfig, LrSchedule};
 use crate::prune::{select_completions, Greso, LevelConfig, PromptHistory};
 use crate::rewards::RewardSpec;
 use crate::rollout::Group;
-use crate::train_batch::{build_train_batch, TrainBatch};
+use crate::train_batch::{build_train_shard, TrainBatch};
 use crate::TrainError;
 
 use report::StepReport;
 pub(crate) use staging::Pending;
 pub use staging::{Drawn, StepRollout};
 
-/// Everything the loop carries from step to step.
+/// Steps between two checks that every rank holds the same weights (also checked before
+/// every checkpoint).
+const REPLICA_CHECK_EVERY: u64 = 10;
+
+/// Everything the loop carries from step to step: one rank's, when the run is data
+/// parallel (each rank holds a replica of the policy, its own engine and the same loop
+/// state).
 pub struct Trainer {
     pub cfg: RunConfig,
     pub learner: Learner,
@@ -53,7 +63,12 @@ pub struct Trainer {
     /// Prompt ids of every training problem (chat-formatted when the model has a
     /// template), tokenized once.
     train_prompts: Vec<Vec<u32>>,
+    /// This rank's share of the held-out problems (all of them on one rank).
     eval: EvalSet,
+    /// Held-out problems over all ranks.
+    num_eval: usize,
+    /// The ranks of a data-parallel run ([`Single`] on one).
+    collective: Arc<dyn Collective>,
     pub(crate) history: PromptHistory,
     pub(crate) greso: Greso,
     /// The RL data position: training problems drawn so far, epochs reshuffled by seed.
@@ -88,6 +103,20 @@ impl Trainer {
         train: Vec<Problem>,
         eval: Vec<Problem>,
     ) -> Result<Self, TrainError> {
+        Self::with_collective(cfg, policy, device, train, eval, Arc::new(Single))
+    }
+
+    /// [`Trainer::new`] for one rank of a data-parallel run over `collective`: every rank
+    /// calls it with the same configuration and data; rank 0's weights are broadcast so
+    /// that the replicas start from the same bits.
+    pub fn with_collective(
+        cfg: RunConfig,
+        policy: &Policy,
+        device: &Device,
+        train: Vec<Problem>,
+        eval: Vec<Problem>,
+        collective: Arc<dyn Collective>,
+    ) -> Result<Self, TrainError> {
         let learner_cfg = LearnerConfig {
             loss: LossConfig {
                 eps_low: cfg.actor.eps_low,
@@ -117,6 +146,7 @@ impl Trainer {
             ));
         }
         let train_prompts = problem_prompts(&policy.tokenizer, &train)?;
+        let num_eval = eval.len();
         let eval = EvalSet::new(&policy.tokenizer, eval)?;
         let longest = train_prompts
             .iter()
@@ -145,7 +175,21 @@ impl Trainer {
             tracing::info!("GPU memory plan:\n{plan}");
             engine_cfg.kv_cache_tokens = Some(plan.kv_tokens as usize);
         }
-        let learner = Learner::new(&policy.config, &policy.weights, learner_cfg)?;
+        let eval = eval.shard(shard_range(
+            num_eval,
+            collective.rank(),
+            collective.world_size(),
+        ));
+        let replica;
+        let policy = if collective.world_size() > 1 {
+            let weights = broadcast_weights(collective.as_ref(), &policy.config, &policy.weights)?;
+            replica = Policy::new(policy.config.clone(), weights, policy.tokenizer.clone())?;
+            &replica
+        } else {
+            policy
+        };
+        let mut learner = Learner::new(&policy.config, &policy.weights, learner_cfg)?;
+        learner.set_collective(collective.clone());
         let engine = Arc::new(Engine::new(policy, engine_cfg, device.clone())?);
         let store = PolicyStore::new(&policy.weights, device.clone(), engine_dtype)?;
         let num_demos = match cfg.warmup.examples {
@@ -163,6 +207,8 @@ impl Trainer {
             train,
             train_prompts,
             eval,
+            num_eval,
+            collective,
             demo_order: ProblemOrder::new(cfg.seed, DEMO_STREAM, num_demos),
             store,
             step: 0,
@@ -235,9 +281,63 @@ impl Trainer {
             max_tokens: self.cfg.rollout.max_response_len,
             mode: self.reward_spec().mode,
         };
-        Ok(evaluate(&self.engine, &self.tokenizer, &self.eval, &spec)?
-            .0
-            .avg)
+        let (result, samples) = evaluate(&self.engine, &self.tokenizer, &self.eval, &spec)?;
+        if self.collective.world_size() == 1 {
+            return Ok(result.avg);
+        }
+        // Each rank evaluated its share: the accuracy of all of them is the sum of rewards
+        // over all ranks (whole numbers: exact in any order) over the sample count.
+        let total: f64 = samples.iter().flatten().map(|g| g.reward).sum();
+        let total = sum_f64(self.collective.as_ref(), &[total])?[0];
+        Ok(total / (self.num_eval.max(1) * spec.n) as f64)
+    }
+
+    /// This rank's place in a data-parallel run: (rank, world size).
+    pub fn rank(&self) -> (usize, usize) {
+        (self.collective.rank(), self.collective.world_size())
+    }
+
+    /// Whether any rank asks to stop (`interrupted` is this rank's wish: Ctrl-C): every
+    /// rank gets the same answer at the same step, so that all stop together. A collective
+    /// when there are several ranks.
+    pub fn any_rank(&self, interrupted: bool) -> Result<bool, TrainError> {
+        Ok(sum_f64(
+            self.collective.as_ref(),
+            &[f64::from(u8::from(interrupted))],
+        )?[0]
+            > 0.0)
+    }
+
+    /// Fails with [`TrainError::Diverged`] unless every rank's weights have the same
+    /// checksum: silent divergence of the replicas (a non-deterministic kernel, a bad
+    /// collective) becomes an error. A collective; free on one rank.
+    pub fn check_replicas(&self) -> Result<(), TrainError> {
+        if self.collective.world_size() == 1 {
+            return Ok(());
+        }
+        let tensors: BTreeMap<String, candle_core::Tensor> = self
+            .learner
+            .vars
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+            .collect();
+        let sum = weights_checksum(&tensors)?;
+        let all = self
+            .collective
+            .all_gather_f64(&[f64::from(sum), self.learner.optimizer.step as f64])?;
+        if all.iter().all(|x| *x == all[0]) {
+            return Ok(());
+        }
+        let checksums = all
+            .iter()
+            .enumerate()
+            .map(|(rank, x)| format!("rank {rank}: {:08x} after {} updates", x[0] as u32, x[1]))
+            .collect::<Vec<_>>()
+            .join(", ");
+        Err(TrainError::Diverged {
+            step: self.step,
+            checksums,
+        })
     }
 
     /// One RL step; returns its metrics line.
@@ -255,18 +355,19 @@ impl Trainer {
             }
         };
         let t = Instant::now();
-        let StepRollout {
-            drawn,
-            mut groups,
-            gen_tokens,
-            gen_busy_s,
-            version,
-            extracted_by,
-            num_correct,
-            ..
-        } = self.finish(pending)?;
+        let rollout = self.finish(pending)?;
+        let (version, num_drawn) = (rollout.version, rollout.drawn.problems.len());
         let staleness = self.policy_version - version;
         let gen_s = t.elapsed().as_secs_f64() + std::mem::take(&mut self.settle_wait_s);
+        // Every rank's rollout: this rank's groups, the others' rewards and lengths.
+        let shard::BatchView {
+            mut groups,
+            own,
+            gen_tokens,
+            gen_busy_s,
+            extracted_by,
+            num_correct,
+        } = self.batch_view(rollout)?;
         timings.insert("timing_s/gen".to_string(), gen_s);
         let mut timed = |name: &str, since: Instant| {
             timings.insert(format!("timing_s/{name}"), since.elapsed().as_secs_f64());
@@ -276,9 +377,10 @@ impl Trainer {
         self.history.update(&groups, self.step);
         self.greso.update(&groups);
         let level = self.cfg.dppo.level(self.cfg.dppo.r_o);
-        let batch = self.train_batch(
+        let (batch, num_trained) = self.train_batch(
             &groups,
-            drawn.problems.len(),
+            own.clone(),
+            num_drawn,
             &level,
             &mut self.phase_rng(2),
         );
@@ -292,7 +394,7 @@ impl Trainer {
         let t = Instant::now();
         let draws = self.cfg.eval.grad_variance_draws;
         let variance = if draws > 0 && self.cfg.eval.due(self.step + 1) {
-            Some(self.pruning_variance(&groups, drawn.problems.len(), &level, draws)?)
+            Some(self.pruning_variance(&groups, own, num_drawn, &level, draws)?)
         } else {
             None
         };
@@ -311,13 +413,16 @@ impl Trainer {
             start.elapsed().as_secs_f64() - variance_s,
         );
         self.step += 1;
+        if self.step.is_multiple_of(REPLICA_CHECK_EVERY) {
+            self.check_replicas()?;
+        }
         Ok(StepReport {
             step: self.step,
             policy_version: self.policy_version,
             staleness,
             groups: &groups,
-            num_drawn: drawn.problems.len(),
-            num_trained: batch.seqs.len(),
+            num_drawn,
+            num_trained,
             samples_per_prompt: self.cfg.rollout.n,
             num_correct,
             extracted_by,
@@ -331,15 +436,18 @@ impl Trainer {
         .into_line())
     }
 
-    /// Completion pruning of `groups` at `level` and the learner's batch of the survivors;
-    /// `num_drawn` counts every prompt drawn for the step.
+    /// Completion pruning of the step's `groups` at `level` (every rank prunes the whole
+    /// batch alike) and the learner's batch of the survivors among this rank's `own`
+    /// groups, with the whole batch's normalisers; also returns how many completions
+    /// survived in all. `num_drawn` counts every prompt drawn for the step.
     fn train_batch(
         &self,
         groups: &[Group],
+        own: Range<usize>,
         num_drawn: usize,
         level: &LevelConfig,
         rng: &mut StdRng,
-    ) -> TrainBatch {
+    ) -> (TrainBatch, usize) {
         let kept = select_completions(
             groups,
             self.cfg.algorithm,
@@ -348,14 +456,16 @@ impl Trainer {
             self.cfg.actor.beta,
             rng,
         );
-        build_train_batch(
+        let batch = build_train_shard(
             groups,
             &kept,
+            own,
             num_drawn,
             self.cfg.rollout.n,
             self.cfg.rollout.max_response_len,
             self.cfg.algorithm,
-        )
+        );
+        (batch, kept.len())
     }
 
     /// The random stream of one phase of the current step (see `step_rng`).

@@ -56,7 +56,9 @@ fn pruning_variance_is_zero_unpruned_and_grows_with_the_rate() {
     compute_advantages(&mut groups, crate::advantages::ScaleRewards::Group);
     let variance = |rate: f64| {
         let level = trainer.cfg.dppo.level(rate);
-        trainer.pruning_variance(&groups, 4, &level, 16).unwrap()
+        trainer
+            .pruning_variance(&groups, 0..4, 4, &level, 16)
+            .unwrap()
     };
     assert_eq!(variance(0.0), 0.0, "no pruning, no scatter");
     let (low, high) = (variance(0.25), variance(0.75));

@@ -2,6 +2,7 @@
 //! gradients scatter around the unpruned one, on a step's own groups.
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 
 use rand::rngs::StdRng;
 
@@ -42,17 +43,21 @@ impl Trainer {
     /// variance; for CPPO's deterministic cut it is its squared bias. Prompt-level pruning
     /// has already happened and is not part of it. Draws use their own random streams, so
     /// training is unchanged.
+    ///
+    /// With several ranks each gradient is the whole batch's (every rank's share,
+    /// all-reduced), so every rank computes the same figure.
     pub(super) fn pruning_variance(
         &self,
         groups: &[Group],
+        own: Range<usize>,
         num_drawn: usize,
         level: &LevelConfig,
         draws: usize,
     ) -> Result<f64, TrainError> {
         let gradient = |rate: f64, rng: &mut StdRng| {
             let level = LevelConfig { rate, ..*level };
-            let batch = self.train_batch(groups, num_drawn, &level, rng);
-            Ok::<_, TrainError>(self.learner.gradients(&batch)?.0)
+            let (batch, _) = self.train_batch(groups, own.clone(), num_drawn, &level, rng);
+            Ok::<_, TrainError>(self.learner.reduced_gradients(&batch)?.0)
         };
         let full = gradient(0.0, &mut self.phase_rng(VARIANCE_PHASE))?;
         let norm = squared_norm(&full)?;

@@ -1,0 +1,745 @@
+//! Data parallelism on CPU ranks: W ranks with a global batch of B prompts train as one rank
+//! with B prompts (in process: ranks as threads over loopback TCP), and the `dppo run
+//! --devices cpu,cpu` launcher (processes): same weights as one rank, a killed or hung rank
+//! fails the run naming it, resume is bit-exact, torchrun's variables start ranks directly.
+
+use std::collections::BTreeMap;
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use candle_core::Device;
+use dppo_model::Policy;
+use dppo_trainer::config::RunConfig;
+use dppo_trainer::data::builtin_task;
+use dppo_trainer::dist::{Collective, Single, TcpCollective};
+use dppo_trainer::step::Trainer;
+use serde_json::{Map, Value};
+
+/// Every value of every tensor, by name.
+fn values(weights: &dppo_model::Weights) -> BTreeMap<String, Vec<f32>> {
+    weights
+        .tensors()
+        .iter()
+        .map(|(n, t)| (n.clone(), crate::util::flat(t)))
+        .collect()
+}
+
+/// What a run of the step loop leaves: rank 0's weights, metrics lines and final accuracy.
+struct Outcome {
+    weights: BTreeMap<String, Vec<f32>>,
+    lines: Vec<Map<String, Value>>,
+    accuracy: f64,
+}
+
+/// `warmup` warm-up and `steps` RL steps of the built-in task from `policy` with `sets`, on
+/// `world` ranks (threads joined by loopback TCP). Asserts that every rank ends with rank
+/// 0's weights, bit for bit, and returns rank 0's outcome.
+fn train(world: usize, policy: &Policy, sets: &[&str], warmup: u64, steps: u64) -> Outcome {
+    let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+    let cfg = RunConfig::default_with(&sets).unwrap();
+    let (train, eval) = builtin_task(
+        "arithmetic",
+        cfg.data.num_train,
+        cfg.data.num_eval,
+        cfg.seed,
+    )
+    .unwrap();
+    let body = |collective: Arc<dyn Collective>| {
+        let mut trainer = Trainer::with_collective(
+            cfg.clone(),
+            policy,
+            &Device::Cpu,
+            train.clone(),
+            eval.clone(),
+            collective,
+        )
+        .unwrap();
+        for _ in 0..warmup {
+            trainer.warmup_step().unwrap();
+        }
+        trainer.finish_warmup().unwrap();
+        let lines = (0..steps).map(|_| trainer.step().unwrap()).collect();
+        let accuracy = trainer.evaluate().unwrap();
+        trainer.check_replicas().unwrap();
+        Outcome {
+            weights: values(&trainer.learner.weights().unwrap()),
+            lines,
+            accuracy,
+        }
+    };
+    if world == 1 {
+        return body(Arc::new(Single));
+    }
+    let mut outcomes = on_ranks(world, &body);
+    for (rank, o) in outcomes.iter().enumerate().skip(1) {
+        assert!(
+            o.weights == outcomes[0].weights,
+            "rank {rank}'s replica differs from rank 0's"
+        );
+        assert_eq!(o.accuracy, outcomes[0].accuracy);
+    }
+    outcomes.swap_remove(0)
+}
+
+/// Runs `body` on `world` ranks, threads joined by loopback TCP; results in rank order.
+fn on_ranks<T: Send>(world: usize, body: &(dyn Fn(Arc<dyn Collective>) -> T + Sync)) -> Vec<T> {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let timeout = Duration::from_secs(120);
+    std::thread::scope(|s| {
+        let mut handles = vec![s.spawn(move || {
+            body(Arc::new(
+                TcpCollective::root(listener, world, timeout).unwrap(),
+            ))
+        })];
+        for rank in 1..world {
+            handles.push(s.spawn(move || {
+                let tcp = TcpCollective::join("127.0.0.1", port, rank, world, timeout).unwrap();
+                body(Arc::new(tcp))
+            }));
+        }
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// The largest relative difference `|a - b| / |b|` (L2, per tensor) between two sets of
+/// weights.
+fn worst_relative(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -> f64 {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    a.iter()
+        .map(|(name, x)| {
+            let y = &b[name];
+            let diff: f64 = x
+                .iter()
+                .zip(y)
+                .map(|(p, q)| (*p as f64 - *q as f64).powi(2))
+                .sum();
+            let norm: f64 = y.iter().map(|q| (*q as f64).powi(2)).sum();
+            (diff / norm.max(1e-30)).sqrt()
+        })
+        .fold(0.0, f64::max)
+}
+
+/// The task's small setting: 16 training problems (prompts come back within two steps, so
+/// the prompt history prunes), 8 prompts a step of 8 samples.
+const SMALL: [&str; 6] = [
+    "data.num_train=16",
+    "data.num_eval=12",
+    "warmup.examples=16",
+    "rollout.prompts_per_step=8",
+    "warmup.batch_size=16",
+    "eval.every=0",
+];
+
+/// A policy after 30 one-rank warm-up steps on the small task: right often enough (about
+/// one sample in ten) that groups have mixed rewards and both pruning levels act.
+fn warmed_up() -> Policy {
+    static POLICY: std::sync::OnceLock<Policy> = std::sync::OnceLock::new();
+    POLICY
+        .get_or_init(|| {
+            let tiny = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
+            let sets: Vec<String> = SMALL.iter().map(|s| s.to_string()).collect();
+            let cfg = RunConfig::default_with(&sets).unwrap();
+            let (train, eval) = builtin_task("arithmetic", 16, 12, 0).unwrap();
+            let mut trainer = Trainer::new(cfg, &tiny, &Device::Cpu, train, eval).unwrap();
+            for _ in 0..30 {
+                trainer.warmup_step().unwrap();
+            }
+            let weights = trainer.learner.weights().unwrap().deep_copy().unwrap();
+            Policy::new(tiny.config.clone(), weights, tiny.tokenizer.clone()).unwrap()
+        })
+        .clone()
+}
+
+/// Asserts that `one` (one rank) and `many` (several) trained the same: weights within
+/// 1e-5 relative, the same rollouts, pruning and accuracy (exactly), losses within 1e-4
+/// (packing differs: each rank packs its own sequences).
+fn assert_same_training(what: &str, one: &Outcome, many: &Outcome) {
+    let worst = worst_relative(&many.weights, &one.weights);
+    eprintln!("{what}: worst relative weight difference {worst:.2e}");
+    assert!(
+        worst <= 1e-5,
+        "{what}: weights differ by {worst:e} (relative)"
+    );
+    assert_eq!(one.accuracy, many.accuracy, "{what}: held-out accuracy");
+    assert_eq!(one.lines.len(), many.lines.len());
+    for (a, b) in one.lines.iter().zip(&many.lines) {
+        for (key, x) in a {
+            let y = &b[key];
+            // Each rank packs its own sequences: buffers and density are the ranks' sums.
+            if key.starts_with("timing_s/") || key.starts_with("perf/") || key.starts_with("pack/")
+            {
+                continue;
+            }
+            if (key.starts_with("actor/") && key != "actor/lr") || key == "prune/grad_rel_mse" {
+                let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
+                assert!(
+                    (x - y).abs() <= 1e-4 * x.abs().max(1e-3),
+                    "{what}: step {} {key}: one rank {x}, several {y}",
+                    a["step"]
+                );
+                continue;
+            }
+            assert_eq!(x, y, "{what}: step {} {key}", a["step"]);
+        }
+        assert_eq!(a.len(), b.len(), "{what}: the same metrics");
+    }
+}
+
+/// The proof: 2 CPU ranks with a global batch of 8 prompts end with the weights of 1 rank
+/// with 8 prompts, for GRPO and for DPPO with both pruning levels (group and batch scope,
+/// one step off-policy and synchronous), and the biased baselines; 3 ranks too, one of
+/// them with a single prompt a step. Prompt pruning and completion pruning both act.
+#[test]
+fn ranks_train_as_one_rank_with_the_whole_batch() {
+    let policy = warmed_up();
+    let with = |extra: &[&'static str]| -> Vec<&'static str> {
+        SMALL.iter().copied().chain(extra.iter().copied()).collect()
+    };
+    let cases: [(&str, usize, Vec<&str>); 6] = [
+        ("grpo", 2, with(&["algorithm=grpo"])),
+        ("dppo", 2, with(&[])),
+        (
+            "dppo, batch scope, batch-std advantages, synchronous, gradient-variance study",
+            2,
+            with(&[
+                "dppo.scope=batch",
+                "actor.scale_rewards=batch",
+                "rollout.one_step_off_policy=false",
+                "eval.every=2",
+                "eval.grad_variance_draws=2",
+            ]),
+        ),
+        ("cppo", 2, with(&["algorithm=cppo"])),
+        ("greso", 2, with(&["algorithm=greso"])),
+        (
+            "dppo on 3 ranks, 4 prompts a step",
+            3,
+            with(&["rollout.prompts_per_step=4"]),
+        ),
+    ];
+    for (what, world, sets) in cases {
+        let one = train(1, &policy, &sets, 0, 6);
+        let many = train(world, &policy, &sets, 0, 6);
+        assert_same_training(what, &one, &many);
+        if what.contains("variance") {
+            let measured = one
+                .lines
+                .iter()
+                .filter(|l| l.contains_key("prune/grad_rel_mse"));
+            assert_eq!(measured.count(), 3, "the study ran at steps 2, 4 and 6");
+        }
+        if what == "dppo" {
+            let kept = |key: &str| one.lines.iter().any(|l| l[key].as_f64().unwrap() < 1.0);
+            assert!(kept("prune/prompts_kept"), "prompt pruning never acted");
+            assert!(
+                kept("prune/completions_kept"),
+                "completion pruning never acted"
+            );
+            let reward: f64 = one
+                .lines
+                .iter()
+                .map(|l| l["reward/mean"].as_f64().unwrap())
+                .sum();
+            assert!(reward > 0.0, "no sample was right: nothing trained");
+        }
+    }
+}
+
+/// The supervised warm-up shards its batch too: 2 ranks' warm-up equals 1 rank's.
+#[test]
+fn the_warm_up_shards_its_batch_over_ranks() {
+    let tiny = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
+    let one = train(1, &tiny, &SMALL, 6, 0);
+    let two = train(2, &tiny, &SMALL, 6, 0);
+    let worst = worst_relative(&two.weights, &one.weights);
+    assert!(worst <= 1e-5, "warm-up weights differ by {worst:e}");
+    assert_ne!(
+        values(&tiny.weights),
+        one.weights,
+        "the warm-up trained nothing"
+    );
+}
+
+/// A replica whose weights drifted (here: changed by hand on rank 1) is caught by the
+/// checksum check on every rank, with each rank's checksum in the error.
+#[test]
+fn diverged_replicas_are_an_error_naming_every_rank() {
+    let tiny = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
+    let sets: Vec<String> = SMALL.iter().map(|s| s.to_string()).collect();
+    let cfg = RunConfig::default_with(&sets).unwrap();
+    let (train, eval) = builtin_task("arithmetic", 16, 12, 0).unwrap();
+    let errors = on_ranks(2, &|collective| {
+        let trainer = Trainer::with_collective(
+            cfg.clone(),
+            &tiny,
+            &Device::Cpu,
+            train.clone(),
+            eval.clone(),
+            collective,
+        )
+        .unwrap();
+        trainer.check_replicas().unwrap();
+        if trainer.rank().0 == 1 {
+            let var = trainer.learner.vars.values().next().unwrap();
+            var.set(&(var.as_tensor() * 1.0001).unwrap()).unwrap();
+        }
+        trainer.check_replicas().unwrap_err().to_string()
+    });
+    for err in errors {
+        assert!(
+            err.contains("replicas diverged")
+                && err.contains("rank 0: ")
+                && err.contains("rank 1: "),
+            "{err}"
+        );
+    }
+}
+
+// ---- The launcher: `dppo run --devices cpu,cpu` as processes. ----
+
+const RUN: [&str; 14] = [
+    "--set",
+    "warmup.steps=3",
+    "--set",
+    "data.num_train=16",
+    "--set",
+    "data.num_eval=8",
+    "--set",
+    "rollout.prompts_per_step=8",
+    "--set",
+    "checkpoint.every=2",
+    "--set",
+    "checkpoint.keep=5",
+    "--set",
+    "eval.every=2",
+];
+
+/// `dppo run` into `out` with `RUN`, `extra` arguments and environment `env`.
+fn dppo_run(out: &Path, extra: &[&str], env: &[(&str, String)]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_dppo"));
+    cmd.args(["run", "--out", out.to_str().unwrap()])
+        .args(RUN)
+        .args(extra)
+        .env("RUST_LOG", "warn");
+    for var in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_USE_AGENT_STORE",
+        "DPPO_MASTER_PORT",
+    ] {
+        cmd.env_remove(var);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd
+}
+
+/// Runs `cmd` to its end (at most `secs`); returns success, stdout and stderr.
+fn finish(mut cmd: Command, secs: u64) -> (bool, String, String) {
+    let child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start dppo");
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(child.wait_with_output()));
+    let out = match rx.recv_timeout(Duration::from_secs(secs)) {
+        Ok(out) => out.unwrap(),
+        Err(_) => {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            panic!("dppo run (pid {pid}) did not finish within {secs} s");
+        }
+    };
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn metrics(out: &Path) -> Vec<Map<String, Value>> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn checkpoint_weights(out: &Path, step: u64) -> BTreeMap<String, Vec<f32>> {
+    let dir = out.join(format!("checkpoints/step-{step:06}"));
+    values(
+        &Policy::load(dir.to_str().unwrap(), &Device::Cpu)
+            .unwrap()
+            .weights,
+    )
+}
+
+/// The non-timing metrics of a run, every value exact.
+fn trained(lines: &[Map<String, Value>]) -> Vec<BTreeMap<String, Value>> {
+    lines
+        .iter()
+        .map(|l| {
+            l.iter()
+                .filter(|(k, _)| {
+                    !["timing_s/", "perf/", "actor/", "pack/"]
+                        .iter()
+                        .any(|p| k.starts_with(p))
+                })
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect()
+        })
+        .collect()
+}
+
+/// `--devices cpu,cpu` runs two processes (rank 1 started by rank 0) and trains what one
+/// rank with the same global batch trains: the same rollouts, pruning, evaluations and,
+/// within 1e-5, weights; rank 0 alone writes the run directory. A resumed 2-rank run ends
+/// bit for bit where the uninterrupted one does.
+#[test]
+fn two_cpu_ranks_match_one_rank_and_resume_bit_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let (one, two, resumed) = (
+        dir.path().join("one"),
+        dir.path().join("two"),
+        dir.path().join("resumed"),
+    );
+    let steps = ["--set", "steps=4"];
+    let (ok, _, err) = finish(dppo_run(&one, &steps, &[]), 300);
+    assert!(ok, "{err}");
+    let devices = ["--devices", "cpu,cpu", "--set", "steps=4"];
+    let (ok, stdout, err) = finish(dppo_run(&two, &devices, &[]), 300);
+    assert!(ok, "{err}");
+    assert_eq!(
+        stdout.matches("run directory").count(),
+        1,
+        "rank 0 alone prints: {stdout}"
+    );
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(two.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["ranks"], 2);
+    let one_summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(one.join("summary.json")).unwrap()).unwrap();
+    for key in ["eval_before", "eval_after", "steps", "policy_version"] {
+        assert_eq!(summary[key], one_summary[key], "{key}");
+    }
+    assert_eq!(trained(&metrics(&one)), trained(&metrics(&two)));
+    let worst = worst_relative(&checkpoint_weights(&two, 4), &checkpoint_weights(&one, 4));
+    assert!(worst <= 1e-5, "2 ranks vs 1: weights differ by {worst:e}");
+    // Stopped after step 2 (its checkpoint), then resumed to step 4 on 2 ranks.
+    let (ok, _, err) = finish(
+        dppo_run(&resumed, &["--devices", "cpu,cpu", "--set", "steps=2"], &[]),
+        300,
+    );
+    assert!(ok, "{err}");
+    let (ok, _, err) = finish(
+        dppo_run(
+            &resumed,
+            &[
+                "--devices",
+                "cpu,cpu",
+                "--resume",
+                "latest",
+                "--set",
+                "steps=4",
+            ],
+            &[],
+        ),
+        300,
+    );
+    assert!(ok, "{err}");
+    for file in ["model/model.safetensors", "optimizer.safetensors"] {
+        let x = std::fs::read(two.join("checkpoints/step-000004").join(file)).unwrap();
+        let y = std::fs::read(resumed.join("checkpoints/step-000004").join(file)).unwrap();
+        assert!(
+            x == y,
+            "{file}: the resumed 2-rank run differs from the uninterrupted one"
+        );
+    }
+    assert_eq!(metrics(&resumed).len(), 4);
+    assert_eq!(trained(&metrics(&two)), trained(&metrics(&resumed)));
+    // A one-rank checkpoint (with its rollout made ahead of step 3) resumed on two ranks:
+    // each takes its share of that rollout, and the run goes on as the one-rank run does.
+    let cross = dir.path().join("cross");
+    assert!(Command::new("cp")
+        .args(["-r", one.to_str().unwrap(), cross.to_str().unwrap()])
+        .status()
+        .unwrap()
+        .success());
+    let from = cross.join("checkpoints/step-000002");
+    let (ok, _, err) = finish(
+        dppo_run(
+            &cross,
+            &[
+                "--devices",
+                "cpu,cpu",
+                "--resume",
+                from.to_str().unwrap(),
+                "--set",
+                "steps=4",
+            ],
+            &[],
+        ),
+        300,
+    );
+    assert!(ok, "{err}");
+    assert_eq!(trained(&metrics(&one)), trained(&metrics(&cross)));
+    let worst = worst_relative(&checkpoint_weights(&cross, 4), &checkpoint_weights(&one, 4));
+    assert!(
+        worst <= 1e-5,
+        "1 rank resumed on 2: weights differ by {worst:e}"
+    );
+}
+
+/// Ctrl-C (SIGINT) to rank 0 reaches every rank: without `--serve` the run ends at once as
+/// a signalled process would (status 130) and rank 1 with it; with `--serve` (rank 0
+/// serves) every rank stops after the same step, with that step's checkpoint and a summary.
+#[test]
+fn ctrl_c_reaches_every_rank() {
+    for serve in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("run");
+        let mut extra = vec!["--devices", "cpu,cpu", "--set", "steps=100000"];
+        if serve {
+            extra.extend(["--serve", "127.0.0.1:0"]);
+        }
+        let mut child = dppo_run(&out, &extra, &[])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let start = Instant::now();
+        while std::fs::read_to_string(out.join("metrics.jsonl")).map_or(0, |m| m.lines().count())
+            < 2
+        {
+            assert!(
+                start.elapsed() < Duration::from_secs(120),
+                "training did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let rank1 = children_of(child.id());
+        assert_eq!(rank1.len(), 1, "rank 0 started one rank: {rank1:?}");
+        assert!(Command::new("kill")
+            .args(["-INT", &child.id().to_string()])
+            .status()
+            .unwrap()
+            .success());
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(180),
+                "serve={serve}: no stop"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(!alive(rank1[0]), "serve={serve}: rank 1 outlived the run");
+        if !serve {
+            assert_eq!(status.code(), Some(130), "{status}");
+            continue;
+        }
+        assert!(status.success(), "{status}");
+        let summary: Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap())
+                .unwrap();
+        let steps = summary["steps"].as_u64().unwrap();
+        assert!((2..100000).contains(&steps), "{summary}");
+        assert_eq!(metrics(&out).len() as u64, steps);
+        let ckpt = out.join(format!("checkpoints/step-{steps:06}/manifest.json"));
+        assert!(ckpt.exists(), "no checkpoint of the last step");
+    }
+}
+
+/// A rank that dies (SIGKILL) fails the whole run within seconds with an error naming it;
+/// a rank that stops answering (SIGSTOP) fails it after `rank_timeout_s`.
+#[test]
+fn a_killed_or_hung_rank_fails_the_run_naming_it() {
+    for (sig, want) in [
+        ("-KILL", "rank 1 (pid"),
+        ("-STOP", "rank 1 did not answer rank 0 within 5 s"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("run");
+        let mut cmd = dppo_run(
+            &out,
+            &[
+                "--devices",
+                "cpu,cpu",
+                "--set",
+                "steps=100000",
+                "--set",
+                "rank_timeout_s=5",
+            ],
+            &[],
+        );
+        let mut child = cmd
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let reader = std::thread::spawn(move || {
+            let mut s = String::new();
+            std::io::Read::read_to_string(&mut { stderr }, &mut s).unwrap();
+            s
+        });
+        let start = Instant::now();
+        while std::fs::read_to_string(out.join("metrics.jsonl")).map_or(0, |m| m.lines().count())
+            < 2
+        {
+            assert!(
+                start.elapsed() < Duration::from_secs(120),
+                "training did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let rank1 = children_of(child.id());
+        assert_eq!(rank1.len(), 1, "rank 0 started one rank: {rank1:?}");
+        let killed_at = Instant::now();
+        assert!(Command::new("kill")
+            .args([sig, &rank1[0].to_string()])
+            .status()
+            .unwrap()
+            .success());
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if killed_at.elapsed() > Duration::from_secs(60) {
+                let _ = child.kill();
+                let _ = Command::new("kill")
+                    .args(["-9", &rank1[0].to_string()])
+                    .status();
+                panic!("{sig}: the run did not stop within 60 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let err = reader.join().unwrap();
+        assert!(!status.success(), "{sig}");
+        assert!(err.contains(want), "{sig}: {err}");
+        // No rank is left behind.
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(!alive(rank1[0]), "{sig}: rank 1 outlived the run");
+    }
+}
+
+/// The process ids of `pid`'s children (from /proc).
+fn children_of(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .flatten()
+    {
+        if let Ok(list) = std::fs::read_to_string(task.path().join("children")) {
+            out.extend(list.split_whitespace().map(|p| p.parse::<u32>().unwrap()));
+        }
+    }
+    out
+}
+
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit_once(") ")
+            .is_some_and(|(_, rest)| !rest.starts_with('Z'))
+    })
+}
+
+/// Ranks started by hand with torchrun's variables (as torchrun or Slurm start them) run
+/// the same training as the launcher's; a rank started with another configuration is
+/// refused naming the difference.
+#[test]
+fn ranks_started_with_torchrun_variables_train_like_the_launcher() {
+    let dir = tempfile::tempdir().unwrap();
+    let (launched, manual) = (dir.path().join("launched"), dir.path().join("manual"));
+    let steps = ["--set", "steps=2"];
+    let (ok, _, err) = finish(
+        dppo_run(
+            &launched,
+            &["--devices", "cpu,cpu", "--set", "steps=2"],
+            &[],
+        ),
+        300,
+    );
+    assert!(ok, "{err}");
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let env = |rank: usize| {
+        vec![
+            ("RANK", rank.to_string()),
+            ("WORLD_SIZE", "2".to_string()),
+            ("LOCAL_RANK", rank.to_string()),
+            ("MASTER_ADDR", "127.0.0.1".to_string()),
+            ("MASTER_PORT", port.to_string()),
+        ]
+    };
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            let cmd = dppo_run(&manual, &steps, &env(rank));
+            std::thread::spawn(move || finish(cmd, 300))
+        })
+        .collect();
+    for (rank, r) in ranks.into_iter().enumerate() {
+        let (ok, _, err) = r.join().unwrap();
+        assert!(ok, "rank {rank}: {err}");
+    }
+    for file in ["model/model.safetensors", "optimizer.safetensors"] {
+        let x = std::fs::read(launched.join("checkpoints/step-000002").join(file)).unwrap();
+        let y = std::fs::read(manual.join("checkpoints/step-000002").join(file)).unwrap();
+        assert!(
+            x == y,
+            "{file}: torchrun-style ranks differ from the launcher's"
+        );
+    }
+    // Rank 1 with another learning rate: refused, naming the key.
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let env = |rank: usize| {
+        vec![
+            ("RANK", rank.to_string()),
+            ("WORLD_SIZE", "2".to_string()),
+            ("MASTER_ADDR", "127.0.0.1".to_string()),
+            ("MASTER_PORT", port.to_string()),
+        ]
+    };
+    let other = dir.path().join("other");
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            let lr = if rank == 0 {
+                "actor.lr=0.001"
+            } else {
+                "actor.lr=0.002"
+            };
+            let cmd = dppo_run(
+                &other,
+                &["--set", lr, "--set", "rank_timeout_s=30"],
+                &env(rank),
+            );
+            std::thread::spawn(move || finish(cmd, 120))
+        })
+        .collect();
+    let results: Vec<_> = ranks.into_iter().map(|r| r.join().unwrap()).collect();
+    assert!(results.iter().all(|(ok, _, _)| !ok));
+    let err = &results[0].2;
+    assert!(
+        err.contains("rank 1 runs another configuration") && err.contains("lr"),
+        "{err}"
+    );
+}
