@@ -34,6 +34,30 @@ fn plan_prints_every_part_and_the_kv_cache_for_the_config() {
     ] {
         assert!(stdout.contains(want), "{want:?} not in\n{stdout}");
     }
+    // The dtypes come from the config unless a flag names them (`auto`: bf16 on a GPU).
+    let engine_in = |sets: &[&str]| {
+        let mut args = vec!["--gpu-memory", "80GiB"];
+        args.extend(sets.iter().flat_map(|s| ["--set", s]));
+        let (code, stdout, stderr) = plan(&args);
+        assert_eq!(code, Some(0), "{stderr}");
+        stdout
+    };
+    assert!(engine_in(&[]).contains("engine in bf16, learner in bf16"));
+    let configured = engine_in(&["engine.dtype=f32", "train.compute_dtype=f32"]);
+    assert!(
+        configured.contains("engine in f32, learner in f32"),
+        "{configured}"
+    );
+    let (code, stdout, stderr) = plan(&[
+        "--gpu-memory",
+        "80GiB",
+        "--set",
+        "engine.dtype=f32",
+        "--engine-dtype",
+        "f16",
+    ]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stdout.contains("engine in f16"), "{stdout}");
     let (code, stdout, stderr) = plan(&["--gpu-memory", "24GB", "--serve"]);
     assert_eq!(code, Some(0), "{stderr}");
     assert!(

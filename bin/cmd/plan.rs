@@ -7,7 +7,7 @@ use anyhow::Context;
 use candle_core::Device;
 use dppo_engine::EngineConfig;
 use dppo_model::ModelConfig;
-use dppo_trainer::config::RunConfig;
+use dppo_trainer::config::{DtypeChoice, RunConfig};
 use dppo_trainer::memory_plan::{
     format_size, parse_size, plan, LearnerInputs, ModelShape, PlanInputs, Precision,
 };
@@ -41,12 +41,14 @@ pub struct Args {
     /// Overrides engine.gpu_memory_utilization.
     #[arg(long)]
     gpu_memory_utilization: Option<f64>,
-    /// The engine's weights and KV cache dtype: f32, bf16 or f16.
-    #[arg(long, default_value = "bf16")]
-    engine_dtype: Precision,
-    /// The learner's forward/backward dtype: f32 or bf16 (master weights and AdamW stay f32).
-    #[arg(long, default_value = "bf16")]
-    compute_dtype: Precision,
+    /// The engine's weights and KV cache dtype: f32, bf16 or f16 (default: the config's
+    /// `engine.dtype`, `auto` being bf16 on a GPU).
+    #[arg(long)]
+    engine_dtype: Option<Precision>,
+    /// The learner's forward/backward dtype: f32 or bf16 (default: the config's
+    /// `train.compute_dtype`); master weights and AdamW stay f32.
+    #[arg(long)]
+    compute_dtype: Option<Precision>,
     /// Prompt tokens per sequence (default: pack.tokens - rollout.max_response_len, the
     /// longest prompt the configuration admits).
     #[arg(long)]
@@ -59,8 +61,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Some(path) => super::run::read_config(path, &args.sets)?,
         None => RunConfig::default_with(&args.sets)?,
     };
+    let engine_dtype = args.engine_dtype.unwrap_or(on_gpu(cfg.engine.dtype));
+    let compute_dtype = args
+        .compute_dtype
+        .unwrap_or(on_gpu(cfg.train.compute_dtype));
     anyhow::ensure!(
-        args.compute_dtype != Precision::F16,
+        compute_dtype != Precision::F16,
         "--compute-dtype: f32 or bf16 (the learner does not compute in f16)"
     );
     let model = args.model.as_deref().unwrap_or(&cfg.model);
@@ -78,9 +84,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     });
     let input = PlanInputs {
         model: ModelShape::from(&model_cfg),
-        engine_dtype: args.engine_dtype,
+        engine_dtype,
         learner: (!args.serve).then_some(LearnerInputs {
-            compute_dtype: args.compute_dtype,
+            compute_dtype,
             pack_tokens,
         }),
         total_memory: args.gpu_memory,
@@ -107,6 +113,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     );
     print!("{}", plan(&input)?);
     Ok(())
+}
+
+/// The precision a configured dtype has on a GPU (`auto`: bf16).
+fn on_gpu(choice: DtypeChoice) -> Precision {
+    match choice {
+        DtypeChoice::Auto | DtypeChoice::Bf16 => Precision::Bf16,
+        DtypeChoice::F32 => Precision::F32,
+        DtypeChoice::F16 => Precision::F16,
+    }
 }
 
 /// The model's config: read from `config.json` alone for an HF directory (no weights
