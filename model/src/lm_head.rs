@@ -172,6 +172,7 @@ impl CustomOp2 for FusedLmHead {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fused::check::values;
     use candle_core::{DType, Device, Var};
     use rand::{Rng, SeedableRng};
 
@@ -198,15 +199,6 @@ mod tests {
             Tensor::new(targets, &dev).unwrap(),
             Tensor::new(coef, &dev).unwrap().to_dtype(dtype).unwrap(),
         )
-    }
-
-    fn values(t: &Tensor) -> Vec<f64> {
-        t.flatten_all()
-            .unwrap()
-            .to_dtype(DType::F64)
-            .unwrap()
-            .to_vec1()
-            .unwrap()
     }
 
     /// Loss `sum(coef * logprobs)` through `stats`, its gradients w.r.t. hidden and

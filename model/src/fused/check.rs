@@ -4,7 +4,8 @@
 use candle_core::{DType, Device, Result, Tensor, Var};
 use rand::{Rng, SeedableRng};
 
-fn values(t: &Tensor) -> Vec<f64> {
+/// A tensor's elements as f64, in order.
+pub(crate) fn values(t: &Tensor) -> Vec<f64> {
     t.flatten_all()
         .unwrap()
         .to_dtype(DType::F64)
