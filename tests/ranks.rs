@@ -518,17 +518,7 @@ fn ctrl_c_reaches_every_rank() {
             .spawn()
             .unwrap();
         let start = Instant::now();
-        while std::fs::read_to_string(out.join("metrics.jsonl")).map_or(0, |m| m.lines().count())
-            < 2
-        {
-            assert!(
-                start.elapsed() < Duration::from_secs(120),
-                "training did not start"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let rank1 = children_of(child.id());
-        assert_eq!(rank1.len(), 1, "rank 0 started one rank: {rank1:?}");
+        let rank1 = rank1_once_training(&out, child.id());
         assert!(Command::new("kill")
             .args(["-INT", &child.id().to_string()])
             .status()
@@ -595,18 +585,7 @@ fn a_killed_or_hung_rank_fails_the_run_naming_it() {
             std::io::Read::read_to_string(&mut { stderr }, &mut s).unwrap();
             s
         });
-        let start = Instant::now();
-        while std::fs::read_to_string(out.join("metrics.jsonl")).map_or(0, |m| m.lines().count())
-            < 2
-        {
-            assert!(
-                start.elapsed() < Duration::from_secs(120),
-                "training did not start"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let rank1 = children_of(child.id());
-        assert_eq!(rank1.len(), 1, "rank 0 started one rank: {rank1:?}");
+        let rank1 = rank1_once_training(&out, child.id());
         let killed_at = Instant::now();
         assert!(Command::new("kill")
             .args([sig, &rank1[0].to_string()])
@@ -633,6 +612,22 @@ fn a_killed_or_hung_rank_fails_the_run_naming_it() {
         std::thread::sleep(Duration::from_millis(200));
         assert!(!alive(rank1[0]), "{sig}: rank 1 outlived the run");
     }
+}
+
+/// Waits until rank 0 (process `rank0`) has written two metrics lines to `out`, then
+/// returns the one rank it started (as a one-element list of pids).
+fn rank1_once_training(out: &std::path::Path, rank0: u32) -> Vec<u32> {
+    let start = Instant::now();
+    while std::fs::read_to_string(out.join("metrics.jsonl")).map_or(0, |m| m.lines().count()) < 2 {
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "training did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let rank1 = children_of(rank0);
+    assert_eq!(rank1.len(), 1, "rank 0 started one rank: {rank1:?}");
+    rank1
 }
 
 /// The process ids of `pid`'s children (from /proc).
