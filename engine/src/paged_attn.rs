@@ -4,7 +4,7 @@
 
 use candle_core::{DType, Result, Tensor};
 use dppo_model::parallel::multi_threaded;
-use dppo_model::AttentionBackend;
+use dppo_model::{AttentionBackend, CpuKernel};
 use rayon::prelude::*;
 
 use crate::kv_pool::{BlockCopy, BlockId};
@@ -108,22 +108,28 @@ impl AttentionBackend for PagedAttention<'_> {
             k: &self.cache.k[layer_idx],
             v: &self.cache.v[layer_idx],
             shape: self.cache.shape,
-            num_heads,
             scale: 1.0 / (head_dim as f32).sqrt(),
         };
-        let attend_row = |(idx, out_row): (usize, &mut [f32])| {
-            let (t, h) = (idx / num_heads, idx % num_heads);
+        // One task per (token, KV head): the query heads sharing that KV head read each key
+        // and value row once between them.
+        let num_kv_heads = self.cache.shape.num_kv_heads;
+        let group = num_heads / num_kv_heads;
+        let cpu = dppo_model::cpu_kernel().map_err(candle_core::Error::wrap)?;
+        let attend_group = |(idx, out_rows): (usize, &mut [f32])| {
+            let (t, kv_head) = (idx / num_kv_heads, idx % num_kv_heads);
             let meta = &self.seqs[token_seq[t]];
             let pos = meta.num_computed_tokens + (t - meta.first_row);
-            let q_row = &q[idx * head_dim..(idx + 1) * head_dim];
-            kernel.attend_one(q_row, h, pos, &meta.block_table, out_row);
+            let q_rows = &q[idx * group * head_dim..(idx + 1) * group * head_dim];
+            kernel.attend_group(cpu, q_rows, kv_head, pos, &meta.block_table, out_rows);
         };
         if multi_threaded() {
-            out.par_chunks_mut(head_dim)
+            out.par_chunks_mut(group * head_dim)
                 .enumerate()
-                .for_each(attend_row);
+                .for_each(attend_group);
         } else {
-            out.chunks_mut(head_dim).enumerate().for_each(attend_row);
+            out.chunks_mut(group * head_dim)
+                .enumerate()
+                .for_each(attend_group);
         }
         Tensor::from_vec(out, (num_tokens, num_heads, head_dim), k.device())
     }
@@ -138,46 +144,119 @@ fn token_owners(seqs: &[SeqAttnMeta], num_tokens: usize) -> Vec<usize> {
     owners
 }
 
-/// Read-only view of one layer's cache for the attention of single (token, head) pairs.
+/// Read-only view of one layer's cache for the attention of single tokens.
 struct Kernel<'a> {
     k: &'a [f32],
     v: &'a [f32],
     shape: CacheShape,
-    num_heads: usize,
     scale: f32,
 }
 
 impl Kernel<'_> {
-    /// Attention of one query head at position `pos` over keys `0..=pos` of a sequence.
-    fn attend_one(
+    /// Attention at position `pos` over keys `0..=pos` of a sequence, for the query heads
+    /// `q` (`group x head_dim`, consecutive heads) that share KV head `kv_head`, compiled for
+    /// the widest vectors of the process's CPU kernel. The instructions are the same IEEE
+    /// operations in the same order on every path (Rust never fuses a multiply and an add),
+    /// so the results are too.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+    fn attend_group(
+        &self,
+        cpu: CpuKernel,
+        q: &[f32],
+        kv_head: usize,
+        pos: usize,
+        block_table: &[BlockId],
+        out: &mut [f32],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            #[target_feature(enable = "avx512f")]
+            fn avx512(
+                kernel: &Kernel,
+                q: &[f32],
+                h: usize,
+                p: usize,
+                t: &[BlockId],
+                o: &mut [f32],
+            ) {
+                kernel.group(q, h, p, t, o)
+            }
+            #[target_feature(enable = "avx2")]
+            fn avx2(kernel: &Kernel, q: &[f32], h: usize, p: usize, t: &[BlockId], o: &mut [f32]) {
+                kernel.group(q, h, p, t, o)
+            }
+            match cpu {
+                // SAFETY: the process's kernel is one this CPU has (`cpu_kernel`).
+                CpuKernel::Avx512 => {
+                    return unsafe { avx512(self, q, kv_head, pos, block_table, out) }
+                }
+                // SAFETY: as above.
+                CpuKernel::Avx2 => return unsafe { avx2(self, q, kv_head, pos, block_table, out) },
+                CpuKernel::Portable => {}
+            }
+        }
+        self.group(q, kv_head, pos, block_table, out)
+    }
+
+    /// [`Kernel::attend_group`]'s arithmetic, inlined into each of its compilations. Each
+    /// head's arithmetic is that of attending it alone; the group only shares the reads.
+    #[inline(always)]
+    fn group(
         &self,
         q: &[f32],
-        head: usize,
+        kv_head: usize,
         pos: usize,
         block_table: &[BlockId],
         out: &mut [f32],
     ) {
         let d = self.shape.head_dim;
-        let bs = self.shape.block_size;
-        let kv_head = head / (self.num_heads / self.shape.num_kv_heads);
-        let row = self.shape.slot_len();
-        let offset = |j: usize| (block_table[j / bs] as usize * bs + j % bs) * row + kv_head * d;
-        // scores = q . k_j * scale, then a max-shifted softmax
-        let mut scores: Vec<f32> = (0..=pos)
-            .map(|j| dot(q, &self.k[offset(j)..offset(j) + d]) * self.scale)
-            .collect();
-        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0f32;
-        for s in scores.iter_mut() {
-            *s = (*s - max).exp();
-            sum += *s;
+        let group = q.len() / d;
+        let len = pos + 1;
+        // The first slot of every block the sequence uses, and its number of tokens.
+        let (bs, row) = (self.shape.block_size, self.shape.slot_len());
+        let blocks = block_table
+            .iter()
+            .take(len.div_ceil(bs))
+            .enumerate()
+            .map(|(b, &block)| {
+                (
+                    block as usize * bs * row + kv_head * d,
+                    (len - b * bs).min(bs),
+                )
+            });
+        // scores[h][j] = q_h . k_j * scale, then a max-shifted softmax per head
+        let mut scores = vec![0f32; group * len];
+        let mut j = 0;
+        for (base, tokens) in blocks.clone() {
+            for slot in 0..tokens {
+                let key = &self.k[base + slot * row..base + slot * row + d];
+                for (h, q_h) in q.chunks_exact(d).enumerate() {
+                    scores[h * len + j] = dot(q_h, key) * self.scale;
+                }
+                j += 1;
+            }
         }
+        let mut sums = vec![0f32; group];
+        for (probs, sum) in scores.chunks_exact_mut(len).zip(&mut sums) {
+            let max = probs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            for s in probs.iter_mut() {
+                *s = (*s - max).exp();
+                *sum += *s;
+            }
+        }
+        // out_h = sum_j p_hj v_j, added in order of j
         out.fill(0.0);
-        for (j, p) in scores.iter().enumerate() {
-            let v = &self.v[offset(j)..offset(j) + d];
-            let w = p / sum;
-            for (o, x) in out.iter_mut().zip(v) {
-                *o += w * x;
+        let mut j = 0;
+        for (base, tokens) in blocks {
+            for slot in 0..tokens {
+                let value = &self.v[base + slot * row..base + slot * row + d];
+                for (h, out_h) in out.chunks_exact_mut(d).enumerate() {
+                    let w = scores[h * len + j] / sums[h];
+                    for (o, x) in out_h.iter_mut().zip(value) {
+                        *o += w * x;
+                    }
+                }
+                j += 1;
             }
         }
     }
@@ -185,6 +264,7 @@ impl Kernel<'_> {
 
 /// Dot product with eight independent accumulators, so that the compiler can vectorise it
 /// (a single running sum is a dependency chain that float semantics forbid reordering).
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));

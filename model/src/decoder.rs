@@ -2,8 +2,8 @@
 //!
 //! Inputs are flat token streams (tokens,) with explicit position ids; attention goes
 //! through an [`AttentionBackend`] so that packed training rows and paged inference share
-//! this code. Only differentiable ops are used: composites (see [`crate::ops`]), or for
-//! training on the CPU custom ops with their own backward (see [`crate::fused`]).
+//! this code. Only differentiable ops are used: composites (see [`crate::ops`]), or on
+//! the CPU custom ops with their own backward (see [`crate::fused`]).
 
 use candle_core::{Result, Tensor};
 

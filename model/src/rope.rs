@@ -1,5 +1,5 @@
-//! Rotary position embeddings in the HF "rotate half" layout (fused for training on the
-//! CPU, see [`crate::fused`]).
+//! Rotary position embeddings in the HF "rotate half" layout (fused on the CPU, see
+//! [`crate::fused`]).
 
 use candle_core::{DType, Device, Result, Tensor, D};
 

@@ -1,55 +1,58 @@
-//! The AVX-512 tile: 4 rows of `x` against 4 rows of `w` in 16-lane registers (16
-//! accumulators and 8 operands fit the 32 zmm registers).
+//! The AVX-512 kernel: panels of 64 rows of `x` (4 zmm registers), tiles of 6 to 12 weight
+//! rows (at most 24 accumulators, which with the operands fit the 32 zmm registers).
 
 use std::arch::x86_64::*;
 
-/// 16 dot products of length `k`: 4 rows of `x` against 4 rows of `w`. Plain loops over
-/// constant bounds, not closures, so that everything inlines into registers. Each lane
-/// accumulates every 16th product in order of `k`; the tail is read zero-padded.
-///
-/// # Safety
-/// AVX-512F must be available and every pointer must start a row of `k` floats.
-#[target_feature(enable = "avx512f")]
-pub(super) unsafe fn tile(xr: &[*const f32; 4], wr: &[*const f32; 4], k: usize) -> [[f32; 4]; 4] {
-    let mut acc = [[_mm512_setzero_ps(); 4]; 4];
-    let mut xv = [_mm512_setzero_ps(); 4];
-    let mut wv = [_mm512_setzero_ps(); 4];
-    let full = k / 16 * 16;
-    let mut kk = 0;
-    while kk < full {
-        for r in 0..4 {
-            // SAFETY: kk + 16 <= k (contract).
-            xv[r] = unsafe { _mm512_loadu_ps(xr[r].add(kk)) };
-            wv[r] = unsafe { _mm512_loadu_ps(wr[r].add(kk)) };
-        }
-        fma_4x4(&mut acc, &xv, &wv);
-        kk += 16;
+use super::panel::{self, PanelJob, Simd};
+
+/// 16-lane AVX-512F registers, fused multiply-adds.
+pub(super) struct Avx512;
+
+impl Simd for Avx512 {
+    const LANES: usize = 16;
+    const PANEL_VECS: usize = 4;
+    type V = __m512;
+
+    #[inline(always)]
+    unsafe fn zero() -> __m512 {
+        // SAFETY: AVX-512F is available (contract).
+        unsafe { _mm512_setzero_ps() }
     }
-    if full < k {
-        let mask: __mmask16 = (1u16 << (k - full)) - 1;
-        for r in 0..4 {
-            // SAFETY: the mask reads only the k - full floats left in each row.
-            xv[r] = unsafe { _mm512_maskz_loadu_ps(mask, xr[r].add(full)) };
-            wv[r] = unsafe { _mm512_maskz_loadu_ps(mask, wr[r].add(full)) };
-        }
-        fma_4x4(&mut acc, &xv, &wv);
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> __m512 {
+        // SAFETY: as above; 16 readable floats (contract).
+        unsafe { _mm512_loadu_ps(p) }
     }
-    let mut sums = [[0f32; 4]; 4];
-    for r in 0..4 {
-        for c in 0..4 {
-            sums[r][c] = _mm512_reduce_add_ps(acc[r][c]);
-        }
+    #[inline(always)]
+    unsafe fn splat(p: *const f32) -> __m512 {
+        // SAFETY: as above; `p` is readable (contract).
+        unsafe { _mm512_set1_ps(*p) }
     }
-    sums
+    #[inline(always)]
+    unsafe fn mul_add(a: __m512, b: __m512, acc: __m512) -> __m512 {
+        // SAFETY: AVX-512F is available (contract).
+        unsafe { _mm512_fmadd_ps(a, b, acc) }
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: __m512) {
+        // SAFETY: as above; 16 writable floats (contract).
+        unsafe { _mm512_storeu_ps(p, v) }
+    }
 }
 
-/// `acc[r][c] += xv[r] * wv[c]`, lane by lane.
+/// Runs one panel job with the tile that fits its rows.
+///
+/// # Safety
+/// AVX-512F is available, and `job` satisfies [`panel::run`]'s contract.
 #[target_feature(enable = "avx512f")]
-#[inline]
-fn fma_4x4(acc: &mut [[__m512; 4]; 4], xv: &[__m512; 4], wv: &[__m512; 4]) {
-    for (acc_row, &x) in acc.iter_mut().zip(xv) {
-        for (a, &w) in acc_row.iter_mut().zip(wv) {
-            *a = _mm512_fmadd_ps(x, w, *a);
+pub(super) unsafe fn run(job: &PanelJob) {
+    // SAFETY: forwarded contract; the tile's C covers the job's rows.
+    unsafe {
+        match job.vecs::<Avx512>() {
+            1 => panel::run::<Avx512, 12, 1>(job),
+            2 => panel::run::<Avx512, 12, 2>(job),
+            3 => panel::run::<Avx512, 8, 3>(job),
+            _ => panel::run::<Avx512, 6, 4>(job),
         }
     }
 }

@@ -1,10 +1,10 @@
-//! The CPU kernels behind [`crate::linear::linear`]: `x @ w^T` as dot products of rows, a
-//! few rows of `x` against a few rows of `w` at a time.
+//! The CPU kernels behind [`crate::linear::linear`]: `x @ w^T`, with the rows of `x` packed
+//! into transposed panels and multiplied by a few rows of `w` at a time (see [`panel`]).
 //!
 //! candle's CPU matmul runs the engine's decode shapes (a few dozen rows against a weight
 //! matrix) far below the machine's peak, and its results for one row change in the last
-//! bits with the other rows of the batch. Here every output element is one dot product
-//! accumulated in a fixed order, so a row's result does not depend on which other rows
+//! bits with the other rows of the batch. Here every output element is one chain of
+//! multiply-adds in order of `k`, so a row's result does not depend on which other rows
 //! share the batch: a seeded sample's logprobs are the same alone or batched, which
 //! bit-exact resume and isolated serving rest on. Three kernels compute it: AVX-512,
 //! AVX2+FMA and a portable one in plain Rust (every CPU, aarch64 included). The kernel is
@@ -16,9 +16,9 @@
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+mod panel;
 mod portable;
 
-use std::ops::Range;
 use std::sync::OnceLock;
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
@@ -29,11 +29,11 @@ pub const KERNEL_ENV: &str = "DPPO_CPU_KERNEL";
 /// One implementation of `x @ w^T` on the CPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CpuKernel {
-    /// 16-lane AVX-512F, 4 x 4 tiles (x86-64).
+    /// 16-lane AVX-512F, panels of 64 rows (x86-64).
     Avx512,
-    /// 8-lane AVX2 with FMA, 2 x 4 tiles (x86-64).
+    /// 8-lane AVX2 with FMA, panels of 16 rows (x86-64).
     Avx2,
-    /// Plain Rust that the compiler vectorises for the target, 2 x 4 tiles (any CPU).
+    /// Plain Rust that the compiler vectorises for the target, panels of 8 rows (any CPU).
     Portable,
 }
 
@@ -212,10 +212,12 @@ fn contiguous_f32<'a>(
     })
 }
 
-/// Rows of `x` and of `w` one task handles; sized so a task's rows of `x` stay in L2 and
-/// the decode shapes still split into enough tasks for every core.
-const TASK_ROWS: usize = 64;
-const TASK_COLS: usize = 32;
+/// Rows of `x` one task handles (a whole number of panels of every kernel): its panels stay
+/// in L2 while the task runs.
+const TASK_ROWS: usize = 128;
+/// Rows of `w` one task handles (a multiple of every tile's rows): enough tasks for every
+/// core at the decode shapes, and a task's weight rows stay in L2 across its panels.
+const TASK_COLS: usize = 96;
 /// Below this many multiply-adds the work runs on the calling thread.
 const PARALLEL_MIN_FLOPS: usize = 1 << 18;
 
@@ -237,29 +239,72 @@ pub(crate) fn matmul_nt(
     if m == 0 || n == 0 {
         return;
     }
-    let row_blocks = m.div_ceil(TASK_ROWS);
-    let col_blocks = n.div_ceil(TASK_COLS);
-    let out = OutPtr(out.as_mut_ptr());
-    let task = |t: usize| {
-        let (rb, cb) = (t % row_blocks, t / row_blocks);
-        let blk = Block {
-            rows: rb * TASK_ROWS..((rb + 1) * TASK_ROWS).min(m),
-            cols: cb * TASK_COLS..((cb + 1) * TASK_COLS).min(n),
-            k,
-            ldo: n,
-        };
-        // SAFETY: the kernel is available (asserted above); tasks write disjoint blocks of
-        // `out`, which outlives them, and read `x`/`w` within the lengths asserted above.
-        unsafe { run_block(kernel, x, w, &blk, out.get()) };
+    let (width, run): (usize, PanelFn) = match kernel {
+        #[cfg(target_arch = "x86_64")]
+        CpuKernel::Avx512 => (panel::panel_rows::<avx512::Avx512>(), avx512::run),
+        #[cfg(target_arch = "x86_64")]
+        CpuKernel::Avx2 => (panel::panel_rows::<avx2::Avx2>(), avx2::run),
+        CpuKernel::Portable => (panel::panel_rows::<portable::Portable>(), portable::run),
+        #[cfg(not(target_arch = "x86_64"))]
+        CpuKernel::Avx512 | CpuKernel::Avx2 => unreachable!("no x86-64 kernels here"),
     };
-    let tasks = row_blocks * col_blocks;
-    if m * n * k < PARALLEL_MIN_FLOPS || tasks == 1 || !crate::parallel::multi_threaded() {
-        (0..tasks).for_each(task);
+    let parallel = m * n * k >= PARALLEL_MIN_FLOPS && crate::parallel::multi_threaded();
+    // 1. Pack `x` into panels, a task's rows at a time.
+    let panel_len = width * k;
+    let mut packed = vec![0f32; m.div_ceil(width) * panel_len];
+    let group_len = TASK_ROWS / width * panel_len;
+    let pack_group = |(g, dst): (usize, &mut [f32])| {
+        let rows = g * TASK_ROWS..((g + 1) * TASK_ROWS).min(m);
+        panel::pack(x, k, rows, width, dst);
+    };
+    let row_groups = m.div_ceil(TASK_ROWS);
+    let col_blocks = n.div_ceil(TASK_COLS);
+    let tasks = row_groups * col_blocks;
+    use rayon::prelude::*;
+    if parallel && row_groups > 1 {
+        packed
+            .par_chunks_mut(group_len)
+            .enumerate()
+            .for_each(pack_group);
     } else {
-        use rayon::prelude::*;
+        packed
+            .chunks_mut(group_len)
+            .enumerate()
+            .for_each(pack_group);
+    }
+    // 2. Every task: its panels against its rows of `w`.
+    let out = OutPtr(out.as_mut_ptr());
+    let packed = &packed;
+    let task = |t: usize| {
+        let (g, cb) = (t % row_groups, t / row_groups);
+        let cols = cb * TASK_COLS..((cb + 1) * TASK_COLS).min(n);
+        let first_panel = g * TASK_ROWS / width;
+        let last_panel = ((g + 1) * TASK_ROWS).min(m).div_ceil(width);
+        for p in first_panel..last_panel {
+            let job = panel::PanelJob {
+                w,
+                panel: &packed[p * panel_len..(p + 1) * panel_len],
+                k,
+                first_row: p * width,
+                rows: (m - p * width).min(width),
+                cols: cols.clone(),
+                out: out.get(),
+                ldo: n,
+            };
+            // SAFETY: the kernel is available (asserted above); the job's rows fit its
+            // panel; tasks write disjoint blocks of `out`, which outlives them.
+            unsafe { run(&job) };
+        }
+    };
+    if parallel && tasks > 1 {
         (0..tasks).into_par_iter().for_each(task);
+    } else {
+        (0..tasks).for_each(task);
     }
 }
+
+/// A kernel's entry point for one panel job (see [`panel::run`]).
+type PanelFn = unsafe fn(&panel::PanelJob);
 
 /// The output buffer shared by tasks that write disjoint elements of it.
 #[derive(Clone, Copy)]
@@ -272,78 +317,6 @@ unsafe impl Sync for OutPtr {}
 impl OutPtr {
     fn get(self) -> *mut f32 {
         self.0
-    }
-}
-
-/// One task's share of the output: `out[i][j]` for `i` in `rows`, `j` in `cols`, with dot
-/// products of length `k` and `ldo` floats per output row.
-struct Block {
-    rows: Range<usize>,
-    cols: Range<usize>,
-    k: usize,
-    ldo: usize,
-}
-
-/// [`block`] with the tile of `kernel`.
-///
-/// # Safety
-/// As [`block`], and this CPU has `kernel`.
-unsafe fn run_block(kernel: CpuKernel, x: &[f32], w: &[f32], blk: &Block, out: *mut f32) {
-    // SAFETY: forwarded contract; each tile function needs exactly its kernel's features.
-    unsafe {
-        match kernel {
-            #[cfg(target_arch = "x86_64")]
-            CpuKernel::Avx512 => block(avx512::tile, x, w, blk, out),
-            #[cfg(target_arch = "x86_64")]
-            CpuKernel::Avx2 => block(avx2::tile, x, w, blk, out),
-            CpuKernel::Portable => block(portable::tile, x, w, blk, out),
-            #[cfg(not(target_arch = "x86_64"))]
-            CpuKernel::Avx512 | CpuKernel::Avx2 => unreachable!("no x86-64 kernels here"),
-        }
-    }
-}
-
-/// A kernel's tile: the `R x C` dot products of length `k` of `R` rows of `x` against `C`
-/// rows of `w`, each accumulated in an order that depends only on `k`.
-///
-/// # Safety
-/// The CPU has the kernel's features and every pointer starts a row of `k` floats.
-type Tile<const R: usize, const C: usize> =
-    unsafe fn(&[*const f32; R], &[*const f32; C], usize) -> [[f32; C]; R];
-
-/// Computes one block of the output in tiles. Tiles at the edges repeat the last row or
-/// column, whose duplicate results are not stored, so every element goes through the same
-/// instructions whatever its position.
-///
-/// # Safety
-/// `tile` can run on this CPU; `x` holds at least `rows.end` rows of length `k`, `w` at
-/// least `cols.end`, and `out` points at a (`rows.end` x `ldo`) row-major buffer with
-/// `cols.end <= ldo`; `rows` and `cols` are not empty.
-unsafe fn block<const R: usize, const C: usize>(
-    tile: Tile<R, C>,
-    x: &[f32],
-    w: &[f32],
-    blk: &Block,
-    out: *mut f32,
-) {
-    let Block { rows, cols, k, ldo } = blk;
-    let (k, ldo) = (*k, *ldo);
-    let last_row = rows.end - 1;
-    let last_col = cols.end - 1;
-    for j0 in cols.clone().step_by(C) {
-        let wr: [*const f32; C] = std::array::from_fn(|c| w[(j0 + c).min(last_col) * k..].as_ptr());
-        for i0 in rows.clone().step_by(R) {
-            let xr: [*const f32; R] =
-                std::array::from_fn(|r| x[(i0 + r).min(last_row) * k..].as_ptr());
-            // SAFETY: the row indices are clamped into the block (contract).
-            let sums = unsafe { tile(&xr, &wr, k) };
-            for (r, row) in sums.iter().enumerate().take(rows.end - i0) {
-                for (c, &value) in row.iter().enumerate().take(cols.end - j0) {
-                    // SAFETY: (i0 + r, j0 + c) is inside the block, see the contract.
-                    unsafe { *out.add((i0 + r) * ldo + j0 + c) = value };
-                }
-            }
-        }
     }
 }
 
@@ -404,6 +377,7 @@ mod tests {
                 (65, 70, 64),
                 (32, 576, 576),
                 (130, 97, 176),
+                (300, 200, 40),
                 (5, 9, 7),
             ] {
                 let (x, w) = operands(m, n, k, &mut rng);

@@ -1,12 +1,13 @@
-//! Custom ops with hand-written backward passes for training on the CPU: SiLU-gated product,
-//! RMSNorm, rotary embeddings and the scaled causal softmax of attention.
+//! Custom ops with hand-written backward passes for the CPU: SiLU-gated product, RMSNorm,
+//! rotary embeddings and the scaled causal softmax of attention.
 //!
 //! The composite ops of [`crate::ops`] each keep their intermediates alive until the
-//! backward pass and run one single-threaded pass per primitive; these keep only their
-//! inputs and output and compute each direction in one parallel pass. They apply when the
-//! graph is being recorded (an operand tracks ops, i.e. training) on f32/f64 CPU tensors;
-//! inference and other devices keep the composite ops, so the engine's numerics are those
-//! of the composite path.
+//! backward pass and run one pass per primitive, each a round trip through candle's thread
+//! pool; these keep only their inputs and output and compute each direction in one parallel
+//! pass on rayon's pool, the one the projections run on. They apply to f32/f64 CPU tensors,
+//! in training and in the engine alike (so the learner and the engine compute the same
+//! numbers); other devices and dtypes keep the composite ops. Each row is computed alone,
+//! so a row's result does not depend on the batch.
 
 mod rope;
 mod rows;
@@ -23,14 +24,12 @@ pub use rope::rope;
 pub use rows::{causal_softmax, rms_norm};
 pub use silu_mul::silu_mul;
 
-/// Whether the fused ops apply to `operands`: f32/f64 CPU tensors of one dtype, at least
-/// one of them recorded for a backward pass.
+/// Whether the fused ops apply to `operands`: f32/f64 CPU tensors of one dtype.
 fn applies(operands: &[&Tensor]) -> bool {
     let dtype = operands[0].dtype();
-    operands.iter().any(|t| t.track_op())
-        && operands
-            .iter()
-            .all(|t| t.device().is_cpu() && t.dtype() == dtype)
+    operands
+        .iter()
+        .all(|t| t.device().is_cpu() && t.dtype() == dtype)
         && matches!(dtype, DType::F32 | DType::F64)
 }
 

@@ -6,7 +6,7 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use super::{applies, run_kernel, Kernel, Real};
 
 /// Rotates `x` (tokens, heads, head_dim) by per-token angles given as `cos`, `sin` (tokens,
-/// head_dim / 2) of `x`'s dtype; fused with its own backward when training on the CPU,
+/// head_dim / 2) of `x`'s dtype; fused with its own backward on f32/f64 CPU tensors,
 /// [`crate::rope::rotate`] otherwise.
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     if applies(&[x, cos, sin]) {

@@ -5,7 +5,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, S
 use super::{applies, run_kernel, Kernel, Real};
 
 /// RMSNorm over the last dimension, `x / sqrt(mean(x^2) + eps) * weight`; fused with its
-/// own backward when training on the CPU, [`crate::ops::rms_norm`] otherwise.
+/// own backward on f32/f64 CPU tensors, [`crate::ops::rms_norm`] otherwise.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     if applies(&[x, weight]) {
         x.contiguous()?
@@ -136,7 +136,7 @@ impl CustomOp3 for NormGradX {
 
 /// Softmax over the last dimension of `scores * scale` (batch, heads, q_len, k_len) where
 /// query `i` sees keys `0..=num_cached + i` only (the others get probability 0). Fused with
-/// its own backward when training on the CPU (it keeps the scores and the probabilities
+/// its own backward on f32/f64 CPU tensors (it keeps the scores and the probabilities
 /// only); otherwise the composite ops with an additive `-inf` mask.
 pub fn causal_softmax(scores: &Tensor, scale: f64, num_cached: usize) -> Result<Tensor> {
     let (q_len, k_len) = (scores.dim(D::Minus2)?, scores.dim(D::Minus1)?);

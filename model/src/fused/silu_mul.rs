@@ -6,8 +6,8 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tenso
 use super::{applies, run_kernel, Kernel, Real};
 use crate::ops::silu;
 
-/// `silu(gate) * up` elementwise (same shapes); fused with its own backward when training on
-/// the CPU, the composite ops otherwise.
+/// `silu(gate) * up` elementwise (same shapes); fused with its own backward on f32/f64 CPU
+/// tensors, the composite ops otherwise.
 pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     if applies(&[gate, up]) {
         gate.contiguous()?.apply_op2(&up.contiguous()?, SiluMul)
