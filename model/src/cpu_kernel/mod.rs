@@ -249,7 +249,8 @@ pub(crate) fn matmul_nt(
         CpuKernel::Avx512 | CpuKernel::Avx2 => unreachable!("no x86-64 kernels here"),
     };
     let parallel = m * n * k >= PARALLEL_MIN_FLOPS && crate::parallel::multi_threaded();
-    // 1. Pack `x` into panels, a task's rows at a time.
+    // 1. Pack `x` into zeroed panels (the lanes past the last row stay zero), a task's rows
+    // at a time.
     let panel_len = width * k;
     let mut packed = vec![0f32; m.div_ceil(width) * panel_len];
     let group_len = TASK_ROWS / width * panel_len;

@@ -57,21 +57,16 @@ pub(super) const fn panel_rows<S: Simd>() -> usize {
 }
 
 /// Packs rows `rows` of `x` (row-major, `k` wide) into consecutive panels of `width` rows
-/// at `dst`, which holds `rows.len().div_ceil(width) * width * k` floats.
+/// at `dst`, which holds `rows.len().div_ceil(width) * width * k` floats and comes zeroed:
+/// the lanes past the last row are left as they are, zero.
 pub(super) fn pack(x: &[f32], k: usize, rows: Range<usize>, width: usize, dst: &mut [f32]) {
     for (p, panel) in dst.chunks_exact_mut(width * k).enumerate() {
         let first = rows.start + p * width;
         let valid = (rows.end - first).min(width);
-        for l in 0..width {
-            if l < valid {
-                let row = &x[(first + l) * k..(first + l + 1) * k];
-                for (kk, &v) in row.iter().enumerate() {
-                    panel[kk * width + l] = v;
-                }
-            } else {
-                for kk in 0..k {
-                    panel[kk * width + l] = 0.0;
-                }
+        for l in 0..valid {
+            let row = &x[(first + l) * k..(first + l + 1) * k];
+            for (kk, &v) in row.iter().enumerate() {
+                panel[kk * width + l] = v;
             }
         }
     }
