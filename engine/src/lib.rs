@@ -3,6 +3,7 @@
 //! continuous-batching [`Scheduler`], a per-sequence [`sampler`], and an [`Engine`] handle that takes requests from any thread.
 
 pub mod engine;
+mod fast_exp;
 pub mod generic_attn;
 pub mod kv_pool;
 pub mod naive;

@@ -1,6 +1,7 @@
 //! Token sampling from one sequence's logits row. Each sample draws from its own RNG, so a
 //! seeded result never depends on what else is in the batch.
 
+use crate::fast_exp::exp_nonpositive;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 /// Most alternatives a request may ask for per token (OpenAI's limit).
@@ -139,9 +140,9 @@ pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut SeqRng) -> Samp
             top_logprobs,
         };
     }
-    // Weights exp((l - max) / t) in f32 (each in (0, 1]), summed in f64.
+    // Weights exp((l - max) / t) in f32 (each in [0, 1]), summed in f64.
     let (max32, inv_t) = (max as f32, 1.0 / params.temperature);
-    let weight = |i: usize| f64::from(((logits[i] - max32) * inv_t).exp());
+    let weight = |i: usize| f64::from(exp_nonpositive((logits[i] - max32) * inv_t));
     let (ids, weights) = candidates(logits, params, weight);
     let z: f64 = weights.iter().sum();
     let u = rng.0.random::<f64>() * z;
