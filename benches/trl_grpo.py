@@ -8,7 +8,8 @@ same-machine step-time ratio against
 SmolLM2-135M-Instruct as an HF directory (`dppo convert --model <gguf> --out <dir>`), f32,
 CPU, 4 prompts x 8 generations a step from data/gsm8k/train.jsonl in chat form, at most 64
 new tokens, temperature 1, beta 0, token-level clipped loss with eps 0.2/0.28, lr 1e-6,
-grad clip 1, HF `generate`, 2 threads:
+grad clip 1, HF `generate`, 2 threads, and dppo's reward (`flexible` extraction, truncated
+completions count only an answer complete before the cut), ported below:
 
     python3 benches/trl_grpo.py --model runs/smollm2-hf --steps 8
 
@@ -34,16 +35,66 @@ def gold(answer):
     return float(answer.split("####")[-1].strip().replace(",", ""))
 
 
-def correct(completions, answer, **_):
-    """1 when the completion's last number equals the reference (dppo's `flexible` mode reads
-    "the answer is" phrases too; the last number is the part they share)."""
-    scores = []
-    for completion, ref in zip(completions, answer):
-        text = completion[0]["content"] if isinstance(completion, list) else completion
-        numbers = NUMBER.findall(text)
-        value = float(numbers[-1].replace(",", "")) if numbers else None
-        scores.append(1.0 if value is not None and abs(value - gold(ref)) < 1e-6 else 0.0)
-    return scores
+PHRASES = ("the final answer is", "final answer:", "the answer is")
+
+
+def whole_line(rest, truncated):
+    """`rest` up to its first line break; all of it only when the completion was not cut."""
+    end = rest.find("\n")
+    if end >= 0:
+        return rest[:end]
+    return None if truncated else rest
+
+
+def first_number(text):
+    match = NUMBER.search(text)
+    return float(match.group().replace(",", "")) if match else None
+
+
+def flexible(text, truncated):
+    """dppo's `reward.extract = "flexible"` (trainer/src/rewards/extract.rs): the last closed
+    `\\boxed{}`, else the line after the last `####`, else the line after the last "the
+    answer is"-type phrase, else the last number; a truncated completion only counts an
+    answer complete before the cut (a closed box, a line ended by a line break), never the
+    last number."""
+    start = text.rfind("\\boxed{")
+    if start >= 0:
+        depth, i = 0, start + len("\\boxed")
+        for j in range(i, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            if depth == 0:
+                return first_number(text[i + 1:j])
+    if "####" in text:
+        line = whole_line(text[text.rfind("####") + 4:], truncated)
+        if line is not None and line.strip():
+            return first_number(line)
+    lower = text.lower()
+    ends = [lower.rfind(p) + len(p) for p in PHRASES if p in lower]
+    if ends:
+        line = whole_line(text[max(ends):], truncated)
+        if line is not None and line.strip(" :*$"):
+            return first_number(line.split(". ")[0])
+    if truncated:
+        return None
+    numbers = NUMBER.findall(text)
+    return float(numbers[-1].replace(",", "")) if numbers else None
+
+
+def make_reward(eos_token_id, max_tokens):
+    """1 when the completion's final answer under `flexible` equals the reference, as dppo
+    scores it; a completion is truncated when it used every token without an EOS."""
+
+    def correct(completions, answer, completion_ids, **_):
+        scores = []
+        for completion, ids, ref in zip(completions, completion_ids, answer):
+            text = completion[0]["content"] if isinstance(completion, list) else completion
+            truncated = len(ids) >= max_tokens and eos_token_id not in ids
+            value = flexible(text, truncated)
+            scores.append(1.0 if value is not None and abs(value - gold(ref)) < 1e-6 else 0.0)
+        return scores
+
+    correct.__name__ = "correct"
+    return correct
 
 
 class StepTimer(TrainerCallback):
@@ -104,7 +155,8 @@ def main():
         seed=0,
     )
     timer = StepTimer()
-    trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=correct,
+    reward = make_reward(tokenizer.eos_token_id, config.max_completion_length)
+    trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=reward,
                           args=config, train_dataset=data, callbacks=[timer])
     trainer.train()
     later = timer.seconds[1:] or timer.seconds

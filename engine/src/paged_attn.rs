@@ -32,8 +32,9 @@ impl CacheShape {
     }
 }
 
-/// K and V of every layer. `v[layer]` is (num_blocks * block_size, kv_heads, head_dim);
-/// `k[layer]` is (num_blocks, kv_heads, head_dim, block_size): each block holds its keys
+/// K and V of every layer, each block holding its KV heads one after another so that what
+/// one KV head reads of a block is contiguous. `v[layer]` is (num_blocks, kv_heads,
+/// block_size, head_dim); `k[layer]` is (num_blocks, kv_heads, head_dim, block_size): keys
 /// transposed, so that the attention kernel takes one query's dot products with a whole
 /// block's keys as vector operations across the keys.
 #[derive(Debug)]
@@ -59,19 +60,14 @@ impl KvCache {
         self.shape
     }
 
-    /// Carries out copy-on-write orders in every layer. Keys are copied a whole block at a
-    /// time (their layout interleaves the slots); slots past `num_tokens` are unused.
+    /// Carries out copy-on-write orders in every layer, a whole block at a time (the
+    /// layout interleaves the slots with the heads); slots past `num_tokens` are unused.
     pub fn copy_blocks(&mut self, copies: &[BlockCopy]) {
-        let row = self.shape.slot_len();
-        let block = self.shape.block_size * row;
+        let block = self.shape.block_size * self.shape.slot_len();
         for c in copies {
             let (src, dst) = (c.src as usize * block, c.dst as usize * block);
-            for layer in &mut self.k {
+            for layer in self.k.iter_mut().chain(self.v.iter_mut()) {
                 layer.copy_within(src..src + block, dst);
-            }
-            let len = c.num_tokens * row;
-            for layer in &mut self.v {
-                layer.copy_within(src..src + len, dst);
             }
         }
     }
@@ -79,14 +75,23 @@ impl KvCache {
     /// Writes one token's keys and values (`kv_heads x head_dim` each) into cache slot
     /// `slot` of `layer`.
     fn store(&mut self, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
-        let (bs, row) = (self.shape.block_size, self.shape.slot_len());
-        self.v[layer][slot * row..(slot + 1) * row].copy_from_slice(v);
+        let (bs, d, row) = (
+            self.shape.block_size,
+            self.shape.head_dim,
+            self.shape.slot_len(),
+        );
         let (block, offset) = (slot / bs, slot % bs);
-        let keys = &mut self.k[layer][block * bs * row..(block + 1) * bs * row];
+        let span = block * bs * row..(block + 1) * bs * row;
         // Element `kv_head * head_dim + i` of the token's keys goes to row of the same index
         // in the block's (kv_heads * head_dim, block_size) transposed keys.
+        let keys = &mut self.k[layer][span.clone()];
         for (dim, &x) in k.iter().enumerate() {
             keys[dim * bs + offset] = x;
+        }
+        let values = &mut self.v[layer][span];
+        for (kv_head, v) in v.chunks_exact(d).enumerate() {
+            let start = (kv_head * bs + offset) * d;
+            values[start..start + d].copy_from_slice(v);
         }
     }
 }
@@ -243,10 +248,14 @@ impl Kernel<'_> {
         // `len` are computed and ignored), then a max-shifted softmax per head over `..len`.
         let padded = blocks.len() * bs;
         let mut probs = vec![0f32; group * padded];
+        // The KV head's part of a block: `d * bs` floats at the same offset in K and V.
+        let span = |b: usize| {
+            let start = blocks[b] as usize * bs * row + kv_head * d * bs;
+            start..start + d * bs
+        };
         for (q_h, probs_h) in q.chunks_exact(d).zip(probs.chunks_exact_mut(padded)) {
-            for (&block, out) in blocks.iter().zip(probs_h.chunks_exact_mut(bs)) {
-                let start = block as usize * bs * row + kv_head * d * bs;
-                let kt = &self.k[start..start + d * bs];
+            for (b, out) in probs_h.chunks_exact_mut(bs).enumerate() {
+                let kt = &self.k[span(b)];
                 if bs % W == 0 {
                     block_scores::<W>(q_h, kt, self.scale, out);
                 } else {
@@ -258,7 +267,7 @@ impl Kernel<'_> {
         // out_h = sum_j p_hj v_j, added in order of j, a few registers' worth of dimensions
         // at a time.
         let rows: Vec<usize> = (0..len)
-            .map(|j| (blocks[j / bs] as usize * bs + j % bs) * row + kv_head * d)
+            .map(|j| blocks[j / bs] as usize * bs * row + (kv_head * bs + j % bs) * d)
             .collect();
         for (p_h, out_h) in probs.chunks_exact(padded).zip(out.chunks_exact_mut(d)) {
             let p_h = &p_h[..len];
