@@ -184,9 +184,9 @@ struct Kernel<'a> {
 impl Kernel<'_> {
     /// Attention at position `pos` over keys `0..=pos` of a sequence, for the query heads
     /// `q` (`group x head_dim`, consecutive heads) that share KV head `kv_head`, compiled for
-    /// the widest vectors of the process's CPU kernel. The instructions are the same IEEE
-    /// operations in the same order on every path (Rust never fuses a multiply and an add),
-    /// so the results are too.
+    /// the widest vectors of the process's CPU kernel. Every path computes the same
+    /// operations in the same order; the AVX2 and AVX-512 paths fuse each multiply-add (and
+    /// so agree bit for bit), the portable one rounds the product first.
     #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
     fn attend_group(
         &self,
@@ -199,7 +199,7 @@ impl Kernel<'_> {
     ) {
         #[cfg(target_arch = "x86_64")]
         {
-            #[target_feature(enable = "avx512f")]
+            #[target_feature(enable = "avx512f,fma")]
             fn avx512(
                 kernel: &Kernel,
                 q: &[f32],
@@ -208,11 +208,11 @@ impl Kernel<'_> {
                 t: &[BlockId],
                 o: &mut [f32],
             ) {
-                kernel.group::<16>(q, h, p, t, o)
+                kernel.group::<16, true>(q, h, p, t, o)
             }
-            #[target_feature(enable = "avx2")]
+            #[target_feature(enable = "avx2,fma")]
             fn avx2(kernel: &Kernel, q: &[f32], h: usize, p: usize, t: &[BlockId], o: &mut [f32]) {
-                kernel.group::<8>(q, h, p, t, o)
+                kernel.group::<8, true>(q, h, p, t, o)
             }
             match cpu {
                 // SAFETY: the process's kernel is one this CPU has (`cpu_kernel`).
@@ -224,14 +224,15 @@ impl Kernel<'_> {
                 CpuKernel::Portable => {}
             }
         }
-        self.group::<4>(q, kv_head, pos, block_table, out)
+        self.group::<4, false>(q, kv_head, pos, block_table, out)
     }
 
     /// [`Kernel::attend_group`]'s arithmetic, inlined into each of its compilations with
-    /// the keys per vector `W` of its registers. Each head's arithmetic is that of attending
+    /// the keys per vector `W` of its registers, multiply-adds fused when `FUSED`. Each
+    /// head's arithmetic is that of attending
     /// it alone; the group only shares the reads.
     #[inline(always)]
-    fn group<const W: usize>(
+    fn group<const W: usize, const FUSED: bool>(
         &self,
         q: &[f32],
         kv_head: usize,
@@ -257,9 +258,9 @@ impl Kernel<'_> {
             for (b, out) in probs_h.chunks_exact_mut(bs).enumerate() {
                 let kt = &self.k[span(b)];
                 if bs % W == 0 {
-                    block_scores::<W>(q_h, kt, self.scale, out);
+                    block_scores::<W, FUSED>(q_h, kt, self.scale, out);
                 } else {
-                    block_scores::<1>(q_h, kt, self.scale, out);
+                    block_scores::<1, FUSED>(q_h, kt, self.scale, out);
                 }
             }
             softmax_prefix(&mut probs_h[..len]);
@@ -275,9 +276,9 @@ impl Kernel<'_> {
             while dims < d {
                 let out = &mut out_h[dims..];
                 dims += match d - dims {
-                    n if n >= 4 * W => weighted_rows::<W, 4>(p_h, &rows, self.v, dims, out),
-                    n if n >= W => weighted_rows::<W, 1>(p_h, &rows, self.v, dims, out),
-                    _ => weighted_rows::<1, 1>(p_h, &rows, self.v, dims, out),
+                    n if n >= 4 * W => weighted_rows::<W, 4, FUSED>(p_h, &rows, self.v, dims, out),
+                    n if n >= W => weighted_rows::<W, 1, FUSED>(p_h, &rows, self.v, dims, out),
+                    _ => weighted_rows::<1, 1, FUSED>(p_h, &rows, self.v, dims, out),
                 };
             }
         }
@@ -290,10 +291,17 @@ impl Kernel<'_> {
 /// in order of `i`, then `(s0 + s1) + (s2 + s3)`: the same order whatever `W`, which
 /// decides only the speed.
 #[inline(always)]
-fn block_scores<const W: usize>(q: &[f32], kt: &[f32], scale: f32, out: &mut [f32]) {
+fn block_scores<const W: usize, const FUSED: bool>(
+    q: &[f32],
+    kt: &[f32],
+    scale: f32,
+    out: &mut [f32],
+) {
     let bs = out.len();
     let d4 = q.len() / 4 * 4;
-    let mul_add = |acc: [f32; W], a: f32, b: [f32; W]| std::array::from_fn(|l| acc[l] + a * b[l]);
+    let fma_lanes = |acc: [f32; W], a: f32, b: [f32; W]| {
+        std::array::from_fn(|l| mul_add::<FUSED>(a, b[l], acc[l]))
+    };
     for (c, out) in out.chunks_exact_mut(W).enumerate() {
         let lanes = |i: usize| -> [f32; W] {
             let start = i * bs + c * W;
@@ -301,13 +309,13 @@ fn block_scores<const W: usize>(q: &[f32], kt: &[f32], scale: f32, out: &mut [f3
         };
         let mut acc = [[0f32; W]; 4];
         for i in (0..d4).step_by(4) {
-            acc[0] = mul_add(acc[0], q[i], lanes(i));
-            acc[1] = mul_add(acc[1], q[i + 1], lanes(i + 1));
-            acc[2] = mul_add(acc[2], q[i + 2], lanes(i + 2));
-            acc[3] = mul_add(acc[3], q[i + 3], lanes(i + 3));
+            acc[0] = fma_lanes(acc[0], q[i], lanes(i));
+            acc[1] = fma_lanes(acc[1], q[i + 1], lanes(i + 1));
+            acc[2] = fma_lanes(acc[2], q[i + 2], lanes(i + 2));
+            acc[3] = fma_lanes(acc[3], q[i + 3], lanes(i + 3));
         }
         for (r, &qi) in q[d4..].iter().enumerate() {
-            acc[r] = mul_add(acc[r], qi, lanes(d4 + r));
+            acc[r] = fma_lanes(acc[r], qi, lanes(d4 + r));
         }
         for (l, o) in out.iter_mut().enumerate() {
             *o = ((acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l])) * scale;
@@ -319,7 +327,7 @@ fn block_scores<const W: usize>(q: &[f32], kt: &[f32], scale: f32, out: &mut [f3
 /// `out`, added in order of `j` from zero in `C` accumulators of `W` floats (registers,
 /// not memory). Returns the number of dimensions done.
 #[inline(always)]
-fn weighted_rows<const W: usize, const C: usize>(
+fn weighted_rows<const W: usize, const C: usize, const FUSED: bool>(
     p: &[f32],
     rows: &[usize],
     v: &[f32],
@@ -333,13 +341,24 @@ fn weighted_rows<const W: usize, const C: usize>(
             let x: [f32; W] = v[start + c * W..start + (c + 1) * W]
                 .try_into()
                 .expect("W dims");
-            *acc = std::array::from_fn(|i| acc[i] + w * x[i]);
+            *acc = std::array::from_fn(|i| mul_add::<FUSED>(w, x[i], acc[i]));
         }
     }
     for (c, acc) in acc.iter().enumerate() {
         out[c * W..(c + 1) * W].copy_from_slice(acc);
     }
     C * W
+}
+
+/// `acc + a * b`, in one rounding when `FUSED` (only where the compilation has FMA: it is a
+/// libm call otherwise).
+#[inline(always)]
+fn mul_add<const FUSED: bool>(a: f32, b: f32, acc: f32) -> f32 {
+    if FUSED {
+        a.mul_add(b, acc)
+    } else {
+        acc + a * b
+    }
 }
 
 /// In-place softmax of one head's scores: weights `exp(s - max)` summed in eight running
