@@ -108,7 +108,8 @@ impl SeqRng {
 /// renormalised: the behaviour policy's logprob that RL importance ratios need.
 pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut SeqRng) -> Sampled {
     let cleaned: Vec<f32>;
-    let logits = if logits.iter().any(|x| x.is_nan()) {
+    // One pass over the row without early exit, so that it runs as vector code.
+    let logits = if logits.iter().fold(false, |nan, x| nan | x.is_nan()) {
         cleaned = logits
             .iter()
             .map(|&x| if x.is_nan() { f32::NEG_INFINITY } else { x })
@@ -117,7 +118,7 @@ pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut SeqRng) -> Samp
     } else {
         logits
     };
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let max = max_of(logits) as f64;
     let log_z = std::cell::OnceCell::new();
     let raw = |i: usize| {
         let log_z = *log_z.get_or_init(|| {
@@ -142,22 +143,30 @@ pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut SeqRng) -> Samp
     }
     // Weights exp((l - max) / t) in f32 (each in [0, 1]), summed in f64.
     let (max32, inv_t) = (max as f32, 1.0 / params.temperature);
-    let weight = |i: usize| f64::from(exp_nonpositive((logits[i] - max32) * inv_t));
-    let (ids, weights) = candidates(logits, params, weight);
-    let z: f64 = weights.iter().sum();
-    let u = rng.0.random::<f64>() * z;
-    let mut acc = 0.0;
-    let pick = weights
-        .iter()
-        .position(|w| {
-            acc += w;
-            u < acc
-        })
-        .unwrap_or(weights.len() - 1);
-    let token = ids[pick];
+    let (token, logprob) = if params.top_k == 0 && params.top_p >= 1.0 {
+        let weights: Vec<f32> = logits
+            .iter()
+            .map(|&l| exp_nonpositive((l - max32) * inv_t))
+            .collect();
+        draw_from_all(&weights, rng.0.random::<f64>())
+    } else {
+        let weight = |i: usize| f64::from(exp_nonpositive((logits[i] - max32) * inv_t));
+        let (ids, weights) = candidates(logits, params, weight);
+        let z: f64 = weights.iter().sum();
+        let u = rng.0.random::<f64>() * z;
+        let mut acc = 0.0;
+        let pick = weights
+            .iter()
+            .position(|w| {
+                acc += w;
+                u < acc
+            })
+            .unwrap_or(weights.len() - 1);
+        (ids[pick], (weights[pick] / z).ln() as f32)
+    };
     Sampled {
         token_id: token as u32,
-        logprob: (weights[pick] / z).ln() as f32,
+        logprob,
         model_logprob: params.model_logprobs.then(|| raw(token)),
         top_logprobs,
     }
@@ -182,19 +191,81 @@ fn top_ids(logits: &[f32], k: usize) -> Vec<usize> {
     ids
 }
 
-/// The tokens kept by top-k / top-p with their unnormalised weights. Without truncation
-/// every token is kept in id order (one pass, no sort).
+/// Inverse-CDF draw over every token, `u01` uniform in [0, 1): the token and its
+/// log-probability. The weights are summed in f64 a chunk of tokens at a time (eight running
+/// sums per chunk), the chunk totals in order; the draw finds its chunk by those totals, then
+/// its token by a running sum inside the chunk. Fixed orders, and about one pass over the
+/// vocabulary instead of a dependent f64 add per token.
+fn draw_from_all(weights: &[f32], u01: f64) -> (usize, f32) {
+    const CHUNK: usize = 1024;
+    let chunk_sums: Vec<f64> = weights.chunks(CHUNK).map(sum_f64).collect();
+    let z: f64 = chunk_sums.iter().sum();
+    let u = u01 * z;
+    let mut before = 0.0;
+    let chunk = chunk_sums
+        .iter()
+        .position(|s| {
+            let inside = u < before + s;
+            if !inside {
+                before += s;
+            }
+            inside
+        })
+        .unwrap_or(chunk_sums.len() - 1);
+    let start = chunk * CHUNK;
+    let in_chunk = &weights[start..(start + CHUNK).min(weights.len())];
+    let mut acc = before;
+    let pick = in_chunk
+        .iter()
+        .position(|&w| {
+            acc += f64::from(w);
+            u < acc
+        })
+        // Rounding can leave `u` past the running sum's end: the chunk's last drawable token.
+        .or_else(|| in_chunk.iter().rposition(|&w| w > 0.0))
+        .unwrap_or(in_chunk.len() - 1);
+    let token = start + pick;
+    (token, (f64::from(weights[token]) / z).ln() as f32)
+}
+
+/// The largest of `x` (no NaN), in sixteen running maxima (the maximum does not depend on
+/// the order, so this is only for speed).
+fn max_of(x: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let chunks = x.chunks_exact(16);
+    let tail = chunks
+        .remainder()
+        .iter()
+        .copied()
+        .fold(f32::NEG_INFINITY, f32::max);
+    for c in chunks {
+        for (lane, &v) in lanes.iter_mut().zip(c) {
+            *lane = lane.max(v);
+        }
+    }
+    lanes.into_iter().fold(tail, f32::max)
+}
+
+/// Sum in f64 with eight running sums over `i mod 8`, then added in order.
+fn sum_f64(x: &[f32]) -> f64 {
+    let mut lanes = [0f64; 8];
+    let chunks = x.chunks_exact(8);
+    let tail: f64 = chunks.remainder().iter().map(|&v| f64::from(v)).sum();
+    for c in chunks {
+        for (lane, &v) in lanes.iter_mut().zip(c) {
+            *lane += f64::from(v);
+        }
+    }
+    lanes.iter().sum::<f64>() + tail
+}
+
+/// The tokens kept by top-k / top-p (at least one of them active) with their unnormalised
+/// weights, most likely first.
 fn candidates(
     logits: &[f32],
     params: &SamplingParams,
     weight: impl Fn(usize) -> f64,
 ) -> (Vec<usize>, Vec<f64>) {
-    if params.top_k == 0 && params.top_p >= 1.0 {
-        return (
-            (0..logits.len()).collect(),
-            (0..logits.len()).map(weight).collect(),
-        );
-    }
     let k = match params.top_k {
         0 => logits.len(),
         k => k.min(logits.len()),
