@@ -19,6 +19,7 @@ mod avx512;
 mod panel;
 mod portable;
 
+use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
@@ -143,7 +144,7 @@ pub(crate) fn applies(x: &Tensor, w: &Tensor) -> bool {
         && w.rank() == 2
 }
 
-/// The custom op computing `x @ w^T` with [`matmul_nt`] on the process's kernel; candle
+/// The custom op computing `x @ w^T` with [`matmul_nt_into`] on the process's kernel; candle
 /// records it for backward only when `x` or `w` is tracked.
 pub(crate) struct NtMatmul;
 
@@ -167,8 +168,20 @@ impl CustomOp2 for NtMatmul {
         let kernel = cpu_kernel().map_err(candle_core::Error::wrap)?;
         let x = contiguous_f32(xs, xl, "x")?;
         let w = contiguous_f32(ws, wl, "w")?;
-        let mut out = vec![0f32; m * n];
-        matmul_nt(kernel, &x, &w, m, n, k, &mut out);
+        // Not zeroed first: the kernel writes every element, and zeroing the logits' 25 MB
+        // (SmolLM2 at a batch of 128) would be serial work on the calling thread.
+        let mut out = Vec::with_capacity(m * n);
+        matmul_nt_into(
+            kernel,
+            &x,
+            &w,
+            m,
+            n,
+            k,
+            &mut out.spare_capacity_mut()[..m * n],
+        );
+        // SAFETY: `matmul_nt_into` wrote all `m * n` elements.
+        unsafe { out.set_len(m * n) };
         Ok((CpuStorage::F32(out), Shape::from((m, n))))
     }
 
@@ -221,9 +234,10 @@ const TASK_COLS: usize = 96;
 /// Below this many multiply-adds the work runs on the calling thread.
 const PARALLEL_MIN_FLOPS: usize = 1 << 18;
 
-/// `out (m, n) = x (m, k) @ w (n, k)^T`, all row-major, on `kernel`. Panics if this CPU
-/// lacks the kernel (callers get it from [`cpu_kernel`]).
-pub(crate) fn matmul_nt(
+/// [`matmul_nt_into`] an initialised buffer (the tests fill it with NaN, so that an element
+/// the kernel did not write shows).
+#[cfg(test)]
+fn matmul_nt(
     kernel: CpuKernel,
     x: &[f32],
     w: &[f32],
@@ -231,6 +245,24 @@ pub(crate) fn matmul_nt(
     n: usize,
     k: usize,
     out: &mut [f32],
+) {
+    // SAFETY: `MaybeUninit<f32>` has `f32`'s layout, and what is written through the view
+    // is always an initialised `f32`.
+    let out = unsafe { &mut *(out as *mut [f32] as *mut [MaybeUninit<f32>]) };
+    matmul_nt_into(kernel, x, w, m, n, k, out)
+}
+
+/// `out (m, n) = x (m, k) @ w (n, k)^T`, all row-major, on `kernel`, into a buffer that
+/// need not be initialised: every element of `out` is written, none is read. Panics if this
+/// CPU lacks the kernel (callers get it from [`cpu_kernel`]).
+fn matmul_nt_into(
+    kernel: CpuKernel,
+    x: &[f32],
+    w: &[f32],
+    m: usize,
+    n: usize,
+    k: usize,
+    out: &mut [MaybeUninit<f32>],
 ) {
     assert!(kernel.is_available(), "this CPU lacks the {kernel} kernel");
     assert_eq!(x.len(), m * k);
@@ -274,7 +306,7 @@ pub(crate) fn matmul_nt(
             .for_each(pack_group);
     }
     // 2. Every task: its panels against its rows of `w`.
-    let out = OutPtr(out.as_mut_ptr());
+    let out = OutPtr(out.as_mut_ptr().cast::<f32>());
     let packed = &packed;
     let task = |t: usize| {
         let (g, cb) = (t % row_groups, t / row_groups);
@@ -311,7 +343,7 @@ type PanelFn = unsafe fn(&panel::PanelJob);
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
 
-// SAFETY: tasks only write elements no other task touches (see `matmul_nt`).
+// SAFETY: tasks only write elements no other task touches (see `matmul_nt_into`).
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
