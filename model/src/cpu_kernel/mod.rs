@@ -234,24 +234,6 @@ const TASK_COLS: usize = 96;
 /// Below this many multiply-adds the work runs on the calling thread.
 const PARALLEL_MIN_FLOPS: usize = 1 << 18;
 
-/// [`matmul_nt_into`] an initialised buffer (the tests fill it with NaN, so that an element
-/// the kernel did not write shows).
-#[cfg(test)]
-fn matmul_nt(
-    kernel: CpuKernel,
-    x: &[f32],
-    w: &[f32],
-    m: usize,
-    n: usize,
-    k: usize,
-    out: &mut [f32],
-) {
-    // SAFETY: `MaybeUninit<f32>` has `f32`'s layout, and what is written through the view
-    // is always an initialised `f32`.
-    let out = unsafe { &mut *(out as *mut [f32] as *mut [MaybeUninit<f32>]) };
-    matmul_nt_into(kernel, x, w, m, n, k, out)
-}
-
 /// `out (m, n) = x (m, k) @ w (n, k)^T`, all row-major, on `kernel`, into a buffer that
 /// need not be initialised: every element of `out` is written, none is read. Panics if this
 /// CPU lacks the kernel (callers get it from [`cpu_kernel`]).
@@ -358,6 +340,17 @@ mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
 
+    /// `x @ w^T` through [`matmul_nt_into`], into a buffer of NaN: an element the kernel
+    /// did not write stays NaN.
+    fn product(kernel: CpuKernel, x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
+        let mut out = vec![std::mem::MaybeUninit::new(f32::NAN); m * n];
+        matmul_nt_into(kernel, x, w, m, n, k, &mut out);
+        // SAFETY: every element was initialised (NaN or written by the kernel).
+        out.into_iter()
+            .map(|v| unsafe { v.assume_init() })
+            .collect()
+    }
+
     /// Random `x` (m, k) and `w` (n, k).
     fn operands(
         m: usize,
@@ -414,8 +407,7 @@ mod tests {
                 (5, 9, 7),
             ] {
                 let (x, w) = operands(m, n, k, &mut rng);
-                let mut out = vec![f32::NAN; m * n];
-                matmul_nt(kernel, &x, &w, m, n, k, &mut out);
+                let out = product(kernel, &x, &w, m, n, k);
                 let want = reference(&x, &w, m, n, k);
                 for (idx, (&got, &want)) in out.iter().zip(&want).enumerate() {
                     let tol = 1e-5 * (k as f64).sqrt();
@@ -434,18 +426,15 @@ mod tests {
             let mut rng = rand::rngs::StdRng::seed_from_u64(8);
             let (m, n, k) = (37, 90, 200);
             let (x, w) = operands(m, n, k, &mut rng);
-            let mut batch = vec![0f32; m * n];
-            matmul_nt(kernel, &x, &w, m, n, k, &mut batch);
+            let batch = product(kernel, &x, &w, m, n, k);
             for i in [0, 5, 36] {
-                let mut alone = vec![0f32; n];
-                matmul_nt(kernel, &x[i * k..(i + 1) * k], &w, 1, n, k, &mut alone);
+                let alone = product(kernel, &x[i * k..(i + 1) * k], &w, 1, n, k);
                 assert_eq!(alone, batch[i * n..(i + 1) * n], "{kernel} row {i}");
                 // The same row in a batch of three, at every position.
                 for at in 0..3 {
                     let mut three = x[..3 * k].to_vec();
                     three[at * k..(at + 1) * k].copy_from_slice(&x[i * k..(i + 1) * k]);
-                    let mut got = vec![0f32; 3 * n];
-                    matmul_nt(kernel, &three, &w, 3, n, k, &mut got);
+                    let got = product(kernel, &three, &w, 3, n, k);
                     assert_eq!(
                         got[at * n..(at + 1) * n],
                         batch[i * n..(i + 1) * n],
@@ -470,9 +459,7 @@ mod tests {
                     .expect("thread pool");
                 pool.install(|| {
                     assert_eq!(crate::parallel::multi_threaded(), threads > 1);
-                    let mut out = vec![f32::NAN; m * n];
-                    matmul_nt(kernel, &x, &w, m, n, k, &mut out);
-                    out
+                    product(kernel, &x, &w, m, n, k)
                 })
             };
             assert_eq!(run(1), run(3), "{kernel}");
