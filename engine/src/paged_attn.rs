@@ -229,8 +229,7 @@ impl Kernel<'_> {
 
     /// [`Kernel::attend_group`]'s arithmetic, inlined into each of its compilations with
     /// the keys per vector `W` of its registers, multiply-adds fused when `FUSED`. Each
-    /// head's arithmetic is that of attending
-    /// it alone; the group only shares the reads.
+    /// head's arithmetic is that of attending it alone; the group only shares the reads.
     #[inline(always)]
     fn group<const W: usize, const FUSED: bool>(
         &self,
@@ -267,9 +266,7 @@ impl Kernel<'_> {
         }
         // out_h = sum_j p_hj v_j, added in order of j, a few registers' worth of dimensions
         // at a time.
-        let rows: Vec<usize> = (0..len)
-            .map(|j| blocks[j / bs] as usize * bs * row + (kv_head * bs + j % bs) * d)
-            .collect();
+        let rows: Vec<usize> = (0..len).map(|j| span(j / bs).start + j % bs * d).collect();
         for (p_h, out_h) in probs.chunks_exact(padded).zip(out.chunks_exact_mut(d)) {
             let p_h = &p_h[..len];
             let mut dims = 0;

@@ -154,14 +154,7 @@ pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut SeqRng) -> Samp
         let (ids, weights) = candidates(logits, params, weight);
         let z: f64 = weights.iter().sum();
         let u = rng.0.random::<f64>() * z;
-        let mut acc = 0.0;
-        let pick = weights
-            .iter()
-            .position(|w| {
-                acc += w;
-                u < acc
-            })
-            .unwrap_or(weights.len() - 1);
+        let pick = first_past(weights.iter().copied(), 0.0, u).map_or(weights.len() - 1, |p| p.0);
         (ids[pick], (weights[pick] / z).ln() as f32)
     };
     Sampled {
@@ -201,31 +194,29 @@ fn draw_from_all(weights: &[f32], u01: f64) -> (usize, f32) {
     let chunk_sums: Vec<f64> = weights.chunks(CHUNK).map(sum_f64).collect();
     let z: f64 = chunk_sums.iter().sum();
     let u = u01 * z;
-    let mut before = 0.0;
-    let chunk = chunk_sums
-        .iter()
-        .position(|s| {
-            let inside = u < before + s;
-            if !inside {
-                before += s;
-            }
-            inside
-        })
-        .unwrap_or(chunk_sums.len() - 1);
+    let last = chunk_sums.len() - 1;
+    let (chunk, before) = first_past(chunk_sums.iter().copied(), 0.0, u)
+        .unwrap_or_else(|| (last, chunk_sums[..last].iter().sum()));
     let start = chunk * CHUNK;
     let in_chunk = &weights[start..(start + CHUNK).min(weights.len())];
-    let mut acc = before;
-    let pick = in_chunk
-        .iter()
-        .position(|&w| {
-            acc += f64::from(w);
-            u < acc
-        })
+    let pick = first_past(in_chunk.iter().map(|&w| f64::from(w)), before, u)
+        .map(|p| p.0)
         // Rounding can leave `u` past the running sum's end: the chunk's last drawable token.
         .or_else(|| in_chunk.iter().rposition(|&w| w > 0.0))
         .unwrap_or(in_chunk.len() - 1);
     let token = start + pick;
     (token, (f64::from(weights[token]) / z).ln() as f32)
+}
+
+/// Inverse CDF: the first index at which `start` plus the running sum of `weights` passes
+/// `u`, with the running total just before it.
+fn first_past(weights: impl IntoIterator<Item = f64>, start: f64, u: f64) -> Option<(usize, f64)> {
+    let mut acc = start;
+    weights.into_iter().enumerate().find_map(|(i, w)| {
+        let before = acc;
+        acc += w;
+        (u < acc).then_some((i, before))
+    })
 }
 
 /// The largest of `x` (no NaN), in sixteen running maxima (the maximum does not depend on
