@@ -530,7 +530,7 @@ impl Worker {
             ));
         }
         let logits = self.runner.run(&plan, &self.scheduler)?;
-        let sampled = self.draw_all(&plan, &logits);
+        let sampled = logits.with_rows(|rows| self.draw_all(&plan, rows))?;
         let ids: Vec<Vec<u32>> = sampled
             .iter()
             .map(|draws| draws.iter().map(|d| d.token_id).collect())
@@ -546,7 +546,7 @@ impl Worker {
     /// Samples every row of the iteration, in parallel when rayon has several threads. Each
     /// sample draws from its own RNG (a forking group's row is drawn once per sample), so no
     /// result depends on the batch.
-    fn draw_all(&mut self, plan: &Plan, logits: &[Option<Vec<f32>>]) -> Vec<Vec<Sampled>> {
+    fn draw_all(&mut self, plan: &Plan, logits: &[Option<&[f32]>]) -> Vec<Vec<Sampled>> {
         // 1. Lend each job the RNGs of the samples it draws for.
         let jobs: Vec<(RequestId, usize, Vec<SeqRng>)> = plan
             .seqs
@@ -575,7 +575,7 @@ impl Worker {
             .map(|(r, _, _)| self.requests[r].req.sampling.clone())
             .collect();
         // 2. Draw.
-        let draw = |mut rngs: Vec<SeqRng>, row: &Option<Vec<f32>>, params: &SamplingParams| {
+        let draw = |mut rngs: Vec<SeqRng>, row: &Option<&[f32]>, params: &SamplingParams| {
             let draws = match row {
                 Some(row) => rngs
                     .iter_mut()

@@ -2,7 +2,9 @@
 //! layer and are read in place through each sequence's block table (no per-step copy or
 //! concatenation of caches). CPU kernel in plain Rust, parallel over (token, head).
 
-use candle_core::{DType, Result, Tensor};
+use std::mem::MaybeUninit;
+
+use candle_core::{CpuStorage, DType, Result, Storage, Tensor};
 use dppo_model::parallel::multi_threaded;
 use dppo_model::{AttentionBackend, CpuKernel};
 use rayon::prelude::*;
@@ -120,18 +122,20 @@ impl AttentionBackend for PagedAttention<'_> {
         let (num_tokens, num_heads, head_dim) = q.dims3()?;
         let row = self.cache.shape.slot_len();
         // 1. Write the new tokens' K/V into their slots.
-        let k_new = k.flatten_all()?.to_vec1::<f32>()?;
-        let v_new = v.flatten_all()?.to_vec1::<f32>()?;
-        for (t, &slot) in self.slot_mapping.iter().enumerate() {
-            let (k_t, v_t) = (
-                &k_new[t * row..(t + 1) * row],
-                &v_new[t * row..(t + 1) * row],
-            );
-            self.cache.store(layer_idx, slot, k_t, v_t);
-        }
+        with_f32(k, |k_new| {
+            with_f32(v, |v_new| {
+                for (t, &slot) in self.slot_mapping.iter().enumerate() {
+                    let span = t * row..(t + 1) * row;
+                    self.cache
+                        .store(layer_idx, slot, &k_new[span.clone()], &v_new[span]);
+                }
+            })
+        })??;
         // 2. Attend, reading K/V in place through block tables.
-        let q = q.flatten_all()?.to_vec1::<f32>()?;
-        let mut out = vec![0f32; num_tokens * num_heads * head_dim];
+        let len = num_tokens * num_heads * head_dim;
+        let mut out: Vec<MaybeUninit<f32>> = Vec::with_capacity(len);
+        // SAFETY: `MaybeUninit` needs no initialisation.
+        unsafe { out.set_len(len) };
         let token_seq = token_owners(self.seqs, num_tokens);
         let kernel = Kernel {
             k: &self.cache.k[layer_idx],
@@ -140,28 +144,58 @@ impl AttentionBackend for PagedAttention<'_> {
             scale: 1.0 / (head_dim as f32).sqrt(),
         };
         // One task per (token, KV head): the query heads sharing that KV head read each key
-        // and value row once between them.
+        // and value row once between them. Each task initialises its own rows of `out`.
         let num_kv_heads = self.cache.shape.num_kv_heads;
         let group = num_heads / num_kv_heads;
         let cpu = dppo_model::cpu_kernel().map_err(candle_core::Error::wrap)?;
-        let attend_group = |(idx, out_rows): (usize, &mut [f32])| {
-            let (t, kv_head) = (idx / num_kv_heads, idx % num_kv_heads);
-            let meta = &self.seqs[token_seq[t]];
-            let pos = meta.num_computed_tokens + (t - meta.first_row);
-            let q_rows = &q[idx * group * head_dim..(idx + 1) * group * head_dim];
-            kernel.attend_group(cpu, q_rows, kv_head, pos, &meta.block_table, out_rows);
-        };
-        if multi_threaded() {
-            out.par_chunks_mut(group * head_dim)
-                .enumerate()
-                .for_each(attend_group);
-        } else {
-            out.chunks_mut(group * head_dim)
-                .enumerate()
-                .for_each(attend_group);
-        }
+        with_f32(q, |q| {
+            let attend_group = |(idx, out_rows): (usize, &mut [MaybeUninit<f32>])| {
+                let (t, kv_head) = (idx / num_kv_heads, idx % num_kv_heads);
+                let meta = &self.seqs[token_seq[t]];
+                let pos = meta.num_computed_tokens + (t - meta.first_row);
+                let q_rows = &q[idx * group * head_dim..(idx + 1) * group * head_dim];
+                let out_rows = zeroed(out_rows);
+                kernel.attend_group(cpu, q_rows, kv_head, pos, &meta.block_table, out_rows);
+            };
+            if multi_threaded() {
+                out.par_chunks_mut(group * head_dim)
+                    .enumerate()
+                    .for_each(attend_group);
+            } else {
+                out.chunks_mut(group * head_dim)
+                    .enumerate()
+                    .for_each(attend_group);
+            }
+        })?;
+        let mut out = std::mem::ManuallyDrop::new(out);
+        // SAFETY: every chunk was initialised by `zeroed`; `MaybeUninit<f32>` has f32's layout.
+        let out =
+            unsafe { Vec::from_raw_parts(out.as_mut_ptr().cast::<f32>(), len, out.capacity()) };
         Tensor::from_vec(out, (num_tokens, num_heads, head_dim), k.device())
     }
+}
+
+/// `f` of the f32 elements of `t` in order: borrowed from the storage of a contiguous f32
+/// CPU tensor (the projections' outputs), copied otherwise.
+fn with_f32<T>(t: &Tensor, f: impl FnOnce(&[f32]) -> T) -> Result<T> {
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let (Storage::Cpu(CpuStorage::F32(data)), Some((start, end))) =
+            (&*storage, layout.contiguous_offsets())
+        {
+            return Ok(f(&data[start..end]));
+        }
+    }
+    Ok(f(&t.flatten_all()?.to_vec1::<f32>()?))
+}
+
+/// `buf` with every element set to zero.
+fn zeroed(buf: &mut [MaybeUninit<f32>]) -> &mut [f32] {
+    for x in buf.iter_mut() {
+        x.write(0.0);
+    }
+    // SAFETY: every element was just initialised; `MaybeUninit<f32>` has f32's layout.
+    unsafe { &mut *(buf as *mut [MaybeUninit<f32>] as *mut [f32]) }
 }
 
 /// For every batch row, the index of the sequence it belongs to.

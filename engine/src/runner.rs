@@ -1,7 +1,7 @@
 //! The only place where a plan becomes tensors: input ids, positions, slot mapping and
 //! block tables in; one forward pass; the logits rows to sample from out.
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{CpuStorage, DType, Device, Result, Storage, Tensor};
 use dppo_model::CausalLm;
 use serde::{Deserialize, Serialize};
 
@@ -96,9 +96,9 @@ impl Runner {
         &self.model
     }
 
-    /// Runs `plan`. Returns, for each scheduled sequence that samples, the logits row
-    /// (vocab,) of its last new token; `None` for prefill chunks that sample nothing.
-    pub fn run(&mut self, plan: &Plan, scheduler: &Scheduler) -> Result<Vec<Option<Vec<f32>>>> {
+    /// Runs `plan`. Returns the logits of the last new token of every scheduled sequence
+    /// that samples; prefill chunks that sample nothing have none.
+    pub fn run(&mut self, plan: &Plan, scheduler: &Scheduler) -> Result<Logits> {
         let bs = match &self.cache {
             Cache::Cpu(c) => c.shape().block_size,
             Cache::Tensor(c) => c.shape().block_size,
@@ -153,17 +153,55 @@ impl Runner {
         };
         // Logits only where a token is sampled: the lm_head is a large share of the FLOPs.
         // Only those rows come to the host, as f32 whatever the engine's dtype.
-        let mut rows = if sample_rows.is_empty() {
-            Vec::new().into_iter()
+        let rows = if sample_rows.is_empty() {
+            None
         } else {
             let idx = Tensor::new(sample_rows.as_slice(), &self.device)?;
             let logits = self.model.logits(&hidden.index_select(&idx, 0)?)?;
-            logits.to_dtype(DType::F32)?.to_vec2::<f32>()?.into_iter()
+            Some(
+                logits
+                    .to_dtype(DType::F32)?
+                    .to_device(&Device::Cpu)?
+                    .contiguous()?,
+            )
         };
-        Ok(plan
+        let mut next = 0..;
+        let row_of = plan
             .seqs
             .iter()
-            .map(|s| if s.num_samples > 0 { rows.next() } else { None })
-            .collect())
+            .map(|s| (s.num_samples > 0).then(|| next.next().expect("unbounded")))
+            .collect();
+        Ok(Logits { rows, row_of })
+    }
+}
+
+/// An iteration's logits: (rows, vocab) f32 on the host, one row per sampling sequence,
+/// read in place (a copy of a batch's rows would be 25 MB a step for SmolLM2).
+pub struct Logits {
+    rows: Option<Tensor>,
+    /// For each sequence of the plan, its row (`None` where it samples nothing).
+    row_of: Vec<Option<usize>>,
+}
+
+impl Logits {
+    /// `f` of each plan sequence's logits row, in plan order.
+    pub fn with_rows<T>(&self, f: impl FnOnce(&[Option<&[f32]>]) -> T) -> Result<T> {
+        let Some(rows) = &self.rows else {
+            return Ok(f(&vec![None; self.row_of.len()]));
+        };
+        let vocab = rows.dim(1)?;
+        let (storage, layout) = rows.storage_and_layout();
+        let (Storage::Cpu(CpuStorage::F32(data)), Some((start, end))) =
+            (&*storage, layout.contiguous_offsets())
+        else {
+            candle_core::bail!("logits: expected contiguous f32 on the host");
+        };
+        let data = &data[start..end];
+        let rows: Vec<Option<&[f32]>> = self
+            .row_of
+            .iter()
+            .map(|r| r.map(|r| &data[r * vocab..(r + 1) * vocab]))
+            .collect();
+        Ok(f(&rows))
     }
 }

@@ -9,7 +9,7 @@ use candle_core::{Result, Tensor};
 
 use crate::attention::AttentionBackend;
 use crate::config::ModelConfig;
-use crate::fused::{rms_norm, silu_mul};
+use crate::fused::{add, rms_norm, silu_mul};
 use crate::linear::linear;
 use crate::lm_head::{lm_head_token_stats, TokenStats};
 use crate::rope::Rope;
@@ -217,9 +217,9 @@ impl CausalLm {
             let attn = layer
                 .attn
                 .forward(&normed, positions, &self.rope, layer_idx, backend)?;
-            x = (x + attn)?;
+            x = add(&x, &attn)?;
             let normed = rms_norm(&x, &layer.post_attention_layernorm, layer.eps)?;
-            x = (&x + layer.mlp.forward(&normed)?)?;
+            x = add(&x, &layer.mlp.forward(&normed)?)?;
         }
         rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)
     }

@@ -231,6 +231,8 @@ const TASK_ROWS: usize = 128;
 /// Rows of `w` one task handles (a multiple of every tile's rows): enough tasks for every
 /// core at the decode shapes, and a task's weight rows stay in L2 across its panels.
 const TASK_COLS: usize = 96;
+/// Steps of `k` in one piece of packing work.
+const PACK_STEPS: usize = 64;
 /// Below this many multiply-adds the work runs on the calling thread.
 const PARALLEL_MIN_FLOPS: usize = 1 << 18;
 
@@ -263,33 +265,46 @@ fn matmul_nt_into(
         CpuKernel::Avx512 | CpuKernel::Avx2 => unreachable!("no x86-64 kernels here"),
     };
     let parallel = m * n * k >= PARALLEL_MIN_FLOPS && crate::parallel::multi_threaded();
-    // 1. Pack `x` into zeroed panels (the lanes past the last row stay zero), a task's rows
-    // at a time.
+    // 1. Pack `x` into panels, in pieces of a few steps of one panel each: on the pool
+    // when the product is, so that no serial copy runs between two parallel ones.
     let panel_len = width * k;
-    let mut packed = vec![0f32; m.div_ceil(width) * panel_len];
-    let group_len = TASK_ROWS / width * panel_len;
-    let pack_group = |(g, dst): (usize, &mut [f32])| {
-        let rows = g * TASK_ROWS..((g + 1) * TASK_ROWS).min(m);
-        panel::pack(x, k, rows, width, dst);
+    let mut packed: Vec<MaybeUninit<f32>> = Vec::with_capacity(m.div_ceil(width) * panel_len);
+    // SAFETY: `MaybeUninit` needs no initialisation.
+    unsafe { packed.set_len(packed.capacity()) };
+    let piece_len = width * PACK_STEPS;
+    let pack_panel = |(p, panel): (usize, &mut [MaybeUninit<f32>])| {
+        let pack_piece = |(c, piece): (usize, &mut [MaybeUninit<f32>])| {
+            panel::pack(x, (m, k), p * width, c * PACK_STEPS, width, piece);
+        };
+        if parallel {
+            panel
+                .par_chunks_mut(piece_len)
+                .enumerate()
+                .for_each(pack_piece);
+        } else {
+            panel.chunks_mut(piece_len).enumerate().for_each(pack_piece);
+        }
     };
+    use rayon::prelude::*;
+    if parallel {
+        packed
+            .par_chunks_mut(panel_len)
+            .enumerate()
+            .for_each(pack_panel);
+    } else {
+        packed
+            .chunks_mut(panel_len)
+            .enumerate()
+            .for_each(pack_panel);
+    }
+    // SAFETY: the pieces cover `packed`, and `pack` writes every float of its piece.
+    let packed: &[f32] =
+        unsafe { std::slice::from_raw_parts(packed.as_ptr().cast(), packed.len()) };
     let row_groups = m.div_ceil(TASK_ROWS);
     let col_blocks = n.div_ceil(TASK_COLS);
     let tasks = row_groups * col_blocks;
-    use rayon::prelude::*;
-    if parallel && row_groups > 1 {
-        packed
-            .par_chunks_mut(group_len)
-            .enumerate()
-            .for_each(pack_group);
-    } else {
-        packed
-            .chunks_mut(group_len)
-            .enumerate()
-            .for_each(pack_group);
-    }
     // 2. Every task: its panels against its rows of `w`.
     let out = OutPtr(out.as_mut_ptr().cast::<f32>());
-    let packed = &packed;
     let task = |t: usize| {
         let (g, cb) = (t % row_groups, t / row_groups);
         let cols = cb * TASK_COLS..((cb + 1) * TASK_COLS).min(n);

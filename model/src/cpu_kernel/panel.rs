@@ -10,6 +10,7 @@
 //! in one lane of one accumulator, whatever the tile shape, the lane or the panel: a row's
 //! result cannot depend on the other rows of the batch, nor on the number of threads.
 
+use std::mem::MaybeUninit;
 use std::ops::Range;
 
 /// One SIMD register of f32 lanes and the operations a tile needs.
@@ -56,18 +57,28 @@ pub(super) const fn panel_rows<S: Simd>() -> usize {
     S::LANES * S::PANEL_VECS
 }
 
-/// Packs rows `rows` of `x` (row-major, `k` wide) into consecutive panels of `width` rows
-/// at `dst`, which holds `rows.len().div_ceil(width) * width * k` floats and comes zeroed:
-/// the lanes past the last row are left as they are, zero.
-pub(super) fn pack(x: &[f32], k: usize, rows: Range<usize>, width: usize, dst: &mut [f32]) {
-    for (p, panel) in dst.chunks_exact_mut(width * k).enumerate() {
-        let first = rows.start + p * width;
-        let valid = (rows.end - first).min(width);
-        for l in 0..valid {
-            let row = &x[(first + l) * k..(first + l + 1) * k];
-            for (kk, &v) in row.iter().enumerate() {
-                panel[kk * width + l] = v;
-            }
+/// Packs one piece of a panel: steps `kk0..kk0 + dst.len() / width` of rows
+/// `first..first + width` of `x` (row-major, `k` wide, `m` rows), `width` floats per step
+/// at `dst`. Every float of `dst` is written: the lanes past the last row of `x` get zero.
+pub(super) fn pack(
+    x: &[f32],
+    (m, k): (usize, usize),
+    first: usize,
+    kk0: usize,
+    width: usize,
+    dst: &mut [MaybeUninit<f32>],
+) {
+    let steps = dst.len() / width;
+    let valid = m.saturating_sub(first).min(width);
+    for step in dst.chunks_exact_mut(width) {
+        for lane in &mut step[valid..] {
+            lane.write(0.0);
+        }
+    }
+    for l in 0..valid {
+        let row = &x[(first + l) * k + kk0..][..steps];
+        for (s, &v) in row.iter().enumerate() {
+            dst[s * width + l].write(v);
         }
     }
 }

@@ -1,5 +1,5 @@
 //! Custom ops with hand-written backward passes for the CPU: SiLU-gated product, RMSNorm,
-//! rotary embeddings and the scaled causal softmax of attention.
+//! rotary embeddings, the scaled causal softmax of attention and the residual sums.
 //!
 //! The composite ops of [`crate::ops`] each keep their intermediates alive until the
 //! backward pass and run one pass per primitive, each a round trip through candle's thread
@@ -9,10 +9,12 @@
 //! numbers); other devices and dtypes keep the composite ops. Each row is computed alone,
 //! so a row's result does not depend on the batch.
 
+mod add;
 mod rope;
 mod rows;
 mod silu_mul;
 
+use std::mem::MaybeUninit;
 use std::ops::{Add, Div, Mul, Neg, Sub};
 
 use candle_core::{bail, CpuStorage, DType, Layout, Result, Tensor};
@@ -20,6 +22,7 @@ use rayon::prelude::*;
 
 use crate::parallel::multi_threaded;
 
+pub use add::add;
 pub use rope::rope;
 pub use rows::{causal_softmax, rms_norm};
 pub use silu_mul::silu_mul;
@@ -82,16 +85,22 @@ fn slice<'a, T>(data: &'a [T], layout: &Layout) -> Result<&'a [T]> {
     }
 }
 
-/// Rows of `width` elements of `out`, filled by `f(row index, row)` in parallel.
-fn for_rows<R: Real>(out: &mut [R], width: usize, f: impl Fn(usize, &mut [R]) + Sync) {
+/// Rows of `width` elements of `out`, each zeroed and then filled by `f(row index, row)`,
+/// in parallel: the buffer is first written by the thread that computes it, not cleared
+/// serially beforehand.
+fn for_rows<R: Real>(out: &mut [MaybeUninit<R>], width: usize, f: impl Fn(usize, &mut [R]) + Sync) {
+    let fill = |(r, row): (usize, &mut [MaybeUninit<R>])| {
+        for x in row.iter_mut() {
+            x.write(R::ZERO);
+        }
+        // SAFETY: every element was just initialised.
+        let row = unsafe { &mut *(row as *mut [MaybeUninit<R>] as *mut [R]) };
+        f(r, row)
+    };
     if multi_threaded() {
-        out.par_chunks_mut(width)
-            .enumerate()
-            .for_each(|(r, row)| f(r, row));
+        out.par_chunks_mut(width).enumerate().for_each(fill);
     } else {
-        out.chunks_mut(width)
-            .enumerate()
-            .for_each(|(r, row)| f(r, row));
+        out.chunks_mut(width).enumerate().for_each(fill);
     }
 }
 
@@ -113,7 +122,9 @@ fn run_kernel<K: Kernel>(kernel: &K, inputs: &[(&CpuStorage, &Layout)]) -> Resul
         let width = kernel.width().max(1);
         // Elementwise kernels take blocks of many elements at once.
         let block = if width == 1 { 1 << 14 } else { width };
-        let mut out = vec![R::ZERO; len];
+        let mut out: Vec<MaybeUninit<R>> = Vec::with_capacity(len);
+        // SAFETY: `MaybeUninit` needs no initialisation.
+        unsafe { out.set_len(len) };
         for_rows(&mut out, block, |b, chunk| {
             let start = b * block;
             let parts: Vec<&[R]> = inputs
@@ -128,7 +139,9 @@ fn run_kernel<K: Kernel>(kernel: &K, inputs: &[(&CpuStorage, &Layout)]) -> Resul
                 .collect();
             kernel.run(start / width, &parts, chunk);
         });
-        out
+        let mut out = std::mem::ManuallyDrop::new(out);
+        // SAFETY: `for_rows` initialised every element; `MaybeUninit<R>` has `R`'s layout.
+        unsafe { Vec::from_raw_parts(out.as_mut_ptr().cast(), len, out.capacity()) }
     }
     let mut f32s = Vec::new();
     let mut f64s = Vec::new();
