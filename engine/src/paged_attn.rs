@@ -242,11 +242,11 @@ impl Kernel<'_> {
                 t: &[BlockId],
                 o: &mut [f32],
             ) {
-                kernel.group::<16, true>(q, h, p, t, o)
+                kernel.group::<16, 4, true>(q, h, p, t, o)
             }
             #[target_feature(enable = "avx2,fma")]
             fn avx2(kernel: &Kernel, q: &[f32], h: usize, p: usize, t: &[BlockId], o: &mut [f32]) {
-                kernel.group::<8, true>(q, h, p, t, o)
+                kernel.group::<8, 2, true>(q, h, p, t, o)
             }
             match cpu {
                 // SAFETY: the process's kernel is one this CPU has (`cpu_kernel`).
@@ -258,14 +258,16 @@ impl Kernel<'_> {
                 CpuKernel::Portable => {}
             }
         }
-        self.group::<4, false>(q, kv_head, pos, block_table, out)
+        self.group::<4, 2, false>(q, kv_head, pos, block_table, out)
     }
 
     /// [`Kernel::attend_group`]'s arithmetic, inlined into each of its compilations with
-    /// the keys per vector `W` of its registers, multiply-adds fused when `FUSED`. Each
-    /// head's arithmetic is that of attending it alone; the group only shares the reads.
+    /// the keys per vector `W` of its registers, multiply-adds fused when `FUSED`, and up
+    /// to `G` heads computed side by side (as many as the registers hold). Each head's
+    /// arithmetic is that of attending it alone; the heads only share the reads and give
+    /// the core independent chains of multiply-adds to overlap.
     #[inline(always)]
-    fn group<const W: usize, const FUSED: bool>(
+    fn group<const W: usize, const G: usize, const FUSED: bool>(
         &self,
         q: &[f32],
         kv_head: usize,
@@ -274,109 +276,179 @@ impl Kernel<'_> {
         out: &mut [f32],
     ) {
         let d = self.shape.head_dim;
-        let group = q.len() / d;
+        let mut heads = 0;
+        while heads < q.len() / d {
+            let (q, out) = (&q[heads * d..], &mut out[heads * d..]);
+            heads += match q.len() / d {
+                n if n >= 4 && G >= 4 => {
+                    self.heads::<W, 4, FUSED>(q, kv_head, pos, block_table, out)
+                }
+                3 if G >= 3 => self.heads::<W, 3, FUSED>(q, kv_head, pos, block_table, out),
+                n if n >= 2 && G >= 2 => {
+                    self.heads::<W, 2, FUSED>(q, kv_head, pos, block_table, out)
+                }
+                _ => self.heads::<W, 1, FUSED>(q, kv_head, pos, block_table, out),
+            };
+        }
+    }
+
+    /// Attention of the first `H` heads of `q` into the first `H` of `out`; returns `H`.
+    #[inline(always)]
+    fn heads<const W: usize, const H: usize, const FUSED: bool>(
+        &self,
+        q: &[f32],
+        kv_head: usize,
+        pos: usize,
+        block_table: &[BlockId],
+        out: &mut [f32],
+    ) -> usize {
+        let d = self.shape.head_dim;
+        let (q, out) = (&q[..H * d], &mut out[..H * d]);
         let len = pos + 1;
         let (bs, row) = (self.shape.block_size, self.shape.slot_len());
         let blocks = &block_table[..len.div_ceil(bs)];
         // probs[h][j] = q_h . k_j * scale for every slot of the blocks in use (those past
         // `len` are computed and ignored), then a max-shifted softmax per head over `..len`.
         let padded = blocks.len() * bs;
-        let mut probs = vec![0f32; group * padded];
+        let mut probs = vec![0f32; H * padded];
         // The KV head's part of a block: `d * bs` floats at the same offset in K and V.
         let span = |b: usize| {
-            let start = blocks[b] as usize * bs * row + kv_head * d * bs;
+            let start = span_start(blocks[b], bs, row, kv_head, d);
             start..start + d * bs
         };
-        for (q_h, probs_h) in q.chunks_exact(d).zip(probs.chunks_exact_mut(padded)) {
-            for (b, out) in probs_h.chunks_exact_mut(bs).enumerate() {
-                let kt = &self.k[span(b)];
-                if bs % W == 0 {
-                    block_scores::<W, FUSED>(q_h, kt, self.scale, out);
-                } else {
-                    block_scores::<1, FUSED>(q_h, kt, self.scale, out);
-                }
+        for b in 0..blocks.len() {
+            let kt = &self.k[span(b)];
+            let scores = &mut probs[b * bs..];
+            if bs % W == 0 {
+                block_scores::<W, H, FUSED>(q, kt, self.scale, scores, padded);
+            } else {
+                block_scores::<1, H, FUSED>(q, kt, self.scale, scores, padded);
             }
+        }
+        for probs_h in probs.chunks_exact_mut(padded) {
             softmax_prefix(&mut probs_h[..len]);
         }
         // out_h = sum_j p_hj v_j, added in order of j, a few registers' worth of dimensions
         // at a time.
-        let rows: Vec<usize> = (0..len).map(|j| span(j / bs).start + j % bs * d).collect();
-        for (p_h, out_h) in probs.chunks_exact(padded).zip(out.chunks_exact_mut(d)) {
-            let p_h = &p_h[..len];
-            let mut dims = 0;
-            while dims < d {
-                let out = &mut out_h[dims..];
-                dims += match d - dims {
-                    n if n >= 4 * W => weighted_rows::<W, 4, FUSED>(p_h, &rows, self.v, dims, out),
-                    n if n >= W => weighted_rows::<W, 1, FUSED>(p_h, &rows, self.v, dims, out),
-                    _ => weighted_rows::<1, 1, FUSED>(p_h, &rows, self.v, dims, out),
-                };
+        let mut dims = 0;
+        while dims < d {
+            let rows = Rows {
+                v: self.v,
+                starts: blocks.iter().map(|&b| span_start(b, bs, row, kv_head, d)),
+                bs,
+                d,
+                len,
+            };
+            dims += match d - dims {
+                n if n >= 4 * W => weighted_rows::<W, 4, H, FUSED>(&probs, padded, rows, dims, out),
+                n if n >= W => weighted_rows::<W, 1, H, FUSED>(&probs, padded, rows, dims, out),
+                _ => weighted_rows::<1, 1, H, FUSED>(&probs, padded, rows, dims, out),
+            };
+        }
+        H
+    }
+}
+
+/// Where the KV head `kv_head`'s part of block `block` starts in a layer's K or V.
+#[inline(always)]
+fn span_start(block: BlockId, bs: usize, row: usize, kv_head: usize, d: usize) -> usize {
+    block as usize * bs * row + kv_head * d * bs
+}
+
+/// The value rows `0..len` of one KV head, `d` floats each, `bs` to a block starting at
+/// each of `starts`.
+struct Rows<'a, I> {
+    v: &'a [f32],
+    starts: I,
+    bs: usize,
+    d: usize,
+    len: usize,
+}
+
+/// `out[h * d + s] = q_h . k_s * scale` for the keys of one block and the `H` heads of `q`
+/// (`H x d`), into `out` with `stride` floats per head; `kt` holds the keys transposed
+/// (`d x bs`). Computed `W` keys at a time in vectors across the keys. Each dot product
+/// is four running sums over the dimensions `i = 0, 1, 2, 3 (mod 4)` in order of `i`, then
+/// `(s0 + s1) + (s2 + s3)`: the same order whatever `W` and `H`, which decide only the
+/// speed.
+#[inline(always)]
+fn block_scores<const W: usize, const H: usize, const FUSED: bool>(
+    q: &[f32],
+    kt: &[f32],
+    scale: f32,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let d = q.len() / H;
+    let bs = kt.len() / d;
+    let d4 = d / 4 * 4;
+    let fma_lanes = |acc: [f32; W], a: f32, b: &[f32; W]| -> [f32; W] {
+        std::array::from_fn(|l| mul_add::<FUSED>(a, b[l], acc[l]))
+    };
+    for c in 0..bs / W {
+        let lanes = |i: usize| -> &[f32; W] {
+            let start = i * bs + c * W;
+            kt[start..start + W].try_into().expect("W lanes")
+        };
+        let mut acc = [[[0f32; W]; 4]; H];
+        for i in (0..d4).step_by(4) {
+            for r in 0..4 {
+                let x = lanes(i + r);
+                for h in 0..H {
+                    acc[h][r] = fma_lanes(acc[h][r], q[h * d + i + r], x);
+                }
+            }
+        }
+        for r in 0..d - d4 {
+            let x = lanes(d4 + r);
+            for h in 0..H {
+                acc[h][r] = fma_lanes(acc[h][r], q[h * d + d4 + r], x);
+            }
+        }
+        for (h, acc) in acc.iter().enumerate() {
+            let out = &mut out[h * stride + c * W..h * stride + (c + 1) * W];
+            for (l, o) in out.iter_mut().enumerate() {
+                *o = ((acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l])) * scale;
             }
         }
     }
 }
 
-/// `out[s] = q . k_s * scale` for the `out.len()` keys of one block, `kt` holding them
-/// transposed (`q.len() x out.len()`), computed `W` keys at a time in vectors across the
-/// keys. Each dot product is four running sums over the dimensions `i = 0, 1, 2, 3 (mod 4)`
-/// in order of `i`, then `(s0 + s1) + (s2 + s3)`: the same order whatever `W`, which
-/// decides only the speed.
+/// `out[h * d + dims + i] = sum_j p[h * stride + j] * v_j[dims + i]` for the `H` heads and
+/// the first `C * W` dimensions from `dims`, added in order of `j` from zero in `H * C`
+/// accumulators of `W` floats (registers, not memory). Returns the number of dimensions
+/// done.
 #[inline(always)]
-fn block_scores<const W: usize, const FUSED: bool>(
-    q: &[f32],
-    kt: &[f32],
-    scale: f32,
-    out: &mut [f32],
-) {
-    let bs = out.len();
-    let d4 = q.len() / 4 * 4;
-    let fma_lanes = |acc: [f32; W], a: f32, b: [f32; W]| {
-        std::array::from_fn(|l| mul_add::<FUSED>(a, b[l], acc[l]))
-    };
-    for (c, out) in out.chunks_exact_mut(W).enumerate() {
-        let lanes = |i: usize| -> [f32; W] {
-            let start = i * bs + c * W;
-            kt[start..start + W].try_into().expect("W lanes")
-        };
-        let mut acc = [[0f32; W]; 4];
-        for i in (0..d4).step_by(4) {
-            acc[0] = fma_lanes(acc[0], q[i], lanes(i));
-            acc[1] = fma_lanes(acc[1], q[i + 1], lanes(i + 1));
-            acc[2] = fma_lanes(acc[2], q[i + 2], lanes(i + 2));
-            acc[3] = fma_lanes(acc[3], q[i + 3], lanes(i + 3));
-        }
-        for (r, &qi) in q[d4..].iter().enumerate() {
-            acc[r] = fma_lanes(acc[r], qi, lanes(d4 + r));
-        }
-        for (l, o) in out.iter_mut().enumerate() {
-            *o = ((acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l])) * scale;
-        }
-    }
-}
-
-/// `out[i] = sum_j p[j] * v[rows[j] + dims + i]` for the first `C * W` dimensions of
-/// `out`, added in order of `j` from zero in `C` accumulators of `W` floats (registers,
-/// not memory). Returns the number of dimensions done.
-#[inline(always)]
-fn weighted_rows<const W: usize, const C: usize, const FUSED: bool>(
+fn weighted_rows<const W: usize, const C: usize, const H: usize, const FUSED: bool>(
     p: &[f32],
-    rows: &[usize],
-    v: &[f32],
+    stride: usize,
+    rows: Rows<'_, impl Iterator<Item = usize>>,
     dims: usize,
     out: &mut [f32],
 ) -> usize {
-    let mut acc = [[0f32; W]; C];
-    for (&w, &r) in p.iter().zip(rows) {
-        let start = r + dims;
-        for (c, acc) in acc.iter_mut().enumerate() {
-            let x: [f32; W] = v[start + c * W..start + (c + 1) * W]
-                .try_into()
-                .expect("W dims");
-            *acc = std::array::from_fn(|i| mul_add::<FUSED>(w, x[i], acc[i]));
+    let mut acc = [[[0f32; W]; C]; H];
+    let mut j = 0;
+    for block in rows.starts {
+        for slot in 0..rows.bs.min(rows.len - j) {
+            let start = block + slot * rows.d + dims;
+            for c in 0..C {
+                let x: &[f32; W] = rows.v[start + c * W..start + (c + 1) * W]
+                    .try_into()
+                    .expect("W dims");
+                for h in 0..H {
+                    let w = p[h * stride + j];
+                    let a = acc[h][c];
+                    acc[h][c] = std::array::from_fn(|i| mul_add::<FUSED>(w, x[i], a[i]));
+                }
+            }
+            j += 1;
         }
     }
-    for (c, acc) in acc.iter().enumerate() {
-        out[c * W..(c + 1) * W].copy_from_slice(acc);
+    for (h, acc) in acc.iter().enumerate() {
+        for (c, acc) in acc.iter().enumerate() {
+            let at = h * rows.d + dims + c * W;
+            out[at..at + W].copy_from_slice(acc);
+        }
     }
     C * W
 }
