@@ -10,7 +10,7 @@ use candle_core::{Result, Tensor};
 use crate::attention::AttentionBackend;
 use crate::config::ModelConfig;
 use crate::fused::{add, rms_norm, silu_mul};
-use crate::linear::linear;
+use crate::linear::{linear, linear_many};
 use crate::lm_head::{lm_head_token_stats, TokenStats};
 use crate::rope::Rope;
 use crate::weights::Weights;
@@ -33,8 +33,7 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gate = linear(x, &self.gate_proj, None)?;
-        let up = linear(x, &self.up_proj, None)?;
+        let [gate, up] = linear_many(x, [&self.gate_proj, &self.up_proj], [None, None])?;
         linear(&silu_mul(&gate, &up)?, &self.down_proj, None)
     }
 }
@@ -95,9 +94,15 @@ impl Attention {
     ) -> Result<Tensor> {
         let tokens = x.dim(0)?;
         // 1. Project: (tokens, hidden) -> (tokens, heads, head_dim)
-        let q = linear(x, &self.q_proj, self.q_bias.as_ref())?;
-        let k = linear(x, &self.k_proj, self.k_bias.as_ref())?;
-        let v = linear(x, &self.v_proj, self.v_bias.as_ref())?;
+        let [q, k, v] = linear_many(
+            x,
+            [&self.q_proj, &self.k_proj, &self.v_proj],
+            [
+                self.q_bias.as_ref(),
+                self.k_bias.as_ref(),
+                self.v_bias.as_ref(),
+            ],
+        )?;
         let q = q.reshape((tokens, self.num_heads, self.head_dim))?;
         let k = k.reshape((tokens, self.num_kv_heads, self.head_dim))?;
         let v = v.reshape((tokens, self.num_kv_heads, self.head_dim))?;

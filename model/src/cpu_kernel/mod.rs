@@ -248,11 +248,28 @@ fn matmul_nt_into(
     k: usize,
     out: &mut [MaybeUninit<f32>],
 ) {
+    matmul_nt_many(kernel, x, m, k, &mut [Product { w, n, out }]);
+}
+
+/// One of the products of [`matmul_nt_many`]: weights `w` (n, k) and the output (m, n).
+struct Product<'a> {
+    w: &'a [f32],
+    n: usize,
+    out: &'a mut [MaybeUninit<f32>],
+}
+
+/// `x @ w^T` for every product's `w`, as [`matmul_nt_into`] computes each alone (the same
+/// bits), with `x` packed once and the tasks of all products run in one parallel pass:
+/// the projections that read one input (q, k, v; gate, up) cost one hand-off, not several.
+fn matmul_nt_many(kernel: CpuKernel, x: &[f32], m: usize, k: usize, products: &mut [Product]) {
     assert!(kernel.is_available(), "this CPU lacks the {kernel} kernel");
     assert_eq!(x.len(), m * k);
-    assert_eq!(w.len(), n * k);
-    assert_eq!(out.len(), m * n);
-    if m == 0 || n == 0 {
+    for p in products.iter() {
+        assert_eq!(p.w.len(), p.n * k);
+        assert_eq!(p.out.len(), m * p.n);
+    }
+    let total_n: usize = products.iter().map(|p| p.n).sum();
+    if m == 0 || total_n == 0 {
         return;
     }
     let (width, run): (usize, PanelFn) = match kernel {
@@ -264,7 +281,7 @@ fn matmul_nt_into(
         #[cfg(not(target_arch = "x86_64"))]
         CpuKernel::Avx512 | CpuKernel::Avx2 => unreachable!("no x86-64 kernels here"),
     };
-    let parallel = m * n * k >= PARALLEL_MIN_FLOPS && crate::parallel::multi_threaded();
+    let parallel = m * total_n * k >= PARALLEL_MIN_FLOPS && crate::parallel::multi_threaded();
     // 1. Pack `x` into panels, in pieces of a few steps of one panel each: on the pool
     // when the product is, so that no serial copy runs between two parallel ones.
     let panel_len = width * k;
@@ -300,13 +317,21 @@ fn matmul_nt_into(
     // SAFETY: the pieces cover `packed`, and `pack` writes every float of its piece.
     let packed: &[f32] =
         unsafe { std::slice::from_raw_parts(packed.as_ptr().cast(), packed.len()) };
+    // 2. Every task: a group of panels against a block of one product's rows of `w`.
     let row_groups = m.div_ceil(TASK_ROWS);
-    let col_blocks = n.div_ceil(TASK_COLS);
-    let tasks = row_groups * col_blocks;
-    // 2. Every task: its panels against its rows of `w`.
-    let out = OutPtr(out.as_mut_ptr().cast::<f32>());
+    let outs: Vec<(&[f32], usize, OutPtr)> = products
+        .iter_mut()
+        .map(|p| (p.w, p.n, OutPtr(p.out.as_mut_ptr().cast::<f32>())))
+        .collect();
+    let col_blocks: Vec<(usize, usize)> = outs
+        .iter()
+        .enumerate()
+        .flat_map(|(i, &(_, n, _))| (0..n.div_ceil(TASK_COLS)).map(move |cb| (i, cb)))
+        .collect();
+    let tasks = row_groups * col_blocks.len();
     let task = |t: usize| {
-        let (g, cb) = (t % row_groups, t / row_groups);
+        let (g, (product, cb)) = (t % row_groups, col_blocks[t / row_groups]);
+        let (w, n, out) = outs[product];
         let cols = cb * TASK_COLS..((cb + 1) * TASK_COLS).min(n);
         let first_panel = g * TASK_ROWS / width;
         let last_panel = ((g + 1) * TASK_ROWS).min(m).div_ceil(width);
@@ -322,7 +347,7 @@ fn matmul_nt_into(
                 ldo: n,
             };
             // SAFETY: the kernel is available (asserted above); the job's rows fit its
-            // panel; tasks write disjoint blocks of `out`, which outlives them.
+            // panel; tasks write disjoint blocks of the outputs, which outlive them.
             unsafe { run(&job) };
         }
     };
@@ -331,6 +356,55 @@ fn matmul_nt_into(
     } else {
         (0..tasks).for_each(task);
     }
+}
+
+/// `x @ w^T` for each of `ws` on the process's kernel, as [`NtMatmul`] computes each alone
+/// (the same bits), in one pass (see [`matmul_nt_many`]). Outside autograd only: nothing
+/// is recorded for backward.
+pub(crate) fn products(x: &Tensor, ws: &[&Tensor]) -> Result<Vec<Tensor>> {
+    let kernel = cpu_kernel().map_err(candle_core::Error::wrap)?;
+    let (m, k) = x.dims2()?;
+    let (xs, xl) = x.storage_and_layout();
+    let candle_core::Storage::Cpu(xs) = &*xs else {
+        candle_core::bail!("linear: x is not on the CPU");
+    };
+    let x_data = contiguous_f32(xs, xl, "x")?;
+    let guards: Vec<_> = ws.iter().map(|w| w.storage_and_layout()).collect();
+    let mut weights = Vec::with_capacity(ws.len());
+    for (storage, layout) in &guards {
+        let candle_core::Storage::Cpu(storage) = &**storage else {
+            candle_core::bail!("linear: w is not on the CPU");
+        };
+        let (n, kw) = layout.shape().dims2()?;
+        if kw != k {
+            candle_core::bail!("linear: x is ({m}, {k}) but w is ({n}, {kw})");
+        }
+        weights.push((contiguous_f32(storage, layout, "w")?, n));
+    }
+    let mut outs: Vec<Vec<f32>> = weights
+        .iter()
+        .map(|&(_, n)| Vec::with_capacity(m * n))
+        .collect();
+    let mut jobs: Vec<Product> = weights
+        .iter()
+        .zip(outs.iter_mut())
+        .map(|((w, n), out)| Product {
+            w,
+            n: *n,
+            out: &mut out.spare_capacity_mut()[..m * n],
+        })
+        .collect();
+    matmul_nt_many(kernel, &x_data, m, k, &mut jobs);
+    drop(jobs);
+    weights
+        .iter()
+        .zip(outs)
+        .map(|(&(_, n), mut out)| {
+            // SAFETY: `matmul_nt_many` wrote all `m * n` elements.
+            unsafe { out.set_len(m * n) };
+            Tensor::from_vec(out, (m, n), x.device())
+        })
+        .collect()
 }
 
 /// A kernel's entry point for one panel job (see [`panel::run`]).
