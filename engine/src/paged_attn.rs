@@ -433,17 +433,21 @@ fn block_scores<const W: usize, const H: usize, const FUSED: bool>(
                 }
             }
         }
-        for r in 0..d - d4 {
-            let x = lanes(d4 + r);
-            for h in 0..H {
-                acc[h][r] = fma_lanes(acc[h][r], q[h * d + d4 + r], x);
+        // The last `d % 4` dimensions; the loop's bound is fixed so that `acc` stays in
+        // registers (an index only known at run time would put it on the stack).
+        for r in 0..4 {
+            if d4 + r < d {
+                let x = lanes(d4 + r);
+                for h in 0..H {
+                    acc[h][r] = fma_lanes(acc[h][r], q[h * d + d4 + r], x);
+                }
             }
         }
         for (h, acc) in acc.iter().enumerate() {
-            let out = &mut out[h * stride + c * W..h * stride + (c + 1) * W];
-            for (l, o) in out.iter_mut().enumerate() {
-                *o = ((acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l])) * scale;
-            }
+            let sums: [f32; W] = std::array::from_fn(|l| {
+                ((acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l])) * scale
+            });
+            out[h * stride + c * W..h * stride + (c + 1) * W].copy_from_slice(&sums);
         }
     }
 }
