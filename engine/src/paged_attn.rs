@@ -6,6 +6,7 @@ use std::mem::MaybeUninit;
 
 use candle_core::{CpuStorage, DType, Result, Storage, Tensor};
 use dppo_model::parallel::multi_threaded;
+use dppo_model::uninit;
 use dppo_model::{AttentionBackend, CpuKernel};
 use rayon::prelude::*;
 
@@ -167,9 +168,7 @@ impl AttentionBackend for PagedAttention<'_> {
         })??;
         // 2. Attend, reading K/V in place through block tables.
         let len = num_tokens * num_heads * head_dim;
-        let mut out: Vec<MaybeUninit<f32>> = Vec::with_capacity(len);
-        // SAFETY: `MaybeUninit` needs no initialisation.
-        unsafe { out.set_len(len) };
+        let mut out = uninit::buffer(len);
         let token_seq = token_owners(self.seqs, num_tokens);
         let kernel = Kernel {
             k: &self.cache.k[layer_idx],
@@ -188,7 +187,7 @@ impl AttentionBackend for PagedAttention<'_> {
                 let meta = &self.seqs[token_seq[t]];
                 let pos = meta.num_computed_tokens + (t - meta.first_row);
                 let q_rows = &q[idx * group * head_dim..(idx + 1) * group * head_dim];
-                let out_rows = zeroed(out_rows);
+                let out_rows = uninit::zeroed(out_rows);
                 kernel.attend_group(cpu, q_rows, kv_head, pos, &meta.block_table, out_rows);
             };
             if multi_threaded() {
@@ -201,10 +200,8 @@ impl AttentionBackend for PagedAttention<'_> {
                     .for_each(attend_group);
             }
         })?;
-        let mut out = std::mem::ManuallyDrop::new(out);
-        // SAFETY: every chunk was initialised by `zeroed`; `MaybeUninit<f32>` has f32's layout.
-        let out =
-            unsafe { Vec::from_raw_parts(out.as_mut_ptr().cast::<f32>(), len, out.capacity()) };
+        // SAFETY: every task initialised its rows, and the rows cover `out`.
+        let out = unsafe { uninit::assume_init(out) };
         Tensor::from_vec(out, (num_tokens, num_heads, head_dim), k.device())
     }
 }
@@ -221,15 +218,6 @@ fn with_f32<T>(t: &Tensor, f: impl FnOnce(&[f32]) -> T) -> Result<T> {
         }
     }
     Ok(f(&t.flatten_all()?.to_vec1::<f32>()?))
-}
-
-/// `buf` with every element set to zero.
-fn zeroed(buf: &mut [MaybeUninit<f32>]) -> &mut [f32] {
-    for x in buf.iter_mut() {
-        x.write(0.0);
-    }
-    // SAFETY: every element was just initialised; `MaybeUninit<f32>` has f32's layout.
-    unsafe { &mut *(buf as *mut [MaybeUninit<f32>] as *mut [f32]) }
 }
 
 /// For every batch row, the index of the sequence it belongs to.

@@ -21,6 +21,7 @@ pub mod presets;
 pub mod rope;
 pub mod template;
 pub mod tokenizer;
+pub mod uninit;
 pub mod weights;
 
 pub use attention::{AttentionBackend, CausalAttention};

@@ -10,7 +10,11 @@ use candle_core::{Result, Tensor};
 
 /// `x @ w^T + b` for `x` (tokens, in), `w` (out, in), `b` (out,).
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-    let y = projection(x, w)?;
+    with_bias(projection(x, w)?, b)
+}
+
+/// `y + b`, broadcast over the rows, where there is a bias.
+fn with_bias(y: Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     match b {
         Some(b) => y.broadcast_add(b),
         None => Ok(y),
@@ -33,10 +37,7 @@ pub fn linear_many<const N: usize>(
         crate::cpu_kernel::products(x, &ws)?
             .into_iter()
             .zip(bs)
-            .map(|(y, b)| match b {
-                Some(b) => y.broadcast_add(b),
-                None => Ok(y),
-            })
+            .map(|(y, b)| with_bias(y, b))
             .collect::<Result<Vec<_>>>()?
     } else {
         ws.iter()

@@ -24,6 +24,8 @@ use std::sync::OnceLock;
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
+use crate::uninit;
+
 /// The environment variable that forces a kernel (`avx512`, `avx2` or `portable`).
 pub const KERNEL_ENV: &str = "DPPO_CPU_KERNEL";
 
@@ -144,7 +146,7 @@ pub(crate) fn applies(x: &Tensor, w: &Tensor) -> bool {
         && w.rank() == 2
 }
 
-/// The custom op computing `x @ w^T` with [`matmul_nt_into`] on the process's kernel; candle
+/// The custom op computing `x @ w^T` with [`matmul_nt_many`] on the process's kernel; candle
 /// records it for backward only when `x` or `w` is tracked.
 pub(crate) struct NtMatmul;
 
@@ -165,23 +167,9 @@ impl CustomOp2 for NtMatmul {
         if k != kw {
             candle_core::bail!("linear: x is ({m}, {k}) but w is ({n}, {kw})");
         }
-        let kernel = cpu_kernel().map_err(candle_core::Error::wrap)?;
         let x = contiguous_f32(xs, xl, "x")?;
         let w = contiguous_f32(ws, wl, "w")?;
-        // Not zeroed first: the kernel writes every element, and zeroing the logits' 25 MB
-        // (SmolLM2 at a batch of 128) would be serial work on the calling thread.
-        let mut out = Vec::with_capacity(m * n);
-        matmul_nt_into(
-            kernel,
-            &x,
-            &w,
-            m,
-            n,
-            k,
-            &mut out.spare_capacity_mut()[..m * n],
-        );
-        // SAFETY: `matmul_nt_into` wrote all `m * n` elements.
-        unsafe { out.set_len(m * n) };
+        let out = outputs(&x, m, k, &[(&w, n)])?.pop().expect("one product");
         Ok((CpuStorage::F32(out), Shape::from((m, n))))
     }
 
@@ -236,19 +224,27 @@ const PACK_STEPS: usize = 64;
 /// Below this many multiply-adds the work runs on the calling thread.
 const PARALLEL_MIN_FLOPS: usize = 1 << 18;
 
-/// `out (m, n) = x (m, k) @ w (n, k)^T`, all row-major, on `kernel`, into a buffer that
-/// need not be initialised: every element of `out` is written, none is read. Panics if this
-/// CPU lacks the kernel (callers get it from [`cpu_kernel`]).
-fn matmul_nt_into(
-    kernel: CpuKernel,
-    x: &[f32],
-    w: &[f32],
-    m: usize,
-    n: usize,
-    k: usize,
-    out: &mut [MaybeUninit<f32>],
-) {
-    matmul_nt_many(kernel, x, m, k, &mut [Product { w, n, out }]);
+/// `x @ w^T` (`x` (m, k), each `w` (n, k), all row-major) for each `(w, n)` of `weights`,
+/// on the process's kernel in one pass (see [`matmul_nt_many`]). The outputs are not zeroed
+/// first: the kernel writes every element, and zeroing the logits' 25 MB (SmolLM2 at a
+/// batch of 128) would be serial work on the calling thread.
+fn outputs(x: &[f32], m: usize, k: usize, weights: &[(&[f32], usize)]) -> Result<Vec<Vec<f32>>> {
+    let kernel = cpu_kernel().map_err(candle_core::Error::wrap)?;
+    let mut outs: Vec<_> = weights
+        .iter()
+        .map(|&(_, n)| uninit::buffer(m * n))
+        .collect();
+    let mut products: Vec<Product> = weights
+        .iter()
+        .zip(outs.iter_mut())
+        .map(|(&(w, n), out)| Product { w, n, out })
+        .collect();
+    matmul_nt_many(kernel, x, m, k, &mut products);
+    // SAFETY: `matmul_nt_many` wrote every element of every output.
+    Ok(outs
+        .into_iter()
+        .map(|out| unsafe { uninit::assume_init(out) })
+        .collect())
 }
 
 /// One of the products of [`matmul_nt_many`]: weights `w` (n, k) and the output (m, n).
@@ -258,9 +254,12 @@ struct Product<'a> {
     out: &'a mut [MaybeUninit<f32>],
 }
 
-/// `x @ w^T` for every product's `w`, as [`matmul_nt_into`] computes each alone (the same
-/// bits), with `x` packed once and the tasks of all products run in one parallel pass:
-/// the projections that read one input (q, k, v; gate, up) cost one hand-off, not several.
+/// `out (m, n) = x (m, k) @ w (n, k)^T`, all row-major, for every product, on `kernel`,
+/// into buffers that need not be initialised: every element of each `out` is written, none
+/// is read. `x` is packed once and the tasks of all products run in one parallel pass: the
+/// projections that read one input (q, k, v; gate, up) cost one hand-off, not several, and
+/// each output has the same bits as when computed alone. Panics if this CPU lacks the
+/// kernel (callers get it from [`cpu_kernel`]).
 fn matmul_nt_many(kernel: CpuKernel, x: &[f32], m: usize, k: usize, products: &mut [Product]) {
     assert!(kernel.is_available(), "this CPU lacks the {kernel} kernel");
     assert_eq!(x.len(), m * k);
@@ -285,9 +284,7 @@ fn matmul_nt_many(kernel: CpuKernel, x: &[f32], m: usize, k: usize, products: &m
     // 1. Pack `x` into panels, in pieces of a few steps of one panel each: on the pool
     // when the product is, so that no serial copy runs between two parallel ones.
     let panel_len = width * k;
-    let mut packed: Vec<MaybeUninit<f32>> = Vec::with_capacity(m.div_ceil(width) * panel_len);
-    // SAFETY: `MaybeUninit` needs no initialisation.
-    unsafe { packed.set_len(packed.capacity()) };
+    let mut packed = uninit::buffer(m.div_ceil(width) * panel_len);
     let piece_len = width * PACK_STEPS;
     let pack_panel = |(p, panel): (usize, &mut [MaybeUninit<f32>])| {
         let pack_piece = |(c, piece): (usize, &mut [MaybeUninit<f32>])| {
@@ -315,8 +312,7 @@ fn matmul_nt_many(kernel: CpuKernel, x: &[f32], m: usize, k: usize, products: &m
             .for_each(pack_panel);
     }
     // SAFETY: the pieces cover `packed`, and `pack` writes every float of its piece.
-    let packed: &[f32] =
-        unsafe { std::slice::from_raw_parts(packed.as_ptr().cast(), packed.len()) };
+    let packed = unsafe { uninit::assume_init_ref(&packed) };
     // 2. Every task: a group of panels against a block of one product's rows of `w`.
     let row_groups = m.div_ceil(TASK_ROWS);
     let outs: Vec<(&[f32], usize, OutPtr)> = products
@@ -362,7 +358,6 @@ fn matmul_nt_many(kernel: CpuKernel, x: &[f32], m: usize, k: usize, products: &m
 /// (the same bits), in one pass (see [`matmul_nt_many`]). Outside autograd only: nothing
 /// is recorded for backward.
 pub(crate) fn products(x: &Tensor, ws: &[&Tensor]) -> Result<Vec<Tensor>> {
-    let kernel = cpu_kernel().map_err(candle_core::Error::wrap)?;
     let (m, k) = x.dims2()?;
     let (xs, xl) = x.storage_and_layout();
     let candle_core::Storage::Cpu(xs) = &*xs else {
@@ -381,29 +376,11 @@ pub(crate) fn products(x: &Tensor, ws: &[&Tensor]) -> Result<Vec<Tensor>> {
         }
         weights.push((contiguous_f32(storage, layout, "w")?, n));
     }
-    let mut outs: Vec<Vec<f32>> = weights
-        .iter()
-        .map(|&(_, n)| Vec::with_capacity(m * n))
-        .collect();
-    let mut jobs: Vec<Product> = weights
-        .iter()
-        .zip(outs.iter_mut())
-        .map(|((w, n), out)| Product {
-            w,
-            n: *n,
-            out: &mut out.spare_capacity_mut()[..m * n],
-        })
-        .collect();
-    matmul_nt_many(kernel, &x_data, m, k, &mut jobs);
-    drop(jobs);
-    weights
-        .iter()
-        .zip(outs)
-        .map(|(&(_, n), mut out)| {
-            // SAFETY: `matmul_nt_many` wrote all `m * n` elements.
-            unsafe { out.set_len(m * n) };
-            Tensor::from_vec(out, (m, n), x.device())
-        })
+    let weights: Vec<(&[f32], usize)> = weights.iter().map(|(w, n)| (&**w, *n)).collect();
+    outputs(&x_data, m, k, &weights)?
+        .into_iter()
+        .zip(&weights)
+        .map(|(out, &(_, n))| Tensor::from_vec(out, (m, n), x.device()))
         .collect()
 }
 
@@ -414,7 +391,7 @@ type PanelFn = unsafe fn(&panel::PanelJob);
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
 
-// SAFETY: tasks only write elements no other task touches (see `matmul_nt_into`).
+// SAFETY: tasks only write elements no other task touches (see `matmul_nt_many`).
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
@@ -429,11 +406,21 @@ mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
 
-    /// `x @ w^T` through [`matmul_nt_into`], into a buffer of NaN: an element the kernel
+    /// `x @ w^T` through [`matmul_nt_many`], into a buffer of NaN: an element the kernel
     /// did not write stays NaN.
     fn product(kernel: CpuKernel, x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
         let mut out = vec![std::mem::MaybeUninit::new(f32::NAN); m * n];
-        matmul_nt_into(kernel, x, w, m, n, k, &mut out);
+        matmul_nt_many(
+            kernel,
+            x,
+            m,
+            k,
+            &mut [Product {
+                w,
+                n,
+                out: &mut out,
+            }],
+        );
         // SAFETY: every element was initialised (NaN or written by the kernel).
         out.into_iter()
             .map(|v| unsafe { v.assume_init() })

@@ -21,6 +21,7 @@ use candle_core::{bail, CpuStorage, DType, Layout, Result, Tensor};
 use rayon::prelude::*;
 
 use crate::parallel::multi_threaded;
+use crate::uninit;
 
 pub use add::add;
 pub use rope::rope;
@@ -39,6 +40,7 @@ fn applies(operands: &[&Tensor]) -> bool {
 /// The float types the ops compute in.
 trait Real:
     Copy
+    + Default
     + Send
     + Sync
     + PartialOrd
@@ -89,14 +91,7 @@ fn slice<'a, T>(data: &'a [T], layout: &Layout) -> Result<&'a [T]> {
 /// in parallel: the buffer is first written by the thread that computes it, not cleared
 /// serially beforehand.
 fn for_rows<R: Real>(out: &mut [MaybeUninit<R>], width: usize, f: impl Fn(usize, &mut [R]) + Sync) {
-    let fill = |(r, row): (usize, &mut [MaybeUninit<R>])| {
-        for x in row.iter_mut() {
-            x.write(R::ZERO);
-        }
-        // SAFETY: every element was just initialised.
-        let row = unsafe { &mut *(row as *mut [MaybeUninit<R>] as *mut [R]) };
-        f(r, row)
-    };
+    let fill = |(r, row): (usize, &mut [MaybeUninit<R>])| f(r, uninit::zeroed(row));
     if multi_threaded() {
         out.par_chunks_mut(width).enumerate().for_each(fill);
     } else {
@@ -122,9 +117,7 @@ fn run_kernel<K: Kernel>(kernel: &K, inputs: &[(&CpuStorage, &Layout)]) -> Resul
         let width = kernel.width().max(1);
         // Elementwise kernels take blocks of many elements at once.
         let block = if width == 1 { 1 << 14 } else { width };
-        let mut out: Vec<MaybeUninit<R>> = Vec::with_capacity(len);
-        // SAFETY: `MaybeUninit` needs no initialisation.
-        unsafe { out.set_len(len) };
+        let mut out = uninit::buffer(len);
         for_rows(&mut out, block, |b, chunk| {
             let start = b * block;
             let parts: Vec<&[R]> = inputs
@@ -139,9 +132,8 @@ fn run_kernel<K: Kernel>(kernel: &K, inputs: &[(&CpuStorage, &Layout)]) -> Resul
                 .collect();
             kernel.run(start / width, &parts, chunk);
         });
-        let mut out = std::mem::ManuallyDrop::new(out);
-        // SAFETY: `for_rows` initialised every element; `MaybeUninit<R>` has `R`'s layout.
-        unsafe { Vec::from_raw_parts(out.as_mut_ptr().cast(), len, out.capacity()) }
+        // SAFETY: `for_rows` initialised every element.
+        unsafe { uninit::assume_init(out) }
     }
     let mut f32s = Vec::new();
     let mut f64s = Vec::new();
