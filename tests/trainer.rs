@@ -525,8 +525,7 @@ fn kl_reference_is_the_frozen_initial_policy() {
         logprobs_of(&with_kl.reference.as_ref().unwrap().model, &[1, 2], &[3, 4]),
         reference_before
     );
-    let mut without = learner(LossAgg::TokenMean, 64);
-    without.model = with_kl.model.clone();
+    let without = Learner::new(&model_cfg, &with_kl.weights().unwrap(), plain.cfg).unwrap();
     let (_, m_kl) = with_kl.gradients(&tb).unwrap();
     let (_, m_plain) = without.gradients(&tb).unwrap();
     assert!(

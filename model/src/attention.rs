@@ -13,6 +13,12 @@ pub trait AttentionBackend {
     /// `q`: (tokens, heads, head_dim); `k`, `v`: (tokens, kv_heads, head_dim).
     /// Returns (tokens, heads, head_dim).
     fn attend(&mut self, layer_idx: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor>;
+
+    /// The sequence boundaries when the tokens are a packed training row (each sequence
+    /// attending causally to itself only), which the training layer computes itself.
+    fn packed_seqlens(&self) -> Option<&[usize]> {
+        None
+    }
 }
 
 /// Reference backend: the whole input is one sequence starting at position 0, no cache.

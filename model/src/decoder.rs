@@ -13,6 +13,7 @@ use crate::fused::{add, rms_norm, silu_mul};
 use crate::linear::{linear, linear_many};
 use crate::lm_head::{lm_head_token_stats, TokenStats};
 use crate::rope::Rope;
+use crate::train_layer::{self, LayerGrads, LayerParams, LayerShape, TrainPass};
 use crate::weights::Weights;
 
 #[derive(Debug, Clone)]
@@ -143,6 +144,31 @@ impl DecoderLayer {
             eps: cfg.rms_norm_eps,
         })
     }
+
+    /// The weights, as the training layer takes them.
+    fn params(&self) -> LayerParams {
+        let (a, m) = (&self.attn, &self.mlp);
+        LayerParams(
+            [
+                Some(&self.input_layernorm),
+                Some(&a.q_proj),
+                Some(&a.k_proj),
+                Some(&a.v_proj),
+                Some(&a.o_proj),
+                Some(&self.post_attention_layernorm),
+                Some(&m.gate_proj),
+                Some(&m.up_proj),
+                Some(&m.down_proj),
+                a.q_bias.as_ref(),
+                a.k_bias.as_ref(),
+                a.v_bias.as_ref(),
+                a.o_bias.as_ref(),
+                a.q_norm.as_ref(),
+                a.k_norm.as_ref(),
+            ]
+            .map(|t| t.cloned()),
+        )
+    }
 }
 
 /// A decoder-only causal language model built from a [`Weights`] map.
@@ -157,6 +183,9 @@ pub struct CausalLm {
     lm_head: Tensor,
     rope: Rope,
     cfg: ModelConfig,
+    /// Where the training layers put their weights' gradients (see
+    /// [`CausalLm::with_layer_grads`]).
+    layer_grads: Option<LayerGrads>,
 }
 
 impl CausalLm {
@@ -185,7 +214,40 @@ impl CausalLm {
             lm_head,
             rope,
             cfg: cfg.clone(),
+            layer_grads: None,
         })
+    }
+
+    /// This model for training on the CPU: on packed rows, each f32 decoder layer runs as
+    /// one op with its own backward pass ([`crate::train_layer`]), and the gradients of the
+    /// layers' weights are added to `grads` instead of candle's gradient store.
+    pub fn with_layer_grads(&self, grads: LayerGrads) -> Self {
+        Self {
+            layer_grads: Some(grads),
+            ..self.clone()
+        }
+    }
+
+    /// The training pass of a forward over `backend`, when the layers run as single ops.
+    fn train_pass(
+        &self,
+        x: &Tensor,
+        positions: &Tensor,
+        backend: &dyn AttentionBackend,
+    ) -> Result<Option<TrainPass>> {
+        let (Some(grads), Some(cu_seqlens)) = (&self.layer_grads, backend.packed_seqlens()) else {
+            return Ok(None);
+        };
+        if !x.track_op() {
+            return Ok(None);
+        }
+        let (cos, sin) = self.rope.tables_at(positions)?;
+        Ok(Some(TrainPass {
+            cu_seqlens: cu_seqlens.to_vec(),
+            cos,
+            sin,
+            grads: grads.clone(),
+        }))
     }
 
     /// The device the weights live on.
@@ -217,7 +279,24 @@ impl CausalLm {
             .embed_tokens
             .index_select(input_ids, 0)?
             .to_dtype(self.dtype())?;
+        let train = self.train_pass(&x, positions, backend)?;
+        let c = &self.cfg;
+        let shape = LayerShape {
+            hidden: c.hidden_size,
+            inter: c.intermediate_size,
+            heads: c.num_attention_heads,
+            kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            eps: c.rms_norm_eps,
+        };
         for (layer_idx, layer) in self.layers.iter().enumerate() {
+            if let Some(train) = &train {
+                let params = layer.params();
+                if train_layer::applies(&x, &params, c.head_dim) {
+                    x = train.layer(&x, &params, shape)?;
+                    continue;
+                }
+            }
             let normed = rms_norm(&x, &layer.input_layernorm, layer.eps)?;
             let attn = layer
                 .attn

@@ -21,6 +21,7 @@ pub mod presets;
 pub mod rope;
 pub mod template;
 pub mod tokenizer;
+pub mod train_layer;
 pub mod uninit;
 pub mod weights;
 

@@ -75,4 +75,8 @@ impl AttentionBackend for PackedAttention {
         }
         Tensor::cat(&outs, 0)
     }
+
+    fn packed_seqlens(&self) -> Option<&[usize]> {
+        Some(&self.cu_seqlens)
+    }
 }

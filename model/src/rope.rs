@@ -37,15 +37,22 @@ impl Rope {
     /// Rotates `x` (tokens, heads, head_dim) by the angles of `positions` (tokens,) u32.
     pub fn apply(&self, x: &Tensor, positions: &Tensor) -> Result<Tensor> {
         let dtype = x.dtype();
-        // (tokens, half): one angle per token, shared by all heads
-        let cos = self.cos.index_select(positions, 0)?;
-        let sin = self.sin.index_select(positions, 0)?;
+        let (cos, sin) = self.tables_at(positions)?;
         let (cos, sin) = if dtype == DType::F32 {
             (cos, sin)
         } else {
             (cos.to_dtype(dtype)?, sin.to_dtype(dtype)?)
         };
         crate::fused::rope(x, &cos, &sin)
+    }
+
+    /// The f32 tables (tokens, head_dim / 2) at `positions` (tokens,) u32: one angle per
+    /// token, shared by all heads.
+    pub fn tables_at(&self, positions: &Tensor) -> Result<(Tensor, Tensor)> {
+        Ok((
+            self.cos.index_select(positions, 0)?,
+            self.sin.index_select(positions, 0)?,
+        ))
     }
 
     /// Number of positions the tables cover.

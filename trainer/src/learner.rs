@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Tensor, Var};
+use dppo_model::train_layer::LayerGrads;
 use dppo_model::{CausalLm, ModelConfig, Weights};
 
 use crate::dist::{shard_range, sum_f64, Collective, Single};
@@ -250,9 +251,14 @@ impl Learner {
     /// over their cast to the compute dtype (a differentiable cast: the gradients reach the
     /// masters in f32). The embedding and the LM head stay f32, as under PyTorch's autocast:
     /// an embedding gradient summed in bf16 over repeated tokens loses most of its bits.
-    fn compute_model(&self) -> Result<CausalLm, TrainError> {
+    ///
+    /// Over the masters themselves, the decoder layers run as single ops where they can
+    /// ([`dppo_model::train_layer`]) and put their weights' gradients in the store returned;
+    /// over a cast, the gradients must flow back through it, so candle's autograd runs.
+    fn compute_model(&self) -> Result<(CausalLm, LayerGrads), TrainError> {
         if self.cfg.compute_dtype == DType::F32 {
-            return Ok(self.model.clone());
+            let grads = LayerGrads::new();
+            return Ok((self.model.with_layer_grads(grads.clone()), grads));
         }
         let tensors = self
             .vars
@@ -271,10 +277,8 @@ impl Learner {
             })
             .collect::<candle_core::Result<_>>()?;
         let config = self.model.config();
-        Ok(CausalLm::new(
-            config,
-            &Weights::from_tensors(config, tensors, "learner")?,
-        )?)
+        let model = CausalLm::new(config, &Weights::from_tensors(config, tensors, "learner")?)?;
+        Ok((model, LayerGrads::new()))
     }
 
     /// Gradients of the batch loss, summed over packed buffers, plus metric sums: this
@@ -323,7 +327,7 @@ impl Learner {
         let buffers = pack(&lengths, self.cfg.pack_tokens, self.cfg.pack_window)?;
         let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
         let mut m = Sums::default();
-        let model = self.compute_model()?;
+        let (model, layer_grads) = self.compute_model()?;
         for buffer in &buffers {
             let seqs: Vec<&TrainSeq> = buffer.iter().map(|&i| &batch.seqs[i]).collect();
             let out = buffer_loss(
@@ -342,6 +346,7 @@ impl Learner {
             m.entropy += out.entropy_sum;
             accumulate(&mut grads, &self.vars, &out.loss.backward()?)?;
         }
+        take_layer_grads(&mut grads, &self.vars, &layer_grads)?;
         m.num_buffers = buffers.len();
         m.seq_tokens = lengths.iter().sum();
         m.seconds = start.elapsed().as_secs_f64();
@@ -401,13 +406,14 @@ impl Learner {
         let run = || -> Result<(BTreeMap<String, Tensor>, f64), TrainError> {
             let mut grads: BTreeMap<String, Tensor> = BTreeMap::new();
             let mut total = 0.0;
-            let model = self.compute_model()?;
+            let (model, layer_grads) = self.compute_model()?;
             for buffer in &buffers {
                 let refs: Vec<&TrainSeq> = buffer.iter().map(|&i| &seqs[i]).collect();
                 let loss = (buffer_nll(&model, &refs)? / num_tokens.max(1) as f64)?;
                 total += loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
                 accumulate(&mut grads, &self.vars, &loss.backward()?)?;
             }
+            take_layer_grads(&mut grads, &self.vars, &layer_grads)?;
             Ok((grads, total))
         };
         let (mut grads, loss) = std::thread::scope(|scope| {
@@ -496,13 +502,40 @@ fn accumulate(
 ) -> Result<(), TrainError> {
     for (name, var) in vars {
         if let Some(g) = store.get(var) {
-            let sum = match grads.remove(name) {
-                Some(acc) => (acc + g)?,
-                None => g.clone(),
-            };
-            grads.insert(name.clone(), sum);
+            add_grad(grads, name, g.clone())?;
         }
     }
+    Ok(())
+}
+
+/// Moves the gradients the training layers summed in `layer_grads` into `grads`. Every
+/// one must belong to a var: one that does not would be a gradient silently lost.
+fn take_layer_grads(
+    grads: &mut BTreeMap<String, Tensor>,
+    vars: &BTreeMap<String, Var>,
+    layer_grads: &LayerGrads,
+) -> Result<(), TrainError> {
+    for (name, var) in vars {
+        if let Some(g) = layer_grads.take(var.as_tensor())? {
+            add_grad(grads, name, g)?;
+        }
+    }
+    match layer_grads.len() {
+        0 => Ok(()),
+        n => Err(candle_core::Error::Msg(format!(
+            "the training layers computed {n} gradients of tensors that are not parameters"
+        ))
+        .into()),
+    }
+}
+
+/// `grads[name] += g` (or `= g` where there is none yet).
+fn add_grad(grads: &mut BTreeMap<String, Tensor>, name: &str, g: Tensor) -> Result<(), TrainError> {
+    let sum = match grads.remove(name) {
+        Some(acc) => (acc + g)?,
+        None => g,
+    };
+    grads.insert(name.to_string(), sum);
     Ok(())
 }
 

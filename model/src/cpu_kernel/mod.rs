@@ -228,7 +228,12 @@ const PARALLEL_MIN_FLOPS: usize = 1 << 18;
 /// on the process's kernel in one pass (see [`matmul_nt_many`]). The outputs are not zeroed
 /// first: the kernel writes every element, and zeroing the logits' 25 MB (SmolLM2 at a
 /// batch of 128) would be serial work on the calling thread.
-fn outputs(x: &[f32], m: usize, k: usize, weights: &[(&[f32], usize)]) -> Result<Vec<Vec<f32>>> {
+pub(crate) fn outputs(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    weights: &[(&[f32], usize)],
+) -> Result<Vec<Vec<f32>>> {
     let kernel = cpu_kernel().map_err(candle_core::Error::wrap)?;
     let mut outs: Vec<_> = weights
         .iter()

@@ -25,8 +25,11 @@ use crate::uninit;
 
 pub use add::add;
 pub use rope::rope;
+pub(crate) use rope::Rotate;
 pub use rows::{causal_softmax, rms_norm};
+pub(crate) use rows::{CausalSoftmax, NormGradX, NormRows, RmsNorm, SoftmaxGrad};
 pub use silu_mul::silu_mul;
+pub(crate) use silu_mul::{Backward as SiluMulGrad, Forward as SiluMulRows};
 
 /// Whether the fused ops apply to `operands`: f32/f64 CPU tensors of one dtype.
 fn applies(operands: &[&Tensor]) -> bool {
@@ -38,7 +41,7 @@ fn applies(operands: &[&Tensor]) -> bool {
 }
 
 /// The float types the ops compute in.
-trait Real:
+pub(crate) trait Real:
     Copy
     + Default
     + Send
@@ -100,7 +103,7 @@ fn for_rows<R: Real>(out: &mut [MaybeUninit<R>], width: usize, f: impl Fn(usize,
 }
 
 /// A function of float operands computed per element or per row, in parallel.
-trait Kernel: Sync {
+pub(crate) trait Kernel: Sync {
     /// Elements per independent unit (a row; 1 for elementwise functions).
     fn width(&self) -> usize;
     /// Fills `out`, one row (or a block of elements for elementwise kernels) starting at
@@ -112,29 +115,6 @@ trait Kernel: Sync {
 /// Runs `kernel` over contiguous f32 or f64 CPU operands, of which the first has the
 /// output's size.
 fn run_kernel<K: Kernel>(kernel: &K, inputs: &[(&CpuStorage, &Layout)]) -> Result<CpuStorage> {
-    fn typed<R: Real, K: Kernel>(kernel: &K, inputs: &[&[R]]) -> Vec<R> {
-        let len = inputs[0].len();
-        let width = kernel.width().max(1);
-        // Elementwise kernels take blocks of many elements at once.
-        let block = if width == 1 { 1 << 14 } else { width };
-        let mut out = uninit::buffer(len);
-        for_rows(&mut out, block, |b, chunk| {
-            let start = b * block;
-            let parts: Vec<&[R]> = inputs
-                .iter()
-                .map(|x| {
-                    if x.len() == len {
-                        &x[start..start + chunk.len()]
-                    } else {
-                        x
-                    }
-                })
-                .collect();
-            kernel.run(start / width, &parts, chunk);
-        });
-        // SAFETY: `for_rows` initialised every element.
-        unsafe { uninit::assume_init(out) }
-    }
     let mut f32s = Vec::new();
     let mut f64s = Vec::new();
     for (storage, layout) in inputs {
@@ -145,10 +125,36 @@ fn run_kernel<K: Kernel>(kernel: &K, inputs: &[(&CpuStorage, &Layout)]) -> Resul
         }
     }
     match (f32s.len(), f64s.len()) {
-        (_, 0) => Ok(CpuStorage::F32(typed(kernel, &f32s))),
-        (0, _) => Ok(CpuStorage::F64(typed(kernel, &f64s))),
+        (_, 0) => Ok(CpuStorage::F32(apply(kernel, &f32s))),
+        (0, _) => Ok(CpuStorage::F64(apply(kernel, &f64s))),
         _ => bail!("fused op: operands mix f32 and f64"),
     }
+}
+
+/// `kernel` over `inputs`, of which the first has the output's size: the operands of that
+/// size come to each unit as the matching slice, the others whole (see [`Kernel::run`]).
+pub(crate) fn apply<R: Real, K: Kernel>(kernel: &K, inputs: &[&[R]]) -> Vec<R> {
+    let len = inputs[0].len();
+    let width = kernel.width().max(1);
+    // Elementwise kernels take blocks of many elements at once.
+    let block = if width == 1 { 1 << 14 } else { width };
+    let mut out = uninit::buffer(len);
+    for_rows(&mut out, block, |b, chunk| {
+        let start = b * block;
+        let parts: Vec<&[R]> = inputs
+            .iter()
+            .map(|x| {
+                if x.len() == len {
+                    &x[start..start + chunk.len()]
+                } else {
+                    x
+                }
+            })
+            .collect();
+        kernel.run(start / width, &parts, chunk);
+    });
+    // SAFETY: `for_rows` initialised every element.
+    unsafe { uninit::assume_init(out) }
 }
 
 #[cfg(test)]

@@ -25,10 +25,10 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 
 /// The rotation (or its inverse, the rotation by minus the angle).
 #[derive(Clone, Copy)]
-struct Rotate {
-    heads: usize,
-    head_dim: usize,
-    inverse: bool,
+pub(crate) struct Rotate {
+    pub heads: usize,
+    pub head_dim: usize,
+    pub inverse: bool,
 }
 
 impl Kernel for Rotate {

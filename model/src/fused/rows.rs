@@ -17,22 +17,22 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
 
 /// The forward op (and, with a weight of ones, the normalised input).
 #[derive(Clone, Copy)]
-struct RmsNorm {
-    eps: f64,
+pub(crate) struct RmsNorm {
+    pub eps: f64,
 }
 
 impl RmsNorm {
     /// `1 / sqrt(mean(x^2) + eps)` of one row.
-    fn inv_rms<R: Real>(&self, x: &[R]) -> R {
+    pub(crate) fn inv_rms<R: Real>(&self, x: &[R]) -> R {
         let sum = x.iter().fold(R::ZERO, |acc, &v| acc + v * v);
         R::ONE / (sum / R::of(x.len() as f64) + R::of(self.eps)).sqrt()
     }
 }
 
 /// The fused forward: each row times its inverse RMS, times the weight.
-struct NormRows {
-    op: RmsNorm,
-    width: usize,
+pub(crate) struct NormRows {
+    pub op: RmsNorm,
+    pub width: usize,
 }
 
 impl Kernel for NormRows {
@@ -50,9 +50,9 @@ impl Kernel for NormRows {
 
 /// The gradient with respect to `x`, from x, weight, grad:
 /// `r (g w) - x r^3 sum(g w x) / n`.
-struct NormGradX {
-    op: RmsNorm,
-    width: usize,
+pub(crate) struct NormGradX {
+    pub op: RmsNorm,
+    pub width: usize,
 }
 
 impl Kernel for NormGradX {
@@ -160,11 +160,11 @@ pub fn causal_softmax(scores: &Tensor, scale: f64, num_cached: usize) -> Result<
 
 /// The fused causal softmax (forward kernel too: one row per query).
 #[derive(Clone, Copy)]
-struct CausalSoftmax {
-    scale: f64,
-    q_len: usize,
-    k_len: usize,
-    num_cached: usize,
+pub(crate) struct CausalSoftmax {
+    pub scale: f64,
+    pub q_len: usize,
+    pub k_len: usize,
+    pub num_cached: usize,
 }
 
 impl CausalSoftmax {
@@ -205,7 +205,7 @@ impl Kernel for CausalSoftmax {
 
 /// The gradient with respect to the scores, from the probabilities and their gradient:
 /// `scale p (g - sum(p g))`.
-struct SoftmaxGrad(CausalSoftmax);
+pub(crate) struct SoftmaxGrad(pub CausalSoftmax);
 
 impl Kernel for SoftmaxGrad {
     fn width(&self) -> usize {

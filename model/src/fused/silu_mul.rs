@@ -24,7 +24,7 @@ fn sigmoid<R: Real>(x: R) -> R {
 struct SiluMul;
 
 /// `x * sigmoid(x) * u`, in the composite's order of operations.
-struct Forward;
+pub(crate) struct Forward;
 
 impl Kernel for Forward {
     fn width(&self) -> usize {
@@ -39,8 +39,8 @@ impl Kernel for Forward {
 }
 
 /// The gradient with respect to `gate` (`wrt_gate`) or to `up`, from gate, up, grad.
-struct Backward {
-    wrt_gate: bool,
+pub(crate) struct Backward {
+    pub wrt_gate: bool,
 }
 
 impl Kernel for Backward {
