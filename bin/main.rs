@@ -41,13 +41,17 @@ enum Command {
 /// Keeps freed memory in the process for reuse. A learner step frees and reallocates
 /// activations and gradients of hundreds of MB; by default glibc hands large blocks back to
 /// the OS (mmap/munmap, heap trimming) and every reuse then faults in freshly zeroed pages,
-/// which on SmolLM2-135M cost more time than the arithmetic (`dppo bench train`).
+/// which on SmolLM2-135M cost more time than the arithmetic (`dppo bench train`). One arena
+/// for every thread: the learner's backward thread would otherwise get an arena of its own,
+/// whose 64 MB heaps glibc creates and unmaps as the activations come and go (on 2 cores,
+/// +10% learner tokens/s, docs/results.md).
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn keep_freed_memory() {
     // SAFETY: mallopt only changes allocator thresholds; called before any other thread.
     unsafe {
         libc::mallopt(libc::M_MMAP_MAX, 0);
         libc::mallopt(libc::M_TRIM_THRESHOLD, libc::c_int::MAX);
+        libc::mallopt(libc::M_ARENA_MAX, 1);
     }
 }
 
