@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use candle_core::{DType, Device, Tensor, Var};
 
 use dppo_model::ops::token_logprobs;
+use dppo_model::train_layer::LayerGrads;
 use dppo_model::{Arch, CausalAttention, CausalLm, ModelConfig, PackedRow, Weights};
 
 use crate::util::{flat, random_weights, small_config};
@@ -89,27 +90,57 @@ fn packed_logprobs_equal_each_sequence_alone() {
     }
 }
 
+/// The gradient of every var of [`weighted_sum`] over one packed row, through the
+/// op-by-op layers or (`training_layers`) the training layers, whose weights' gradients
+/// come from their own store; panics naming a var that gets none.
+fn packed_gradients(
+    vars: &BTreeMap<String, Var>,
+    model: &CausalLm,
+    seqs: &[Vec<u32>],
+    training_layers: bool,
+) -> BTreeMap<String, Vec<f32>> {
+    let layer_grads = LayerGrads::new();
+    let model = if training_layers {
+        model.with_layer_grads(layer_grads.clone())
+    } else {
+        model.clone()
+    };
+    let store = weighted_sum(&packed_logprobs(&model, seqs))
+        .backward()
+        .unwrap();
+    let grads = vars
+        .iter()
+        .map(|(name, var)| {
+            let g = match layer_grads.take(var.as_tensor()).unwrap() {
+                Some(g) => g,
+                None => store
+                    .get(var)
+                    .unwrap_or_else(|| panic!("{name}: no gradient (dropped by an op?)"))
+                    .clone(),
+            };
+            (name.clone(), flat(&g))
+        })
+        .collect();
+    assert!(layer_grads.is_empty(), "a layer gradient belongs to no var");
+    grads
+}
+
 #[test]
 fn packed_gradients_equal_separate_runs() {
     for arch in ARCHS {
         let cfg = small_config(arch);
         let seqs = sequences(cfg.vocab_size);
-        let (vars_p, model_p) = trainable(&cfg, 2);
-        let grads_p = weighted_sum(&packed_logprobs(&model_p, &seqs))
-            .backward()
-            .unwrap();
         let (vars_s, model_s) = trainable(&cfg, 2);
         let alone: Vec<Tensor> = seqs.iter().map(|s| alone_logprobs(&model_s, s)).collect();
         let grads_s = weighted_sum(&alone).backward().unwrap();
-        for (name, var) in &vars_p {
-            let gp = flat(
-                grads_p
-                    .get(var)
-                    .unwrap_or_else(|| panic!("{name}: no gradient")),
-            );
-            let gs = flat(grads_s.get(&vars_s[name]).unwrap());
-            let scale = gs.iter().fold(1f32, |m, x| m.max(x.abs()));
-            assert_close!(gp, gs, 2e-5 * scale);
+        for training_layers in [false, true] {
+            let (vars_p, model_p) = trainable(&cfg, 2);
+            let grads_p = packed_gradients(&vars_p, &model_p, &seqs, training_layers);
+            for (name, gp) in grads_p {
+                let gs = flat(grads_s.get(&vars_s[&name]).unwrap());
+                let scale = gs.iter().fold(1f32, |m, x| m.max(x.abs()));
+                assert_close!(gp, gs, 2e-5 * scale);
+            }
         }
     }
 }
@@ -119,16 +150,13 @@ fn every_parameter_gets_a_nonzero_gradient() {
     for arch in ARCHS {
         let cfg = small_config(arch);
         let (vars, model) = trainable(&cfg, 3);
-        let grads = weighted_sum(&packed_logprobs(&model, &sequences(cfg.vocab_size)))
-            .backward()
-            .unwrap();
         assert_eq!(vars.len(), dppo_model::weights::param_specs(&cfg).len());
-        for (name, var) in &vars {
-            let g = grads
-                .get(var)
-                .unwrap_or_else(|| panic!("{arch:?} {name}: no gradient (dropped by an op?)"));
-            let norm: f32 = flat(g).iter().map(|x| x * x).sum();
-            assert!(norm > 0.0, "{arch:?} {name}: gradient is zero");
+        for training_layers in [false, true] {
+            let seqs = sequences(cfg.vocab_size);
+            for (name, g) in packed_gradients(&vars, &model, &seqs, training_layers) {
+                let norm: f32 = g.iter().map(|x| x * x).sum();
+                assert!(norm > 0.0, "{arch:?} {name}: gradient is zero");
+            }
         }
     }
 }
