@@ -13,7 +13,7 @@ use crate::fused::{add, rms_norm, silu_mul};
 use crate::linear::{linear, linear_many};
 use crate::lm_head::{lm_head_token_stats, TokenStats};
 use crate::rope::Rope;
-use crate::train_layer::{self, LayerGrads, LayerParams, LayerShape, TrainPass};
+use crate::train_layer::{LayerGrads, LayerParams, TrainPass};
 use crate::weights::Weights;
 
 #[derive(Debug, Clone)]
@@ -241,13 +241,12 @@ impl CausalLm {
         if !x.track_op() {
             return Ok(None);
         }
-        let (cos, sin) = self.rope.tables_at(positions)?;
-        Ok(Some(TrainPass {
-            cu_seqlens: cu_seqlens.to_vec(),
-            cos,
-            sin,
-            grads: grads.clone(),
-        }))
+        Ok(Some(TrainPass::new(
+            &self.cfg,
+            cu_seqlens.to_vec(),
+            self.rope.tables_at(positions)?,
+            grads.clone(),
+        )))
     }
 
     /// The device the weights live on.
@@ -280,20 +279,11 @@ impl CausalLm {
             .index_select(input_ids, 0)?
             .to_dtype(self.dtype())?;
         let train = self.train_pass(&x, positions, backend)?;
-        let c = &self.cfg;
-        let shape = LayerShape {
-            hidden: c.hidden_size,
-            inter: c.intermediate_size,
-            heads: c.num_attention_heads,
-            kv_heads: c.num_key_value_heads,
-            head_dim: c.head_dim,
-            eps: c.rms_norm_eps,
-        };
         for (layer_idx, layer) in self.layers.iter().enumerate() {
             if let Some(train) = &train {
                 let params = layer.params();
-                if train_layer::applies(&x, &params, c.head_dim) {
-                    x = train.layer(&x, &params, shape)?;
+                if train.applies(&x, &params) {
+                    x = train.layer(&x, params)?;
                     continue;
                 }
             }

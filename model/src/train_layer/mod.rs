@@ -22,6 +22,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor};
 
+use crate::config::ModelConfig;
 use attention::Heads;
 use pass::{Dims, Packed, Saved, Weights};
 
@@ -99,53 +100,61 @@ impl LayerGrads {
     }
 }
 
-/// Whether the training layer applies: f32 activations and weights on the CPU, and an even
-/// head dimension (rope rotates halves).
-pub(crate) fn applies(x: &Tensor, params: &LayerParams, head_dim: usize) -> bool {
-    let f32_cpu = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
-    f32_cpu(x)
-        && x.rank() == 2
-        && head_dim.is_multiple_of(2)
-        && params.0.iter().flatten().all(f32_cpu)
-}
-
-/// What every layer of one forward pass shares: the packed row's sequences, the rotation
-/// tables at its positions and where the weights' gradients go.
+/// What every layer of one forward pass shares: the layers' sizes, the packed row's
+/// sequences, the rotation tables at its positions and where the weights' gradients go.
 pub(crate) struct TrainPass {
-    pub cu_seqlens: Vec<usize>,
+    dims: Dims,
+    cu_seqlens: Vec<usize>,
     /// (tokens, head_dim / 2) each.
-    pub cos: Tensor,
-    pub sin: Tensor,
-    pub grads: LayerGrads,
-}
-
-/// The layer's shape, as [`crate::config::ModelConfig`] gives it.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct LayerShape {
-    pub hidden: usize,
-    pub inter: usize,
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    pub eps: f64,
+    cos: Tensor,
+    sin: Tensor,
+    grads: LayerGrads,
 }
 
 impl TrainPass {
-    /// The layer with weights `params` applied to `x` (tokens, hidden), as one op whose
-    /// backward adds the weights' gradients to [`TrainPass::grads`].
-    pub fn layer(&self, x: &Tensor, params: &LayerParams, shape: LayerShape) -> Result<Tensor> {
-        let op = LayerOp {
-            params: params.0.clone(),
-            dims: Dims {
-                hidden: shape.hidden,
-                inter: shape.inter,
-                heads: Heads {
-                    heads: shape.heads,
-                    kv_heads: shape.kv_heads,
-                    head_dim: shape.head_dim,
-                },
-                eps: shape.eps,
+    /// The pass of a model with config `cfg` over a packed row of `cu_seqlens`, with the
+    /// rotation tables `cos`, `sin` at its positions.
+    pub fn new(
+        cfg: &ModelConfig,
+        cu_seqlens: Vec<usize>,
+        (cos, sin): (Tensor, Tensor),
+        grads: LayerGrads,
+    ) -> Self {
+        let dims = Dims {
+            hidden: cfg.hidden_size,
+            inter: cfg.intermediate_size,
+            heads: Heads {
+                heads: cfg.num_attention_heads,
+                kv_heads: cfg.num_key_value_heads,
+                head_dim: cfg.head_dim,
             },
+            eps: cfg.rms_norm_eps,
+        };
+        Self {
+            dims,
+            cu_seqlens,
+            cos,
+            sin,
+            grads,
+        }
+    }
+
+    /// Whether the training layer applies: f32 activations and weights on the CPU, and an
+    /// even head dimension (rope rotates halves).
+    pub fn applies(&self, x: &Tensor, params: &LayerParams) -> bool {
+        let f32_cpu = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
+        f32_cpu(x)
+            && x.rank() == 2
+            && self.dims.heads.head_dim.is_multiple_of(2)
+            && params.0.iter().flatten().all(f32_cpu)
+    }
+
+    /// The layer with weights `params` applied to `x` (tokens, hidden), as one op whose
+    /// backward adds the weights' gradients to the pass's [`LayerGrads`].
+    pub fn layer(&self, x: &Tensor, params: LayerParams) -> Result<Tensor> {
+        let op = LayerOp {
+            params: params.0,
+            dims: self.dims,
             cu_seqlens: self.cu_seqlens.clone(),
             cos: self.cos.clone(),
             sin: self.sin.clone(),
@@ -202,9 +211,7 @@ impl LayerOp {
         all.extend([Some(&self.cos), Some(&self.sin)]);
         all
     }
-}
 
-impl LayerOp {
     /// Splits [`LayerOp::operands`]' data into the weights and the packed row.
     fn split<'a>(&'a self, data: &[Option<&'a [f32]>]) -> (Weights<'a>, Packed<'a>) {
         let weights = Weights(std::array::from_fn(|i| data[i]));
