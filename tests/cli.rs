@@ -130,6 +130,7 @@ fn run_writes_metrics_summary_and_config() {
             "timing_s/step",
             "actor/lr",
             "perf/gen_tokens_per_s",
+            "rollout/all_equal",
         ] {
             assert!(line[key].is_number(), "{key} missing in {line}");
         }

@@ -10,7 +10,7 @@ use dppo_trainer::learner::{Learner, LearnerConfig};
 use dppo_trainer::loss::LossAgg;
 use dppo_trainer::prune::{
     select_completions, Algorithm, CandidateRule, CompletionScope, Kept, LevelConfig,
-    PromptHistory, PruneMode,
+    PromptHistory, PromptPredictor, PruneMode,
 };
 use dppo_trainer::train_batch::{build_train_batch, TrainBatch};
 use dppo_trainer::{compute_advantages, Group, Sample, ScaleRewards};
@@ -152,7 +152,12 @@ fn zero_rates_are_grpo_bit_for_bit() {
     let mut history = PromptHistory::new(0.5);
     history.update(&groups, 0);
     let zero = LevelConfig::off();
-    let w_q = history.select(&(0..6).collect::<Vec<_>>(), &zero, &mut rng);
+    let w_q = history.select(
+        &(0..6).collect::<Vec<_>>(),
+        &zero,
+        PromptPredictor::SignalEma,
+        &mut rng,
+    );
     assert!(w_q.iter().all(|w| *w == Some(1.0)));
     let dppo = select_completions(
         &groups,
@@ -213,7 +218,7 @@ fn draw(
     rng: &mut StdRng,
 ) -> Vec<Kept> {
     let ids: Vec<u64> = groups.iter().map(|g| g.prompt_id).collect();
-    let w_q = history.select(&ids, level_q, rng);
+    let w_q = history.select(&ids, level_q, PromptPredictor::SignalEma, rng);
     let rolled: Vec<usize> = (0..groups.len()).filter(|&j| w_q[j].is_some()).collect();
     let subset: Vec<Group> = rolled
         .iter()

@@ -9,7 +9,9 @@ use serde::{Deserialize, Serialize};
 use crate::advantages::ScaleRewards;
 use crate::loss::{LossAgg, RatioLevel};
 use crate::metrics_log::Logger;
-use crate::prune::{Algorithm, CandidateRule, CompletionScope, LevelConfig, PruneMode};
+use crate::prune::{
+    Algorithm, CandidateRule, CompletionScope, LevelConfig, PromptPredictor, PruneMode,
+};
 use crate::rewards::RewardConfig;
 
 /// The configuration compiled into the binary (`dppo run` with no arguments).
@@ -261,6 +263,11 @@ pub struct DppoConfig {
     /// `poisson` (unbiased, random count) or `deterministic` (biased ablation, weight 1).
     #[serde(default)]
     pub mode: PruneMode,
+    /// How prompt histories score prompts: `signal_ema` (default; the EMA of |A|, candidates
+    /// by `candidates`) or `difficulty` (the chance of signal now, given the prompt's
+    /// difficulty and the policy's progress since its visit; candidates below half the mean).
+    #[serde(default)]
+    pub prompt_predictor: PromptPredictor,
 }
 
 /// `dppo.candidates` (docs/algorithm.md §2).

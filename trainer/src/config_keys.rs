@@ -80,6 +80,7 @@ pub const KEYS: &[KeyDoc] = &[
     key("dppo.allocation", "over-draw prompts so the rollout batch stays full despite prompt pruning", "true | false", None),
     key("dppo.candidates", "which items may be dropped, at both levels", "below_mean | lowest_fraction", None),
     key("dppo.candidate_frac", "the lowest fraction that lowest_fraction makes candidates", "float in (0, 1]", None),
+    key("dppo.prompt_predictor", "how prompt histories score prompts: EMA of |advantage|, or the chance of signal now from the prompt's difficulty and the policy's progress since its visit (candidates: below half the mean)", "signal_ema | difficulty", None),
     key("dppo.mode", "how candidates are dropped: exactly unbiased fixed count, unbiased random count, or biased", "fixed_count | poisson | deterministic", None),
     key("pack.tokens", "tokens per packed training buffer", "integer >= the longest prompt + max_response_len", Some("verl actor.ppo_max_token_len_per_gpu")),
     key("pack.window", "sequences per first-fit-decreasing packing window", "integer > 0", None),

@@ -14,6 +14,8 @@ pub enum CandidateRule {
     BelowMean,
     /// The lowest `fraction` of the scope by score (ties by position).
     LowestFraction { fraction: f64 },
+    /// Items whose score is below `fraction` of the scope's mean score.
+    BelowMeanFraction { fraction: f64 },
 }
 
 /// How candidates are dropped (`mode`).
@@ -94,6 +96,12 @@ pub fn candidates(scores: &[f64], rule: CandidateRule) -> Vec<usize> {
             order.sort_unstable();
             order
         }
+        CandidateRule::BelowMeanFraction { fraction } => {
+            let mean = scores.iter().sum::<f64>() / scores.len() as f64;
+            (0..scores.len())
+                .filter(|&i| scores[i] < fraction * mean)
+                .collect()
+        }
     }
 }
 
@@ -118,6 +126,9 @@ mod tests {
         );
         let lowest = CandidateRule::LowestFraction { fraction: 0.25 };
         assert_eq!(candidates(&SCORES, lowest), vec![0, 5]);
+        // Below half the mean: 0.340625.
+        let below_half = CandidateRule::BelowMeanFraction { fraction: 0.5 };
+        assert_eq!(candidates(&SCORES, below_half), vec![0, 2, 4, 5]);
     }
 
     #[test]

@@ -61,6 +61,16 @@ impl StepReport<'_> {
             "acc/mean",
             json!(self.num_correct as f64 / rewards.len().max(1) as f64),
         );
+        // Groups whose rewards were all equal carry no signal: what prompt pruning aims at.
+        let all_equal = self
+            .groups
+            .iter()
+            .filter(|g| g.samples.windows(2).all(|w| w[0].reward == w[1].reward))
+            .count();
+        put(
+            "rollout/all_equal",
+            json!(all_equal as f64 / self.groups.len().max(1) as f64),
+        );
         for (rule, count) in &self.extracted_by {
             put(&format!("reward/extracted_by/{rule}"), json!(count));
         }
@@ -97,5 +107,41 @@ impl StepReport<'_> {
             line.insert(k, json!(v));
         }
         line
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rollout::test_group;
+
+    #[test]
+    fn all_equal_counts_the_groups_whose_rewards_all_match() {
+        let groups = [
+            test_group(0, &[1.0, 1.0, 1.0]),
+            test_group(1, &[0.0, 0.0, 0.0]),
+            test_group(2, &[0.0, 1.0, 0.0]),
+            test_group(3, &[0.5, 0.5, 0.25]),
+        ];
+        let line = StepReport {
+            step: 1,
+            policy_version: 1,
+            staleness: 0,
+            groups: &groups,
+            num_drawn: 5,
+            num_trained: 5,
+            samples_per_prompt: 3,
+            num_correct: 4,
+            extracted_by: BTreeMap::new(),
+            gen_tokens: 12,
+            gen_busy_s: 0.0,
+            learner: &StepMetrics::default(),
+            num_nonfinite_steps: 0,
+            grad_rel_mse: None,
+            timings: BTreeMap::new(),
+        }
+        .into_line();
+        assert_eq!(line["rollout/all_equal"], json!(0.5));
+        assert_eq!(line["prune/prompts_kept"], json!(0.8));
     }
 }

@@ -186,9 +186,12 @@ impl Trainer {
         let problems = self.order.next(count);
         let ids: Vec<u64> = problems.iter().map(|&i| self.train[i].prompt_id).collect();
         let w_q = match self.cfg.algorithm {
-            Algorithm::Dppo => self
-                .history
-                .select(&ids, &level, &mut self.step_rng(step, 1)),
+            Algorithm::Dppo => self.history.select(
+                &ids,
+                &level,
+                self.cfg.dppo.prompt_predictor,
+                &mut self.step_rng(step, 1),
+            ),
             _ => vec![Some(1.0); ids.len()],
         };
         Drawn { problems, w_q }

@@ -113,6 +113,10 @@ fn allocation_decides_whether_prompt_pruning_refills_the_batch() {
                 last_step: 0,
                 visits: 1,
                 zero_var_streak: u64::from(p.prompt_id % 2 == 0),
+                right: 0.0,
+                samples: 0,
+                ability_sum: 0.0,
+                group_size: 0,
             };
             trainer.history.entries.insert(p.prompt_id, stats);
         }
