@@ -5,7 +5,7 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use dppo_trainer::pack::pack;
 use dppo_trainer::prune::{
     select_completions, Algorithm, CandidateRule, CompletionScope, LevelConfig, PromptHistory,
-    PruneMode,
+    PromptPredictor, PruneMode,
 };
 use dppo_trainer::{compute_advantages, Group, Sample, ScaleRewards};
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -45,9 +45,14 @@ fn prune_and_pack(c: &mut Criterion) {
     history.update(&groups, 0);
     let ids: Vec<u64> = (0..512).collect();
     let mut rng = StdRng::seed_from_u64(1);
-    c.bench_function("prune_prompts_512", |b| {
-        b.iter(|| history.select(&ids, &level, &mut rng))
-    });
+    for (name, predictor) in [
+        ("prune_prompts_512", PromptPredictor::SignalEma),
+        ("prune_prompts_512_difficulty", PromptPredictor::Difficulty),
+    ] {
+        c.bench_function(name, |b| {
+            b.iter(|| history.select(&ids, &level, predictor, &mut rng))
+        });
+    }
     c.bench_function("prune_completions_4096", |b| {
         b.iter(|| {
             select_completions(
