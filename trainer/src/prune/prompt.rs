@@ -58,7 +58,8 @@ impl PromptStats {
     /// How much harder than the batch's average prompt this one is: the policy's mean
     /// ability over the visits minus the logit of the pooled pass rate, smoothed by half a
     /// success (Jeffreys) so that all right or all wrong stay finite and say more the more
-    /// samples back them (see [`PromptHistory::ability`]).
+    /// samples back them (see [`PromptHistory::ability`]). NaN before any sample is
+    /// recorded (`samples == 0`), which [`PromptHistory::predicted_signal`] checks.
     pub fn difficulty(&self) -> f64 {
         let n = self.samples as f64;
         self.ability_sum / n - logit((self.right + 0.5) / (n + 1.0))
