@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 pub use completion::{cppo_completions, prune_completions, CompletionScope};
 pub use design::{candidates, max_weight, prune_scope, CandidateRule, Inclusion, PruneMode};
 pub use greso::Greso;
-pub use prompt::{signal_probability, PromptHistory, PromptPredictor, PromptStats};
+pub use prompt::{PromptHistory, PromptPredictor, PromptStats};
 
 /// The algorithm a run trains with (`algorithm`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -93,7 +93,7 @@ fn logit(p: f64) -> f64 {
 
 /// The chance that `n` samples, each right with probability `p`, are neither all right nor
 /// all wrong.
-pub fn signal_probability(p: f64, n: u64) -> f64 {
+fn signal_probability(p: f64, n: u64) -> f64 {
     let n = n as i32;
     1.0 - p.powi(n) - (1.0 - p).powi(n)
 }
@@ -116,6 +116,7 @@ impl PromptHistory {
 
     /// Records the groups rolled out at `step`.
     pub fn update(&mut self, groups: &[Group], step: u64) {
+        let decay = self.decay;
         let total_w: f64 = groups.iter().map(|g| g.w_q).sum();
         if total_w > 0.0 {
             // Horvitz-Thompson: the rolled-out prompts, each standing for 1/pi drawn ones.
@@ -124,7 +125,6 @@ impl PromptHistory {
                 .map(|g| g.w_q * group_pass_rate(g))
                 .sum::<f64>()
                 / total_w;
-            let decay = self.decay;
             self.pass_rate = Some(
                 self.pass_rate
                     .map_or(batch, |p| decay * p + (1.0 - decay) * batch),
@@ -136,7 +136,6 @@ impl PromptHistory {
             let zero_var = g.advantages.iter().all(|&a| a == 0.0);
             let n = g.samples.len() as u64;
             let right = group_pass_rate(g) * n as f64;
-            let decay = self.decay;
             let s = self.entries.entry(g.prompt_id).or_insert(PromptStats {
                 score: signal,
                 last_step: step,
