@@ -41,6 +41,11 @@ impl Group {
         self.samples.iter().map(|s| s.completion_ids.len()).sum()
     }
 
+    /// Mean reward over the group's samples (0 for an empty group).
+    pub fn mean_reward(&self) -> f64 {
+        self.samples.iter().map(|s| s.reward).sum::<f64>() / self.samples.len().max(1) as f64
+    }
+
     /// Mean of |A| over the group: the prompt's signal (0 when all rewards are equal).
     pub fn mean_abs_advantage(&self) -> f64 {
         if self.advantages.is_empty() {

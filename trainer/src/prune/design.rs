@@ -85,10 +85,7 @@ pub fn candidates(scores: &[f64], rule: CandidateRule) -> Vec<usize> {
         return Vec::new();
     }
     match rule {
-        CandidateRule::BelowMean => {
-            let mean = scores.iter().sum::<f64>() / scores.len() as f64;
-            (0..scores.len()).filter(|&i| scores[i] < mean).collect()
-        }
+        CandidateRule::BelowMean => below_mean_fraction(scores, 1.0),
         CandidateRule::LowestFraction { fraction } => {
             let mut order: Vec<usize> = (0..scores.len()).collect();
             order.sort_by(|&a, &b| scores[a].total_cmp(&scores[b]).then(a.cmp(&b)));
@@ -96,13 +93,16 @@ pub fn candidates(scores: &[f64], rule: CandidateRule) -> Vec<usize> {
             order.sort_unstable();
             order
         }
-        CandidateRule::BelowMeanFraction { fraction } => {
-            let mean = scores.iter().sum::<f64>() / scores.len() as f64;
-            (0..scores.len())
-                .filter(|&i| scores[i] < fraction * mean)
-                .collect()
-        }
+        CandidateRule::BelowMeanFraction { fraction } => below_mean_fraction(scores, fraction),
     }
+}
+
+/// Indices of the scores below `fraction` of their mean (`scores` not empty).
+fn below_mean_fraction(scores: &[f64], fraction: f64) -> Vec<usize> {
+    let mean = scores.iter().sum::<f64>() / scores.len() as f64;
+    (0..scores.len())
+        .filter(|&i| scores[i] < fraction * mean)
+        .collect()
 }
 
 /// The largest weight a kept item can get at `rate` (all modes): `1 / (1 - rate)`.

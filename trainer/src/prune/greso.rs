@@ -72,8 +72,7 @@ impl Greso {
         let mut easy = 0usize;
         let mut hard = 0usize;
         for g in groups {
-            let mean =
-                g.samples.iter().map(|s| s.reward).sum::<f64>() / g.samples.len().max(1) as f64;
+            let mean = g.mean_reward();
             easy += usize::from(mean >= EASY);
             hard += usize::from(mean <= HARD);
             let h = self.visits.entry(g.prompt_id).or_default();

@@ -83,8 +83,7 @@ pub struct PromptHistory {
 /// The success rate of a group: its mean reward, read as a pass rate in [0, 1] (verifiable
 /// rewards: 1 right, 0 wrong).
 fn group_pass_rate(g: &Group) -> f64 {
-    let n = g.samples.len().max(1) as f64;
-    (g.samples.iter().map(|s| s.reward).sum::<f64>() / n).clamp(0.0, 1.0)
+    g.mean_reward().clamp(0.0, 1.0)
 }
 
 fn logit(p: f64) -> f64 {
