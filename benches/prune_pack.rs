@@ -4,8 +4,8 @@
 use criterion::{criterion_group, criterion_main, Criterion};
 use dppo_trainer::pack::pack;
 use dppo_trainer::prune::{
-    select_completions, Algorithm, CandidateRule, CompletionScope, LevelConfig, PromptHistory,
-    PromptPredictor, PruneMode,
+    prune_completions, CandidateRule, CompletionScope, LevelConfig, PromptHistory, PromptPredictor,
+    PruneMode,
 };
 use dppo_trainer::{compute_advantages, Group, Sample, ScaleRewards};
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -54,16 +54,7 @@ fn prune_and_pack(c: &mut Criterion) {
         });
     }
     c.bench_function("prune_completions_4096", |b| {
-        b.iter(|| {
-            select_completions(
-                &groups,
-                Algorithm::Dppo,
-                &level,
-                CompletionScope::Group,
-                0.0,
-                &mut rng,
-            )
-        })
+        b.iter(|| prune_completions(&groups, &level, CompletionScope::Group, 0.0, &mut rng))
     });
     let lengths: Vec<usize> = groups
         .iter()

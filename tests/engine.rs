@@ -366,12 +366,43 @@ fn outputs_carry_the_policy_version_and_swaps_apply_between_iterations() {
             .iter()
             .flatten()
             .all(|c| c.policy_version == 0 && c.last_policy_version == 0));
-        engine.swap_weights(&other.weights, 1).unwrap();
+        assert_eq!(engine.publish(&other.weights).unwrap(), 1);
+        assert_eq!(engine.policy_version(), 1);
         let after = engine.generate(reqs.clone()).unwrap();
         assert!(after.iter().flatten().all(|c| c.policy_version == 1));
         // After the swap the engine generates with the new weights.
         assert_matches_reference(&after, &want, &format!("{mode:?}"));
     }
+}
+
+#[test]
+fn a_publication_waits_for_the_pinned_requests_to_finish() {
+    let policy = policy();
+    let other = random_policy(&policy.config, 99);
+    let engine = Engine::new(&policy, config(16, 2048, AttentionMode::Auto), Device::Cpu).unwrap();
+    let pinned: Vec<GenerateRequest> = workload(2, 2, policy.config.vocab_size)
+        .into_iter()
+        .map(|r| GenerateRequest {
+            max_tokens: 40,
+            ignore_eos: true,
+            pin_policy_version: true,
+            ..r
+        })
+        .collect();
+    let handles = engine.submit_all(pinned).unwrap();
+    // Published while the pinned requests run (the submission is queued first).
+    assert_eq!(engine.publish(&other.weights).unwrap(), 1);
+    for handle in handles {
+        for c in handle.wait() {
+            assert_eq!((c.policy_version, c.last_policy_version), (0, 0));
+            assert_eq!(c.token_ids.len(), 40);
+        }
+    }
+    let after = engine
+        .generate(workload(1, 1, policy.config.vocab_size))
+        .unwrap();
+    assert!(after.iter().flatten().all(|c| c.policy_version == 1));
+    assert_eq!(engine.stats().policy_version, 1);
 }
 
 #[test]

@@ -33,6 +33,8 @@ mod device;
 mod plan;
 // The learner: GRPO equivalence, unbiasedness, packing, progress.
 mod trainer;
+// Checkpoints of earlier versions resume bit for bit.
+mod resume;
 // Data parallelism on CPU ranks: W ranks train as one; the --devices launcher.
 mod ranks;
 // The shipped configs.

@@ -9,8 +9,9 @@ use dppo_model::{Arch, CausalAttention, CausalLm};
 use dppo_trainer::learner::{Learner, LearnerConfig};
 use dppo_trainer::loss::LossAgg;
 use dppo_trainer::prune::{
-    select_completions, Algorithm, CandidateRule, CompletionScope, Kept, LevelConfig,
-    PromptHistory, PromptPredictor, PruneMode,
+    cppo_completions, full_batch_normalisers, prune_completions, Algorithm, BatchShape,
+    CandidateRule, CompletionScope, Cppo, Kept, LevelConfig, PromptHistory, PromptPredictor,
+    PruneMode, PruningAlgorithm,
 };
 use dppo_trainer::train_batch::{build_train_batch, TrainBatch};
 use dppo_trainer::{compute_advantages, Group, Sample, ScaleRewards};
@@ -129,9 +130,8 @@ fn project(grads: &BTreeMap<String, Tensor>, dirs: &[BTreeMap<String, Tensor>]) 
 
 pub(crate) fn all_kept(groups: &[Group]) -> Vec<Kept> {
     let mut rng = StdRng::seed_from_u64(0);
-    select_completions(
+    prune_completions(
         groups,
-        Algorithm::Grpo,
         &LevelConfig::off(),
         CompletionScope::Group,
         0.0,
@@ -139,8 +139,22 @@ pub(crate) fn all_kept(groups: &[Group]) -> Vec<Kept> {
     )
 }
 
+/// The train batch of `kept` with `algorithm`'s normalisers, every prompt of `groups` drawn.
 pub(crate) fn train_batch(groups: &[Group], kept: &[Kept], algorithm: Algorithm) -> TrainBatch {
-    build_train_batch(groups, kept, groups.len(), G, MAX_LEN, algorithm)
+    let shape = BatchShape {
+        prompts_per_step: groups.len(),
+        group_size: G,
+        max_len: MAX_LEN,
+        beta: 0.0,
+        scope: CompletionScope::Group,
+    };
+    let norm = match algorithm {
+        Algorithm::Cppo => Cppo::new(shape, 0.0).normalisers(groups, kept, groups.len()),
+        Algorithm::Grpo | Algorithm::Dppo | Algorithm::Greso => {
+            full_batch_normalisers(groups, groups.len(), &shape)
+        }
+    };
+    build_train_batch(groups, kept, norm)
 }
 
 #[test]
@@ -159,14 +173,7 @@ fn zero_rates_are_grpo_bit_for_bit() {
         &mut rng,
     );
     assert!(w_q.iter().all(|w| *w == Some(1.0)));
-    let dppo = select_completions(
-        &groups,
-        Algorithm::Dppo,
-        &zero,
-        CompletionScope::Group,
-        0.0,
-        &mut rng,
-    );
+    let dppo = prune_completions(&groups, &zero, CompletionScope::Group, 0.0, &mut rng);
     assert_eq!(dppo, grpo);
     assert!(dppo.iter().all(|k| k.weight == 1.0));
     let (g1, m1) = learner
@@ -227,7 +234,7 @@ fn draw(
             ..groups[j].clone()
         })
         .collect();
-    let kept = select_completions(&subset, Algorithm::Dppo, level_o, scope, 0.0, rng);
+    let kept = prune_completions(&subset, level_o, scope, 0.0, rng);
     let bound = 1.0 / ((1.0 - level_q.rate) * (1.0 - level_o.rate));
     kept.into_iter()
         .map(|k| {
@@ -393,14 +400,7 @@ fn pruned_gradients_are_unbiased_and_the_test_detects_bias() {
             !is_unbiased(&stats, &full),
             "{agg:?}: deterministic pruning should look biased"
         );
-        let cppo = select_completions(
-            &groups,
-            Algorithm::Cppo,
-            &level(0.5, below, fixed),
-            CompletionScope::Batch,
-            0.0,
-            &mut rng,
-        );
+        let cppo = cppo_completions(&groups, 0.5, 0.0);
         let cppo_grad = project(
             &learner
                 .gradients(&train_batch(&groups, &cppo, Algorithm::Cppo))

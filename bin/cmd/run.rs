@@ -269,7 +269,7 @@ fn train(
         "eval_before": eval_before,
         "eval_after": eval_after,
         "wall_s": started.elapsed().as_secs_f64(),
-        "policy_version": trainer.policy_version,
+        "policy_version": trainer.policy_version(),
         "ranks": world,
     });
     write_atomic(

@@ -1,6 +1,7 @@
 //! The [`Engine`] handle: a worker thread owns the scheduler and the runner; callers on
-//! any thread submit requests over a channel and receive streamed [`Event`]s. Weight swaps
-//! take effect between two iterations, never inside one.
+//! any thread submit requests over a channel and receive streamed [`Event`]s. Published
+//! weights take effect between two iterations, never inside one, and never while a request
+//! pinned to one policy version runs.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,6 +20,7 @@ use rayon::prelude::*;
 use crate::kv_pool::KvPool;
 use crate::paged_attn::CacheShape;
 use crate::plan::Plan;
+use crate::publish::Publication;
 use crate::request::{find_stop, Completion, Event, GenerateRequest};
 use crate::runner::{AttentionMode, Runner};
 use crate::sampler::{sample, Sampled, SamplingParams, SeqRng};
@@ -84,6 +86,8 @@ pub struct EngineStats {
     /// Nanoseconds spent in iterations (schedule, forward, sampling), each counted before
     /// its tokens are streamed: a caller holding its last token sees its time included.
     pub busy_ns: u64,
+    /// The policy version the worker generates with (behind [`Engine::policy_version`]
+    /// while a publication waits for pinned requests to finish).
     pub policy_version: u64,
     /// Sequences waiting for admission (the queue depth).
     pub num_waiting: usize,
@@ -181,8 +185,8 @@ pub struct Engine {
     limits: Limits,
     stats: Arc<Mutex<EngineStats>>,
     config: dppo_model::ModelConfig,
-    /// Dtype of the engine's weights and KV cache.
-    dtype: DType,
+    /// Published weights and the policy version counter.
+    publication: Publication,
 }
 
 /// What a request is checked against before it is queued.
@@ -197,7 +201,8 @@ impl Engine {
     /// Starts the worker thread for `policy` on `device`.
     pub fn new(policy: &Policy, cfg: EngineConfig, device: Device) -> Result<Self, EngineError> {
         let dtype = cfg.dtype.unwrap_or_else(|| default_dtype(&device));
-        let model = CausalLm::new(&policy.config, &policy.weights.to_dtype(dtype)?)?;
+        let (publication, weights) = Publication::new(&policy.weights, device.clone(), dtype)?;
+        let model = CausalLm::new(&policy.config, &weights)?;
         let mc = &policy.config;
         let shape = CacheShape {
             num_layers: mc.num_hidden_layers,
@@ -230,6 +235,7 @@ impl Engine {
             requests: HashMap::new(),
             stats: stats.clone(),
             policy_version: 0,
+            held: None,
             stopping: false,
         };
         let handle = std::thread::Builder::new()
@@ -249,7 +255,7 @@ impl Engine {
             },
             stats,
             config: mc.clone(),
-            dtype,
+            publication,
         })
     }
 
@@ -300,14 +306,39 @@ impl Engine {
         Ok(handles.into_iter().map(RequestHandle::wait).collect())
     }
 
-    /// Publishes new weights as `version` (cast to the engine's dtype unless they are in it
-    /// already); running sequences continue with them from the next iteration on.
-    pub fn swap_weights(&self, weights: &Weights, version: u64) -> Result<(), EngineError> {
-        let model = Box::new(CausalLm::new(&self.config, &weights.to_dtype(self.dtype)?)?);
+    /// Publishes `weights` as the next policy version and returns it (cast to the engine's
+    /// device and dtype unless they are in them already; zero-copy when they are, so the
+    /// caller must not write them while the engine generates). Running sequences continue
+    /// with them from the next iteration on, once no pinned request is running.
+    pub fn publish(&self, weights: &Weights) -> Result<u64, EngineError> {
+        self.publish_as(weights, None)
+    }
+
+    /// Publishes `weights` as policy `version` (resuming a run from a checkpoint).
+    pub fn restore_version(&self, weights: &Weights, version: u64) -> Result<(), EngineError> {
+        self.publish_as(weights, Some(version)).map(|_| ())
+    }
+
+    fn publish_as(&self, weights: &Weights, version: Option<u64>) -> Result<u64, EngineError> {
+        let applied = self.stats.lock().policy_version;
+        let (version, weights) = self.publication.publish(weights, version, applied)?;
+        let model = Box::new(CausalLm::new(&self.config, &weights)?);
         self.commands
             .lock()
             .send(Command::Swap { model, version })
-            .map_err(|_| EngineError::Closed)
+            .map_err(|_| EngineError::Closed)?;
+        Ok(version)
+    }
+
+    /// The newest published policy version: what requests submitted now are generated with.
+    pub fn policy_version(&self) -> u64 {
+        self.publication.version()
+    }
+
+    /// The engine's copy of the newest published weights (the publisher's own tensors when
+    /// the publication was zero-copy).
+    pub fn published_weights(&self) -> Weights {
+        self.publication.weights()
     }
 
     /// A snapshot of the worker's counters.
@@ -404,6 +435,8 @@ struct Worker {
     requests: HashMap<RequestId, RequestState>,
     stats: Arc<Mutex<EngineStats>>,
     policy_version: u64,
+    /// A published model waiting for the pinned requests to finish.
+    held: Option<(Box<CausalLm>, u64)>,
     /// Set by `Command::Shutdown`: return once no work is left.
     stopping: bool,
 }
@@ -430,6 +463,7 @@ impl Worker {
                     tracing::error!("engine iteration failed: {e}");
                     self.fail_all();
                 }
+                self.apply_held();
             }
             self.publish_occupancy();
         }
@@ -448,17 +482,31 @@ impl Worker {
     fn apply(&mut self, cmd: Command) {
         match cmd {
             Command::Submit(batch) => {
+                // New requests start with the newest weights the pinned ones allow.
+                self.apply_held();
                 for s in batch {
                     self.admit(s.request_id, s.req, s.events);
                 }
             }
             Command::Cancel(request_id) => self.cancel(request_id),
             Command::Swap { model, version } => {
-                self.runner.set_model(*model);
-                self.policy_version = version;
-                self.stats.lock().policy_version = version;
+                self.held = Some((model, version));
+                self.apply_held();
             }
             Command::Shutdown => self.stopping = true,
+        }
+    }
+
+    /// Swaps in the held model unless a pinned request is running: every token of a pinned
+    /// request comes from one policy version (a step's rollout).
+    fn apply_held(&mut self) {
+        if self.requests.values().any(|r| r.req.pin_policy_version) {
+            return;
+        }
+        if let Some((model, version)) = self.held.take() {
+            self.runner.set_model(*model);
+            self.policy_version = version;
+            self.stats.lock().policy_version = version;
         }
     }
 

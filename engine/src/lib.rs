@@ -9,6 +9,7 @@ pub mod kv_pool;
 pub mod naive;
 pub mod paged_attn;
 pub mod plan;
+mod publish;
 pub mod request;
 pub mod runner;
 pub mod sampler;

@@ -16,6 +16,9 @@ pub struct GenerateRequest {
     /// Keep generating past EOS tokens (benchmarks with a fixed token count).
     pub ignore_eos: bool,
     pub priority: Priority,
+    /// Every token from one policy version: weights published while it runs wait until
+    /// it finishes (a training step's rollout).
+    pub pin_policy_version: bool,
 }
 
 impl GenerateRequest {
@@ -29,6 +32,7 @@ impl GenerateRequest {
             stop: Vec::new(),
             ignore_eos: false,
             priority: Priority::Normal,
+            pin_policy_version: false,
         }
     }
 }

@@ -1,57 +1,29 @@
-//! Checkpoints: the policy as an HF directory, the optimizer moments, and the trainer's
-//! state (step, policy version, data position, prompt history, GRESO state, and a rollout
-//! made ahead of its step when one step off-policy), written to a
-//! temporary directory and renamed into place; the last `keep` are kept.
+//! Checkpoints on disk: the policy as an HF directory, the optimizer moments, the KL
+//! reference, the trainer's state as JSON (each part of the trainer writes its own share of
+//! it) and the effective config, written to a temporary directory and renamed into place;
+//! the last `keep` are kept.
 //!
 //! A manifest of every file's size and CRC-32 is written last: a checkpoint without one
 //! is incomplete, and one whose files disagree with it is corrupt. [`verify`] names the
 //! bad file; [`latest`] picks the newest checkpoint that verifies.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 use dppo_model::weights::{save_safetensors_atomic, write_atomic};
-use dppo_model::Policy;
+use dppo_model::{Policy, Weights};
 use serde::{Deserialize, Serialize};
 
-use crate::prune::{Greso, PromptHistory};
-use crate::step::{Pending, StepRollout, Trainer};
 use crate::TrainError;
-
-/// Everything but tensors.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct TrainerState {
-    pub step: u64,
-    pub policy_version: u64,
-    pub drawn: u64,
-    pub optimizer_step: u64,
-    pub history: PromptHistory,
-    pub greso: Greso,
-    /// Held-out accuracy before RL, so a resumed run reports the same summary.
-    pub eval_before: Option<f64>,
-    /// The next step's rollout, generated ahead of it (`rollout.one_step_off_policy`).
-    #[serde(default)]
-    pub pending: Option<StepRollout>,
-    /// Steps skipped so far for a non-finite loss or gradient (`train/nonfinite_steps`).
-    #[serde(default)]
-    pub num_nonfinite_steps: u64,
-    /// Ranks of the run that wrote it (1 before data parallelism). A run resumed with as
-    /// many continues bit for bit; with another number it continues from the same state,
-    /// its gradients summed in another order.
-    #[serde(default = "one")]
-    pub world_size: usize,
-}
-
-fn one() -> usize {
-    1
-}
 
 const STATE: &str = "state.json";
 /// Every other file's size and CRC-32; written last.
 pub const MANIFEST: &str = "manifest.json";
-const OPTIMIZER: &str = "optimizer.safetensors";
-const REFERENCE: &str = "reference.safetensors";
+/// The optimizer's moments (`m/<param>`, `v/<param>`).
+pub const OPTIMIZER: &str = "optimizer.safetensors";
+/// The KL reference's weights, when the KL term is on.
+pub const REFERENCE: &str = "reference.safetensors";
 /// The policy's HF directory inside a checkpoint.
 pub const MODEL_DIR: &str = "model";
 /// The effective config inside a checkpoint.
@@ -61,176 +33,79 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
     move |e| TrainError::Config(format!("{}: {e}", path.display()))
 }
 
-impl Trainer {
-    /// Writes `root/step-NNNNNN` atomically and deletes all but the newest `keep`. Waits
-    /// for a rollout in flight first, so that it is saved with the step it belongs to.
-    ///
-    /// With several ranks every rank calls it: they check that their weights agree, rank 0
-    /// gathers the rollout waiting for the next step (each rank holds its share) and writes
-    /// the checkpoint, and all return once it is written.
-    pub fn save_checkpoint(
-        &mut self,
-        root: &Path,
-        keep: usize,
-        eval_before: Option<f64>,
-    ) -> Result<PathBuf, TrainError> {
-        self.settle()?;
-        let dir = root.join(format!("step-{:06}", self.step));
-        let (rank, world) = self.rank();
-        if world > 1 {
-            self.check_replicas()?;
-            let pending = match &self.pending {
-                Some(Pending::Done(rollout)) => Some(rollout),
-                Some(Pending::InFlight(_)) => unreachable!("settled"),
-                None => None,
-            };
-            let whole = self.gather_rollout(pending)?;
-            let written = match rank {
-                0 => self.write_checkpoint(root, &dir, keep, eval_before, whole.as_ref()),
-                _ => Ok(()),
-            };
-            // Rank 0's outcome, so that no rank goes on past a checkpoint that failed.
-            let failed = self.any_rank(written.is_err())?;
-            written?;
-            if failed {
-                return Err(TrainError::Checkpoint {
-                    dir: dir.display().to_string(),
-                    reason: "rank 0 could not write it (its output says why)".into(),
-                });
-            }
-            return Ok(dir);
-        }
-        let pending = match &self.pending {
-            Some(Pending::Done(rollout)) => Some(rollout.clone()),
-            Some(Pending::InFlight(_)) => unreachable!("settled above"),
-            None => None,
-        };
-        self.write_checkpoint(root, &dir, keep, eval_before, pending.as_ref())?;
-        Ok(dir)
-    }
+/// Everything one checkpoint holds.
+pub struct Contents<'a> {
+    /// RL steps done: the directory is `step-NNNNNN`.
+    pub step: u64,
+    pub policy: &'a Policy,
+    /// The optimizer's tensors by their names in [`OPTIMIZER`].
+    pub optimizer: BTreeMap<String, Tensor>,
+    pub reference: Option<&'a Weights>,
+    /// The trainer's state, serialised.
+    pub state: String,
+    /// The effective config as TOML.
+    pub config: String,
+}
 
-    /// Writes checkpoint `dir` under `root` with `pending`, the whole step's rollout waiting
-    /// for the next step.
-    fn write_checkpoint(
-        &self,
-        root: &Path,
-        dir: &Path,
-        keep: usize,
-        eval_before: Option<f64>,
-        pending: Option<&StepRollout>,
-    ) -> Result<(), TrainError> {
-        std::fs::create_dir_all(root).map_err(io(root))?;
-        if verify(dir).is_ok() {
-            // This step is saved already (e.g. a resumed run stopped before its next step).
-            return Ok(());
-        }
-        let tmp = root.join(format!(".step-{:06}.tmp", self.step));
-        let _ = std::fs::remove_dir_all(&tmp);
-        std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
-        let policy = Policy::new(
-            self.learner.model.config().clone(),
-            self.learner.weights()?,
-            self.tokenizer().clone(),
-        )?;
-        policy.save_hf(&tmp.join(MODEL_DIR))?;
-        let mut moments = BTreeMap::new();
-        for (name, (m, v)) in &self.learner.optimizer.moments {
-            moments.insert(format!("m/{name}"), m.clone());
-            moments.insert(format!("v/{name}"), v.clone());
-        }
-        save_safetensors_atomic(&moments, &tmp.join(OPTIMIZER))?;
-        if let Some(reference) = &self.learner.reference {
-            save_safetensors_atomic(reference.weights.tensors(), &tmp.join(REFERENCE))?;
-        }
-        let state = TrainerState {
-            step: self.step,
-            policy_version: self.policy_version,
-            drawn: self.order.drawn,
-            optimizer_step: self.learner.optimizer.step,
-            history: self.history.clone(),
-            greso: self.greso.clone(),
-            eval_before,
-            pending: pending.cloned(),
-            num_nonfinite_steps: self.num_nonfinite_steps,
-            world_size: self.rank().1,
-        };
-        let json = serde_json::to_string(&state).map_err(|e| TrainError::Config(e.to_string()))?;
-        write_atomic(&tmp.join(STATE), json.as_bytes())?;
-        write_atomic(&tmp.join(CONFIG), self.cfg.to_toml().as_bytes())?;
-        write_manifest(&tmp)?;
-        let _ = std::fs::remove_dir_all(dir);
-        std::fs::rename(&tmp, dir).map_err(io(dir))?;
-        std::fs::File::open(root)
-            .and_then(|d| d.sync_all())
-            .map_err(io(root))?;
-        prune_old(root, keep)
-    }
+/// The directory of the checkpoint of `step` under `root`.
+pub fn step_dir(root: &Path, step: u64) -> PathBuf {
+    root.join(format!("step-{step:06}"))
+}
 
-    /// Restores the optimizer and the loop state from checkpoint `dir` (the weights came
-    /// with the policy the trainer was built from: `dir/model`).
-    pub fn restore(&mut self, dir: &Path) -> Result<TrainerState, TrainError> {
-        let path = dir.join(STATE);
-        let text = std::fs::read_to_string(&path).map_err(io(&path))?;
-        let state: TrainerState = serde_json::from_str(&text)
-            .map_err(|e| TrainError::Config(format!("{}: {e}", path.display())))?;
-        // Onto the learner's device, whichever device wrote the checkpoint.
-        let device = self.learner.model.device().clone();
-        let path = dir.join(OPTIMIZER);
-        let tensors = candle_core::safetensors::load(&path, &device)
-            .map_err(|e| TrainError::Config(format!("{}: {e}", path.display())))?;
-        let mut moments: BTreeMap<String, (Tensor, Tensor)> = BTreeMap::new();
-        for name in self.learner.vars.keys() {
-            if let (Some(m), Some(v)) = (
-                tensors.get(&format!("m/{name}")),
-                tensors.get(&format!("v/{name}")),
-            ) {
-                moments.insert(name.clone(), (m.clone(), v.clone()));
-            }
-        }
-        self.learner.optimizer.moments = moments;
-        let path = dir.join(REFERENCE);
-        if self.learner.reference.is_some() && path.exists() {
-            let tensors = candle_core::safetensors::load(&path, &device)
-                .map_err(|e| TrainError::Config(format!("{}: {e}", path.display())))?;
-            let weights = dppo_model::Weights::from_tensors(
-                self.learner.model.config(),
-                tensors.into_iter().collect(),
-                path.display().to_string(),
-            )?;
-            self.learner.set_reference(&weights)?;
-        }
-        self.learner.optimizer.step = state.optimizer_step;
-        self.step = state.step;
-        self.order.drawn = state.drawn;
-        self.history = state.history.clone();
-        self.greso = state.greso.clone();
-        self.num_nonfinite_steps = state.num_nonfinite_steps;
-        if let Some(rollout) = &state.pending {
-            if rollout.step != state.step {
-                return Err(TrainError::Config(format!(
-                    "{}: the saved rollout is for step {}, the checkpoint is at step {}",
-                    dir.join(STATE).display(),
-                    rollout.step,
-                    state.step
-                )));
-            }
-        }
-        let world = self.rank().1;
-        if state.world_size != world {
-            tracing::warn!(
-                "{} was written by {} rank(s), this run has {world}: it continues from the \
-                 same state, but not bit for bit as the original run would have",
-                dir.display(),
-                state.world_size
-            );
-        }
-        self.pending = state
-            .pending
-            .clone()
-            .map(|rollout| Pending::Done(self.share_of(rollout)));
-        self.resume_version(state.policy_version)?;
-        Ok(state)
+/// Writes `contents` as `root/step-NNNNNN` atomically (unless that checkpoint is saved
+/// already: a resumed run stopped before its next step) and deletes all but the newest
+/// `keep` (at least one).
+pub fn write(root: &Path, keep: usize, contents: &Contents<'_>) -> Result<PathBuf, TrainError> {
+    let dir = step_dir(root, contents.step);
+    std::fs::create_dir_all(root).map_err(io(root))?;
+    if verify(&dir).is_ok() {
+        return Ok(dir);
     }
+    let tmp = root.join(format!(".step-{:06}.tmp", contents.step));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
+    contents.policy.save_hf(&tmp.join(MODEL_DIR))?;
+    save_safetensors_atomic(&contents.optimizer, &tmp.join(OPTIMIZER))?;
+    if let Some(reference) = contents.reference {
+        save_safetensors_atomic(reference.tensors(), &tmp.join(REFERENCE))?;
+    }
+    write_atomic(&tmp.join(STATE), contents.state.as_bytes())?;
+    write_atomic(&tmp.join(CONFIG), contents.config.as_bytes())?;
+    write_manifest(&tmp)?;
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::rename(&tmp, &dir).map_err(io(&dir))?;
+    std::fs::File::open(root)
+        .and_then(|d| d.sync_all())
+        .map_err(io(root))?;
+    prune_old(root, keep)?;
+    Ok(dir)
+}
+
+/// The trainer's state saved in checkpoint `dir`, as JSON text.
+pub fn read_state(dir: &Path) -> Result<String, TrainError> {
+    let path = dir.join(STATE);
+    std::fs::read_to_string(&path).map_err(io(&path))
+}
+
+/// The path of the trainer's state in checkpoint `dir` (for error messages).
+pub fn state_path(dir: &Path) -> PathBuf {
+    dir.join(STATE)
+}
+
+/// The tensors of `file` ([`OPTIMIZER`] or [`REFERENCE`]) in checkpoint `dir`, loaded onto
+/// `device`; `None` when the checkpoint has no such file.
+pub fn read_tensors(
+    dir: &Path,
+    file: &str,
+    device: &Device,
+) -> Result<Option<HashMap<String, Tensor>>, TrainError> {
+    let path = dir.join(file);
+    if !path.exists() {
+        return Ok(None);
+    }
+    candle_core::safetensors::load(&path, device)
+        .map(Some)
+        .map_err(|e| TrainError::Config(format!("{}: {e}", path.display())))
 }
 
 /// What [`MANIFEST`] records of one file.

@@ -106,6 +106,7 @@ pub fn evaluate(
         .map(|ids| GenerateRequest {
             sampling: spec.sampling.clone(),
             priority: Priority::High,
+            pin_policy_version: true,
             ..GenerateRequest::new(ids.clone(), spec.n, spec.max_tokens)
         })
         .collect();

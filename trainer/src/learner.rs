@@ -1,7 +1,7 @@
 //! The learner: trainable parameters, packed forward/backward of every buffer with the
 //! gradients accumulated into one AdamW step.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -231,6 +231,37 @@ impl Learner {
             )?);
         }
         Ok(())
+    }
+
+    /// The optimizer's moments by their checkpoint names (`m/<param>`, `v/<param>`).
+    pub fn optimizer_tensors(&self) -> BTreeMap<String, Tensor> {
+        let mut tensors = BTreeMap::new();
+        for (name, (m, v)) in &self.optimizer.moments {
+            tensors.insert(format!("m/{name}"), m.clone());
+            tensors.insert(format!("v/{name}"), v.clone());
+        }
+        tensors
+    }
+
+    /// Continues the optimizer from a checkpoint: the moments of [`Self::optimizer_tensors`]
+    /// (parameters without both are fresh) after `step` updates.
+    pub fn restore_optimizer(&mut self, tensors: &HashMap<String, Tensor>, step: u64) {
+        let mut moments = BTreeMap::new();
+        for name in self.vars.keys() {
+            if let (Some(m), Some(v)) = (
+                tensors.get(&format!("m/{name}")),
+                tensors.get(&format!("v/{name}")),
+            ) {
+                moments.insert(name.clone(), (m.clone(), v.clone()));
+            }
+        }
+        self.optimizer.moments = moments;
+        self.optimizer.step = step;
+    }
+
+    /// The KL reference's weights, when the KL term is on.
+    pub fn reference_weights(&self) -> Option<&Weights> {
+        self.reference.as_ref().map(|r| &r.weights)
     }
 
     /// The current weights (sharing the vars' storage: read them between steps only).

@@ -41,8 +41,6 @@ pub enum TrainError {
     Thread(String),
     #[error(transparent)]
     Engine(#[from] dppo_engine::EngineError),
-    #[error(transparent)]
-    Sync(#[from] dppo_sync::SyncError),
     #[error("invalid config: {0}")]
     Config(String),
     #[error(transparent)]

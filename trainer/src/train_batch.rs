@@ -1,8 +1,10 @@
 //! From pruned groups to what the learner consumes: the kept sequences with their weights,
-//! and the normalisers of the full batch (computed here, once, before packing).
+//! and the step's normalisers (computed once, by the algorithm, before packing).
+
+use rand::rngs::StdRng;
 
 use crate::loss::{Normalisers, TrainSeq};
-use crate::prune::{Algorithm, Kept};
+use crate::prune::{Kept, PruningAlgorithm};
 use crate::rollout::Group;
 
 /// What one optimizer step trains on.
@@ -12,31 +14,10 @@ pub struct TrainBatch {
     pub norm: Normalisers,
 }
 
-/// Builds the train batch. `num_drawn_prompts` counts every prompt drawn for the step
-/// (rolled out or pruned before rollout); `group_size` is `rollout.n`; `max_len` is
-/// `max_response_len`.
-///
-/// DPPO and GRPO normalise by the full batch (`N_seq` = all completions of all drawn
-/// prompts, `N_tok` = sum of `w_q * T_j` over rolled-out prompts); GRESO, which does not
-/// re-weight, by the prompts it rolled out; CPPO averages over the retained completions
-/// only, as its paper does.
-pub fn build_train_batch(
-    groups: &[Group],
-    kept: &[Kept],
-    num_drawn_prompts: usize,
-    group_size: usize,
-    max_len: usize,
-    algorithm: Algorithm,
-) -> TrainBatch {
-    build_train_shard(
-        groups,
-        kept,
-        0..groups.len(),
-        num_drawn_prompts,
-        group_size,
-        max_len,
-        algorithm,
-    )
+/// The train batch of the `kept` completions of `groups`, with the normalisers `norm` of
+/// the whole step (the algorithm's: [`crate::prune::PruningAlgorithm::normalisers`]).
+pub fn build_train_batch(groups: &[Group], kept: &[Kept], norm: Normalisers) -> TrainBatch {
+    build_train_shard(groups, kept, 0..groups.len(), norm)
 }
 
 /// One rank's share of the train batch: the kept sequences of the groups in `own` only,
@@ -46,10 +27,7 @@ pub fn build_train_shard(
     groups: &[Group],
     kept: &[Kept],
     own: std::ops::Range<usize>,
-    num_drawn_prompts: usize,
-    group_size: usize,
-    max_len: usize,
-    algorithm: Algorithm,
+    norm: Normalisers,
 ) -> TrainBatch {
     let seqs: Vec<TrainSeq> = kept
         .iter()
@@ -68,31 +46,22 @@ pub fn build_train_shard(
             }
         })
         .collect();
-    let num_prompts = match algorithm {
-        Algorithm::Greso => groups.len(),
-        _ => num_drawn_prompts,
-    };
-    let norm = match algorithm {
-        Algorithm::Cppo => Normalisers {
-            num_seqs: kept.len() as f64,
-            num_tokens: kept
-                .iter()
-                .map(|k| {
-                    groups[k.group_idx].samples[k.sample_idx]
-                        .completion_ids
-                        .len()
-                })
-                .sum::<usize>() as f64,
-            max_len: max_len as f64,
-        },
-        Algorithm::Grpo | Algorithm::Dppo | Algorithm::Greso => Normalisers {
-            num_seqs: (num_prompts * group_size) as f64,
-            num_tokens: groups
-                .iter()
-                .map(|g| g.w_q * g.num_completion_tokens() as f64)
-                .sum(),
-            max_len: max_len as f64,
-        },
-    };
     TrainBatch { seqs, norm }
+}
+
+/// Completion pruning of a step's `groups` by `algorithm` at `rate` (every rank prunes the
+/// whole batch alike) and the learner's batch of the survivors among this rank's `own`
+/// groups, with the whole batch's normalisers; also returns how many completions survived
+/// in all. `num_drawn` counts every prompt drawn for the step.
+pub fn prune_and_build(
+    algorithm: &dyn PruningAlgorithm,
+    groups: &[Group],
+    own: std::ops::Range<usize>,
+    num_drawn: usize,
+    rate: f64,
+    rng: &mut StdRng,
+) -> (TrainBatch, usize) {
+    let kept = algorithm.select_completions(groups, rate, rng);
+    let norm = algorithm.normalisers(groups, &kept, num_drawn);
+    (build_train_shard(groups, &kept, own, norm), kept.len())
 }

@@ -5,9 +5,15 @@
 
 use std::collections::BTreeMap;
 
+use rand::rngs::StdRng;
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
+use super::{
+    full_batch_normalisers, prune_completions, AlgorithmState, BatchShape, Drawn, Kept,
+    LevelConfig, PromptPool, PruningAlgorithm,
+};
+use crate::loss::Normalisers;
 use crate::rollout::Group;
 
 /// Mean reward at or above which a visit counts as all-correct.
@@ -23,14 +29,14 @@ const MEMORY: usize = 16;
 
 /// GRESO's state; serialisable for checkpoints.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Greso {
+pub struct GresoState {
     pub p_easy: f64,
     pub p_hard: f64,
     /// Mean reward of each recent visit, oldest first.
     pub visits: BTreeMap<u64, Vec<f64>>,
 }
 
-impl Default for Greso {
+impl Default for GresoState {
     fn default() -> Self {
         Self {
             p_easy: 0.5,
@@ -40,7 +46,7 @@ impl Default for Greso {
     }
 }
 
-impl Greso {
+impl GresoState {
     /// Probability of skipping `prompt_id` now.
     pub fn skip_probability(&self, prompt_id: u64) -> f64 {
         let Some(history) = self.visits.get(&prompt_id) else {
@@ -95,15 +101,83 @@ impl Greso {
     }
 }
 
+/// GRESO: its state and the batch it fills.
+pub struct Greso {
+    shape: BatchShape,
+    state: GresoState,
+}
+
+impl Greso {
+    pub fn new(shape: BatchShape) -> Self {
+        Self {
+            shape,
+            state: GresoState::default(),
+        }
+    }
+
+    /// The state (set by tests).
+    pub fn state_mut(&mut self) -> &mut GresoState {
+        &mut self.state
+    }
+}
+
+impl PruningAlgorithm for Greso {
+    /// Selective rollout with its adaptive batch size: prompts are drawn until
+    /// `prompts_per_step` of them are rolled out (at most one pass over the training set),
+    /// so that skipping saves rollouts of uninformative prompts instead of shrinking the
+    /// batch.
+    fn draw(&mut self, pool: &mut PromptPool<'_>, rng: &mut StdRng) -> Drawn {
+        let p = self.shape.prompts_per_step;
+        let (mut problems, mut w_q) = (Vec::new(), Vec::new());
+        let mut kept = 0;
+        while kept < p && problems.len() < pool.len() {
+            let (next, ids) = pool.next((p - kept).min(pool.len() - problems.len()));
+            for keep in self.state.select(&ids, rng) {
+                kept += usize::from(keep);
+                w_q.push(keep.then_some(1.0));
+            }
+            problems.extend(next);
+        }
+        Drawn { problems, w_q }
+    }
+
+    fn update(&mut self, groups: &[Group], _step: u64) {
+        self.state.update(groups);
+    }
+
+    fn select_completions(&self, groups: &[Group], _rate: f64, rng: &mut StdRng) -> Vec<Kept> {
+        let shape = &self.shape;
+        prune_completions(groups, &LevelConfig::off(), shape.scope, shape.beta, rng)
+    }
+
+    /// Without re-weighting GRESO normalises by the prompts it rolled out.
+    fn normalisers(&self, groups: &[Group], _kept: &[Kept], _num_drawn: usize) -> Normalisers {
+        full_batch_normalisers(groups, groups.len(), &self.shape)
+    }
+
+    fn state(&self) -> AlgorithmState {
+        AlgorithmState {
+            history: None,
+            greso: Some(self.state.clone()),
+        }
+    }
+
+    fn restore(&mut self, state: AlgorithmState) {
+        if let Some(greso) = state.greso {
+            self.state = greso;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::rollout::test_group as group;
-    use rand::{rngs::StdRng, SeedableRng};
+    use rand::SeedableRng;
 
     #[test]
     fn skip_probability_follows_the_streak() {
-        let mut greso = Greso::default();
+        let mut greso = GresoState::default();
         assert_eq!(
             greso.skip_probability(1),
             0.0,
@@ -129,8 +203,49 @@ mod tests {
     }
 
     #[test]
+    fn greso_draws_until_the_rollout_batch_is_full() {
+        let shape = BatchShape {
+            prompts_per_step: 32,
+            group_size: 8,
+            max_len: 16,
+            beta: 0.0,
+            scope: crate::prune::CompletionScope::Group,
+        };
+        let mut greso = Greso::new(shape);
+        let prompt_ids: Vec<u64> = (0..256).collect();
+        let mut order = crate::data::ProblemOrder::new(0, crate::data::TRAIN_STREAM, 256);
+        let mut rng = StdRng::seed_from_u64(3);
+        // Every even prompt was all-correct on its last 16 visits: skipped with
+        // probability 0.99 (GRESO's floor keeps 1%).
+        for id in prompt_ids.iter().filter(|&&id| id % 2 == 0) {
+            greso.state_mut().visits.insert(*id, vec![1.0; 16]);
+        }
+        let mut pool = PromptPool {
+            order: &mut order,
+            prompt_ids: &prompt_ids,
+        };
+        let drawn = greso.draw(&mut pool, &mut rng);
+        let kept = drawn.w_q.iter().filter(|w| w.is_some()).count();
+        assert_eq!(kept, 32, "the rollout batch stays full");
+        assert!(
+            drawn.problems.len() > 50,
+            "about half the drawn prompts are skipped"
+        );
+        assert_eq!(order.drawn, drawn.problems.len() as u64);
+        // With fewer rollable prompts than a batch, one pass over the training set ends it.
+        for &id in &prompt_ids {
+            greso.state_mut().visits.insert(id, vec![1.0; 16]);
+        }
+        let mut pool = PromptPool {
+            order: &mut order,
+            prompt_ids: &prompt_ids,
+        };
+        assert_eq!(greso.draw(&mut pool, &mut rng).problems.len(), 256);
+    }
+
+    #[test]
     fn exploration_probabilities_adapt_toward_the_target() {
-        let mut greso = Greso::default();
+        let mut greso = GresoState::default();
         // Every group all right: too many easy ones (p_easy down), too few hard (p_hard up).
         greso.update(&[group(1, &[1.0, 1.0]), group(2, &[1.0, 1.0])]);
         assert!((greso.p_easy - 0.49).abs() < 1e-12 && (greso.p_hard - 0.51).abs() < 1e-12);

@@ -1,96 +1,112 @@
 //! The step loop of docs/design.md: draw -> prune prompts -> rollout -> reward -> advantages ->
 //! prune completions -> pack + learn -> publish -> metrics. [`Trainer::step`] reads as that
-//! loop; each concern around it lives in its own module: the supervised warm-up
-//! (`warmup`), the rollout staged ahead of its step (`staging`), publishing weights to the
-//! engine (`publish`), the gradient-variance study (`variance`), the metrics line
-//! (`report`) and the step's batch across data-parallel ranks (`shard`); checkpoints and
-//! resume are in [`crate::checkpoint`].
+//! loop. The trainer is built from parts that each own their fields and their share of a
+//! checkpoint: the training prompts and the pruning algorithm (`prompts`), the engine's
+//! rollouts and weight publication (`rollout`), the learner, the held-out evaluation
+//! (`held_out`), the ranks of a data-parallel run (`shard`) and the non-finite step count
+//! (`nonfinite`); the gradient-variance study (`variance`) and the metrics line (`report`)
+//! are functions of a step's data. The trainer only calls the parts' methods.
 
-mod publish;
+mod held_out;
+mod nonfinite;
+mod prompts;
 mod report;
+mod rollout;
+mod setup;
 mod shard;
-mod staging;
 mod variance;
-mod warmup;
 
 use std::collections::BTreeMap;
-use std::ops::Range;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::{DType, Device};
-use dppo_engine::{Engine, EngineConfig, SamplingParams};
+use candle_core::Device;
+use dppo_engine::Engine;
 use dppo_model::{Policy, TextTokenizer};
-use dppo_sync::PolicyStore;
 use rand::{rngs::StdRng, SeedableRng};
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::advantages::compute_advantages;
+use crate::checkpoint::{self, Contents, OPTIMIZER, REFERENCE};
 use crate::config::RunConfig;
-use crate::data::{
-    default_extract_mode, mix, problem_prompts, Problem, ProblemOrder, DEMO_STREAM, TRAIN_STREAM,
-};
-use crate::dist::{broadcast_weights, shard_range, sum_f64, weights_checksum, Collective, Single};
-use crate::eval::{evaluate, EvalSet, EvalSpec};
-use crate::learner::{Learner, LearnerConfig};
-use crate::loss::LossConfig;
-use crate::memory_plan::{self, LearnerInputs, MemoryPlan, ModelShape, PlanInputs, Precision};
-use crate::optim::{AdamWConfig, LrSchedule};
-use crate::prune::{select_completions, Greso, LevelConfig, PromptHistory};
-use crate::rewards::RewardSpec;
-use crate::rollout::Group;
-use crate::train_batch::{build_train_shard, TrainBatch};
+use crate::data::{mix, Problem};
+use crate::dist::{broadcast_weights, Collective, Single};
+use crate::eval::EvalSet;
+use crate::learner::Learner;
+use crate::prune::{AlgorithmState, GresoState, PromptHistory};
+use crate::train_batch::prune_and_build;
 use crate::TrainError;
 
+use held_out::HeldOut;
+use nonfinite::NonFinite;
+use prompts::{Prompts, PromptsState};
 use report::StepReport;
-pub(crate) use staging::Pending;
-pub use staging::{Drawn, StepRollout};
+use rollout::{Pending, Rollouts};
+use shard::{kept_prompts, Ranks};
+
+pub use rollout::StepRollout;
 
 /// Steps between two checks that every rank holds the same weights (also checked before
 /// every checkpoint).
 const REPLICA_CHECK_EVERY: u64 = 10;
+
+/// Random-stream phases of a step: the prompt draw and completion pruning.
+const DRAW_PHASE: u64 = 1;
+const PRUNE_PHASE: u64 = 2;
 
 /// Everything the loop carries from step to step: one rank's, when the run is data
 /// parallel (each rank holds a replica of the policy, its own engine and the same loop
 /// state).
 pub struct Trainer {
     pub cfg: RunConfig,
+    /// RL steps done.
+    pub step: u64,
+    prompts: Prompts,
+    rollouts: Rollouts,
     pub learner: Learner,
-    engine: Arc<Engine>,
+    held_out: HeldOut,
+    ranks: Ranks,
+    nonfinite: NonFinite,
     tokenizer: TextTokenizer,
     eos: Vec<u32>,
-    train: Vec<Problem>,
-    /// Prompt ids of every training problem (chat-formatted when the model has a
-    /// template), tokenized once.
-    train_prompts: Vec<Vec<u32>>,
-    /// This rank's share of the held-out problems (all of them on one rank).
-    eval: EvalSet,
-    /// Held-out problems over all ranks.
-    num_eval: usize,
-    /// The ranks of a data-parallel run ([`Single`] on one).
-    collective: Arc<dyn Collective>,
-    pub(crate) history: PromptHistory,
-    pub(crate) greso: Greso,
-    /// The RL data position: training problems drawn so far, epochs reshuffled by seed.
-    pub(crate) order: ProblemOrder,
-    /// The warm-up's own position over the demonstrations (`warmup.examples`).
-    demo_order: ProblemOrder,
-    store: PolicyStore,
+}
+
+/// The trainer's state in a checkpoint (`state.json`): the step, and each part's share
+/// as flat fields (serde's `flatten` cannot read the integer keys of the prompt history).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TrainerState {
     pub step: u64,
+    /// Held-out accuracy before RL, so a resumed run reports the same summary.
+    pub eval_before: Option<f64>,
+    /// Ranks of the run that wrote it (1 before data parallelism). A run resumed with as
+    /// many continues bit for bit; with another number it continues from the same state,
+    /// its gradients summed in another order.
+    #[serde(default = "one")]
+    pub world_size: usize,
+    /// The prompts' share: training problems drawn so far.
+    pub drawn: u64,
+    /// The prompts' share: DPPO's prompt history.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub history: Option<PromptHistory>,
+    /// The prompts' share: GRESO's state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub greso: Option<GresoState>,
+    /// The rollouts' share: the newest published policy version.
     pub policy_version: u64,
-    /// The policy version the engine generates with (behind `policy_version` while a
-    /// one-step off-policy rollout is in flight).
-    engine_version: u64,
-    /// The next step's rollout, when it was started before that step
-    /// (`rollout.one_step_off_policy`).
-    pub(crate) pending: Option<Pending>,
-    /// Seconds spent outside `step` waiting for the pending rollout (before an evaluation
-    /// or a checkpoint); the next step counts them as its generation time.
-    settle_wait_s: f64,
-    /// Optimizer steps skipped for a NaN or infinite loss or gradient norm: in all, and
-    /// since the last finite one.
-    pub(crate) num_nonfinite_steps: u64,
-    num_nonfinite_in_a_row: u64,
+    /// The rollouts' share: the next step's rollout, generated ahead of it.
+    #[serde(default)]
+    pub pending: Option<StepRollout>,
+    /// The learner's share: optimizer updates done (its tensors are files of their own).
+    pub optimizer_step: u64,
+    /// Steps skipped so far for a non-finite loss or gradient (`train/nonfinite_steps`).
+    #[serde(default)]
+    pub num_nonfinite_steps: u64,
+}
+
+fn one() -> usize {
+    1
 }
 
 impl Trainer {
@@ -117,69 +133,15 @@ impl Trainer {
         eval: Vec<Problem>,
         collective: Arc<dyn Collective>,
     ) -> Result<Self, TrainError> {
-        let learner_cfg = LearnerConfig {
-            loss: LossConfig {
-                eps_low: cfg.actor.eps_low,
-                eps_high: cfg.actor.eps_high,
-                loss_agg: cfg.actor.loss_agg,
-                ratio_level: cfg.actor.ratio_level,
-                beta: cfg.actor.beta,
-            },
-            adamw: AdamWConfig {
-                weight_decay: cfg.actor.weight_decay,
-                ..AdamWConfig::default()
-            },
-            schedule: LrSchedule {
-                lr: cfg.actor.lr,
-                warmup_steps: cfg.actor.warmup_steps,
-                cosine_total_steps: None,
-                min_lr: 0.0,
-            },
-            grad_clip: cfg.actor.grad_clip,
-            pack_tokens: cfg.pack.tokens,
-            pack_window: cfg.pack.window,
-            compute_dtype: cfg.train.compute_dtype.resolve(device),
-        };
-        if train.is_empty() {
-            return Err(TrainError::Config(
-                "the training set is empty (data.train, data.num_train)".into(),
-            ));
-        }
-        let train_prompts = problem_prompts(&policy.tokenizer, &train)?;
-        let num_eval = eval.len();
+        let learner_cfg = setup::learner_config(&cfg, device);
+        let prompts = Prompts::new(&cfg, &policy.tokenizer, train)?;
         let eval = EvalSet::new(&policy.tokenizer, eval)?;
-        let longest = train_prompts
-            .iter()
-            .map(Vec::len)
-            .fold(eval.longest_prompt(), usize::max);
-        check_pack_tokens(&cfg, longest)?;
-        let engine_dtype = cfg.engine.dtype.resolve(device);
-        let mut engine_cfg = EngineConfig {
-            kv_cache_bytes: 1 << 30,
-            isolate_high_priority: cfg.deterministic,
-            attention: cfg.engine.attention,
-            dtype: Some(engine_dtype),
-            ..EngineConfig::default()
-        };
-        // On a GPU the KV cache gets what the memory plan leaves; the CPU keeps its size.
-        if let Some((free, total)) = dppo_model::device::memory_info(device)? {
-            let seq_len = longest + cfg.rollout.max_response_len;
-            let plan = gpu_plan(
-                &cfg,
-                policy,
-                &engine_cfg,
-                learner_cfg.compute_dtype,
-                (free, total),
-                seq_len,
-            )?;
-            tracing::info!("GPU memory plan:\n{plan}");
-            engine_cfg.kv_cache_tokens = Some(plan.kv_tokens as usize);
-        }
-        let eval = eval.shard(shard_range(
-            num_eval,
-            collective.rank(),
-            collective.world_size(),
-        ));
+        let longest = prompts.longest().max(eval.longest_prompt());
+        setup::check_pack_tokens(&cfg, longest)?;
+        let seq_len = longest + cfg.rollout.max_response_len;
+        let engine_cfg =
+            setup::engine_config(&cfg, policy, device, learner_cfg.compute_dtype, seq_len)?;
+        let ranks = Ranks::new(collective.clone());
         let replica;
         let policy = if collective.world_size() > 1 {
             let weights = broadcast_weights(collective.as_ref(), &policy.config, &policy.weights)?;
@@ -189,42 +151,32 @@ impl Trainer {
             policy
         };
         let mut learner = Learner::new(&policy.config, &policy.weights, learner_cfg)?;
-        learner.set_collective(collective.clone());
+        learner.set_collective(collective);
         let engine = Arc::new(Engine::new(policy, engine_cfg, device.clone())?);
-        let store = PolicyStore::new(&policy.weights, device.clone(), engine_dtype)?;
-        let num_demos = match cfg.warmup.examples {
-            0 => train.len(),
-            n => n.min(train.len()),
-        };
+        let rollouts = Rollouts::new(&cfg, engine, policy.tokenizer.clone());
+        let mode = rollouts.reward_spec().mode;
         Ok(Self {
-            history: PromptHistory::new(cfg.dppo.history_decay),
-            greso: Greso::default(),
+            held_out: HeldOut::new(eval, &ranks, cfg.rollout.max_response_len, mode),
+            nonfinite: NonFinite::new(cfg.train.max_nonfinite_steps),
+            prompts,
+            rollouts,
             learner,
-            engine,
+            ranks,
             tokenizer: policy.tokenizer.clone(),
             eos: policy.eos_token_ids().to_vec(),
-            order: ProblemOrder::new(cfg.seed, TRAIN_STREAM, train.len()),
-            train,
-            train_prompts,
-            eval,
-            num_eval,
-            collective,
-            demo_order: ProblemOrder::new(cfg.seed, DEMO_STREAM, num_demos),
-            store,
             step: 0,
-            policy_version: 0,
-            engine_version: 0,
-            pending: None,
-            settle_wait_s: 0.0,
-            num_nonfinite_steps: 0,
-            num_nonfinite_in_a_row: 0,
             cfg,
         })
     }
 
     /// The engine, to share with a server (`dppo run --serve`).
     pub fn engine(&self) -> Arc<Engine> {
-        self.engine.clone()
+        self.rollouts.engine().clone()
+    }
+
+    /// The newest published policy version: one per optimizer step that moved the weights.
+    pub fn policy_version(&self) -> u64 {
+        self.rollouts.policy_version()
     }
 
     /// The tokenizer of the policy being trained.
@@ -232,112 +184,54 @@ impl Trainer {
         &self.tokenizer
     }
 
-    /// Counts a skipped (non-finite) step or resets the streak; returns whether the
-    /// weights moved.
-    fn count_nonfinite(&mut self, is_nonfinite: bool) -> bool {
-        if is_nonfinite {
-            self.num_nonfinite_steps += 1;
-            self.num_nonfinite_in_a_row += 1;
-        } else {
-            self.num_nonfinite_in_a_row = 0;
-        }
-        !is_nonfinite
-    }
-
-    /// The error that ends the run once `train.max_nonfinite_steps` steps in a row were
-    /// skipped for a NaN or infinite loss or gradient norm (the weights and optimizer are
-    /// still those of the last finite step: checkpoint them, then stop).
-    pub fn nonfinite_limit(&self) -> Option<TrainError> {
-        let max = self.cfg.train.max_nonfinite_steps;
-        (max > 0 && self.num_nonfinite_in_a_row >= max).then_some(TrainError::NonFinite {
-            in_a_row: self.num_nonfinite_in_a_row,
-            step: self.step,
-        })
-    }
-
-    /// How this run scores completions (`[reward]`, with the data set's default mode).
-    fn reward_spec(&self) -> RewardSpec {
-        let reward = &self.cfg.reward;
-        RewardSpec {
-            mode: reward
-                .extract
-                .unwrap_or_else(|| default_extract_mode(&self.cfg.data.train)),
-            max_tokens: self.cfg.rollout.max_response_len,
-            overlong_buffer: reward.overlong_buffer,
-            overlong_penalty: reward.overlong_penalty,
-        }
-    }
-
-    /// Greedy accuracy of the current policy on the held-out problems.
-    pub fn evaluate(&mut self) -> Result<f64, TrainError> {
-        self.settle()?;
-        let spec = EvalSpec {
-            sampling: SamplingParams {
-                temperature: 0.0,
-                ..SamplingParams::default()
-            },
-            n: 1,
-            k: 1,
-            max_tokens: self.cfg.rollout.max_response_len,
-            mode: self.reward_spec().mode,
-        };
-        let (result, samples) = evaluate(&self.engine, &self.tokenizer, &self.eval, &spec)?;
-        if self.collective.world_size() == 1 {
-            return Ok(result.avg);
-        }
-        // Each rank evaluated its share: the accuracy of all of them is the sum of rewards
-        // over all ranks (whole numbers: exact in any order) over the sample count.
-        let total: f64 = samples.iter().flatten().map(|g| g.reward).sum();
-        let total = sum_f64(self.collective.as_ref(), &[total])?[0];
-        Ok(total / (self.num_eval.max(1) * spec.n) as f64)
-    }
-
     /// This rank's place in a data-parallel run: (rank, world size).
     pub fn rank(&self) -> (usize, usize) {
-        (self.collective.rank(), self.collective.world_size())
+        self.ranks.rank()
     }
 
     /// Whether any rank asks to stop (`interrupted` is this rank's wish: Ctrl-C): every
     /// rank gets the same answer at the same step, so that all stop together. A collective
     /// when there are several ranks.
     pub fn any_rank(&self, interrupted: bool) -> Result<bool, TrainError> {
-        Ok(sum_f64(
-            self.collective.as_ref(),
-            &[f64::from(u8::from(interrupted))],
-        )?[0]
-            > 0.0)
+        self.ranks.any(interrupted)
     }
 
-    /// Fails with [`TrainError::Diverged`] unless every rank's weights have the same
-    /// checksum: silent divergence of the replicas (a non-deterministic kernel, a bad
-    /// collective) becomes an error. A collective; free on one rank.
+    /// Fails with [`TrainError::Diverged`] unless every rank holds the same weights.
     pub fn check_replicas(&self) -> Result<(), TrainError> {
-        if self.collective.world_size() == 1 {
-            return Ok(());
+        self.ranks.check_replicas(&self.learner, self.step)
+    }
+
+    /// The error that ends the run once `train.max_nonfinite_steps` steps in a row were
+    /// skipped for a NaN or infinite loss or gradient norm (the weights and optimizer are
+    /// still those of the last finite step: checkpoint them, then stop).
+    pub fn nonfinite_limit(&self) -> Option<TrainError> {
+        self.nonfinite.limit(self.step)
+    }
+
+    /// Greedy accuracy of the current policy on the held-out problems.
+    pub fn evaluate(&mut self) -> Result<f64, TrainError> {
+        self.rollouts.settle(&self.prompts)?;
+        let engine = self.rollouts.engine();
+        self.held_out.accuracy(engine, &self.tokenizer, &self.ranks)
+    }
+
+    /// One supervised warm-up step on a batch of demonstrations; returns the mean NLL.
+    pub fn warmup_step(&mut self) -> Result<f64, TrainError> {
+        let eos = self.eos.first().copied();
+        let seqs = self
+            .prompts
+            .demo_batch(self.cfg.warmup.batch_size, &self.tokenizer, eos)?;
+        let m = self.learner.sft_step(&seqs, self.cfg.warmup.lr)?;
+        if self.nonfinite.count(m.is_nonfinite) {
+            self.rollouts.publish(&self.learner)?;
         }
-        let tensors: BTreeMap<String, candle_core::Tensor> = self
-            .learner
-            .vars
-            .iter()
-            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
-            .collect();
-        let sum = weights_checksum(&tensors)?;
-        let all = self
-            .collective
-            .all_gather_f64(&[f64::from(sum), self.learner.optimizer.step as f64])?;
-        if all.iter().all(|x| *x == all[0]) {
-            return Ok(());
-        }
-        let checksums = all
-            .iter()
-            .enumerate()
-            .map(|(rank, x)| format!("rank {rank}: {:08x} after {} updates", x[0] as u32, x[1]))
-            .collect::<Vec<_>>()
-            .join(", ");
-        Err(TrainError::Diverged {
-            step: self.step,
-            checksums,
-        })
+        Ok(m.pg_loss)
+    }
+
+    /// Ends the supervised warm-up: the KL term (if on) is measured against this policy.
+    pub fn finish_warmup(&mut self) -> Result<(), TrainError> {
+        let weights = self.learner.weights()?;
+        self.learner.set_reference(&weights)
     }
 
     /// One RL step; returns its metrics line.
@@ -345,20 +239,21 @@ impl Trainer {
         let mut timings = BTreeMap::new();
         let start = Instant::now();
         let mut prune_s = 0.0;
-        let pending = match self.pending.take() {
+        let (pending, settle_wait_s) = self.rollouts.take_pending();
+        let pending = match pending {
             Some(p) => p,
             None => {
                 let t = Instant::now();
                 let inflight = self.submit(self.step)?;
                 prune_s += t.elapsed().as_secs_f64();
-                Pending::InFlight(inflight)
+                inflight
             }
         };
         let t = Instant::now();
-        let rollout = self.finish(pending)?;
+        let rollout = self.rollouts.finish(pending, &self.prompts)?;
         let (version, num_drawn) = (rollout.version, rollout.drawn.problems.len());
-        let staleness = self.policy_version - version;
-        let gen_s = t.elapsed().as_secs_f64() + std::mem::take(&mut self.settle_wait_s);
+        let staleness = self.policy_version() - version;
+        let gen_s = t.elapsed().as_secs_f64() + settle_wait_s;
         // Every rank's rollout: this rank's groups, the others' rewards and lengths.
         let shard::BatchView {
             mut groups,
@@ -367,34 +262,44 @@ impl Trainer {
             gen_busy_s,
             extracted_by,
             num_correct,
-        } = self.batch_view(rollout)?;
+        } = self.ranks.batch_view(rollout, &self.prompts)?;
         timings.insert("timing_s/gen".to_string(), gen_s);
         let mut timed = |name: &str, since: Instant| {
             timings.insert(format!("timing_s/{name}"), since.elapsed().as_secs_f64());
         };
         let t = Instant::now();
         compute_advantages(&mut groups, self.cfg.actor.scale_rewards);
-        self.history.update(&groups, self.step);
-        self.greso.update(&groups);
-        let level = self.cfg.dppo.level(self.cfg.dppo.r_o);
-        let (batch, num_trained) = self.train_batch(
+        self.prompts.update(&groups, self.step);
+        let algorithm = self.prompts.algorithm();
+        let (batch, num_trained) = prune_and_build(
+            algorithm,
             &groups,
             own.clone(),
             num_drawn,
-            &level,
-            &mut self.phase_rng(2),
+            algorithm.completion_rate(),
+            &mut self.step_rng(self.step, PRUNE_PHASE),
         );
         timed("reward", t);
         if self.cfg.rollout.one_step_off_policy {
             let t = Instant::now();
-            self.sync_engine()?;
-            self.pending = Some(Pending::InFlight(self.submit(self.step + 1)?));
+            let next = self.submit(self.step + 1)?;
+            self.rollouts.set_pending(next);
             prune_s += t.elapsed().as_secs_f64();
         }
         let t = Instant::now();
         let draws = self.cfg.eval.grad_variance_draws;
         let variance = if draws > 0 && self.cfg.eval.due(self.step + 1) {
-            Some(self.pruning_variance(&groups, own, num_drawn, &level, draws)?)
+            let inputs = variance::VarianceInputs {
+                algorithm: self.prompts.algorithm(),
+                learner: &self.learner,
+                groups: &groups,
+                own,
+                num_drawn,
+                draws,
+            };
+            Some(variance::pruning_variance(&inputs, |phase| {
+                self.step_rng(self.step, phase)
+            })?)
         } else {
             None
         };
@@ -403,8 +308,8 @@ impl Trainer {
         let m = self.learner.step(&batch)?;
         timed("train", t);
         let t = Instant::now();
-        if self.count_nonfinite(m.is_nonfinite) {
-            self.publish()?;
+        if self.nonfinite.count(m.is_nonfinite) {
+            self.rollouts.publish(&self.learner)?;
         }
         timed("sync", t);
         timings.insert("timing_s/prune".into(), prune_s);
@@ -418,7 +323,7 @@ impl Trainer {
         }
         Ok(StepReport {
             step: self.step,
-            policy_version: self.policy_version,
+            policy_version: self.policy_version(),
             staleness,
             groups: &groups,
             num_drawn,
@@ -429,48 +334,22 @@ impl Trainer {
             gen_tokens,
             gen_busy_s,
             learner: &m,
-            num_nonfinite_steps: self.num_nonfinite_steps,
+            num_nonfinite_steps: self.nonfinite.num_steps(),
             grad_rel_mse: variance,
             timings,
         }
         .into_line())
     }
 
-    /// Completion pruning of the step's `groups` at `level` (every rank prunes the whole
-    /// batch alike) and the learner's batch of the survivors among this rank's `own`
-    /// groups, with the whole batch's normalisers; also returns how many completions
-    /// survived in all. `num_drawn` counts every prompt drawn for the step.
-    fn train_batch(
-        &self,
-        groups: &[Group],
-        own: Range<usize>,
-        num_drawn: usize,
-        level: &LevelConfig,
-        rng: &mut StdRng,
-    ) -> (TrainBatch, usize) {
-        let kept = select_completions(
-            groups,
-            self.cfg.algorithm,
-            level,
-            self.cfg.dppo.scope,
-            self.cfg.actor.beta,
-            rng,
-        );
-        let batch = build_train_shard(
-            groups,
-            &kept,
-            own,
-            num_drawn,
-            self.cfg.rollout.n,
-            self.cfg.rollout.max_response_len,
-            self.cfg.algorithm,
-        );
-        (batch, kept.len())
-    }
-
-    /// The random stream of one phase of the current step (see `step_rng`).
-    fn phase_rng(&self, phase: u64) -> StdRng {
-        self.step_rng(self.step, phase)
+    /// Draws and prunes `step`'s prompts and submits this rank's share of the kept ones.
+    fn submit(&mut self, step: u64) -> Result<Pending, TrainError> {
+        let drawn = self.prompts.draw(&mut self.step_rng(step, DRAW_PHASE));
+        let kept = kept_prompts(&drawn);
+        let own = self.ranks.own_groups(kept.len());
+        let inflight = self
+            .rollouts
+            .submit(step, drawn, &kept, own, &self.prompts)?;
+        Ok(Pending::InFlight(inflight))
     }
 
     /// The random stream of one phase of `step`: a function of (seed, step, phase) only,
@@ -478,53 +357,137 @@ impl Trainer {
     fn step_rng(&self, step: u64, phase: u64) -> StdRng {
         StdRng::seed_from_u64(mix(self.cfg.seed, step, phase))
     }
-}
 
-/// Start-up check: the `longest` prompt plus `max_response_len` must fit one packed buffer.
-fn check_pack_tokens(cfg: &RunConfig, longest: usize) -> Result<(), TrainError> {
-    let needed = longest + cfg.rollout.max_response_len;
-    if needed > cfg.pack.tokens {
-        return Err(TrainError::Config(format!(
-            "pack.tokens = {} is smaller than the longest prompt ({longest} tokens) plus \
-             rollout.max_response_len ({}); set pack.tokens >= {needed}",
-            cfg.pack.tokens, cfg.rollout.max_response_len
-        )));
+    /// Writes the checkpoint of this step under `root` atomically and deletes all but the
+    /// newest `keep`. Waits for a rollout in flight first, so that it is saved with the
+    /// step it belongs to.
+    ///
+    /// With several ranks every rank calls it: they check that their weights agree, rank 0
+    /// gathers the rollout waiting for the next step (each rank holds its share) and writes
+    /// the checkpoint, and all return once it is written.
+    pub fn save_checkpoint(
+        &mut self,
+        root: &Path,
+        keep: usize,
+        eval_before: Option<f64>,
+    ) -> Result<PathBuf, TrainError> {
+        self.rollouts.settle(&self.prompts)?;
+        let (rank, world) = self.rank();
+        if world == 1 {
+            return self.write_checkpoint(root, keep, eval_before, self.rollouts.done().cloned());
+        }
+        self.check_replicas()?;
+        let whole = self.ranks.gather_rollout(self.rollouts.done())?;
+        let written = match rank {
+            0 => self.write_checkpoint(root, keep, eval_before, whole),
+            _ => Ok(checkpoint::step_dir(root, self.step)),
+        };
+        // Rank 0's outcome, so that no rank goes on past a checkpoint that failed.
+        let failed = self.any_rank(written.is_err())?;
+        let dir = written?;
+        if failed {
+            return Err(TrainError::Checkpoint {
+                dir: dir.display().to_string(),
+                reason: "rank 0 could not write it (its output says why)".into(),
+            });
+        }
+        Ok(dir)
     }
-    Ok(())
-}
 
-/// The memory plan of a co-located run on a GPU with `free` of `total` bytes, in the
-/// engine's and the learner's dtypes.
-fn gpu_plan(
-    cfg: &RunConfig,
-    policy: &Policy,
-    engine: &EngineConfig,
-    learner_dtype: DType,
-    (free, total): (u64, u64),
-    seq_len: usize,
-) -> Result<MemoryPlan, TrainError> {
-    Ok(memory_plan::plan(&PlanInputs {
-        model: ModelShape::from(&policy.config),
-        engine_dtype: precision(engine.dtype.unwrap_or(DType::F32)),
-        learner: Some(LearnerInputs {
-            compute_dtype: precision(learner_dtype),
-            pack_tokens: cfg.pack.tokens as u64,
-        }),
-        total_memory: total,
-        free_memory: free,
-        gpu_memory_utilization: cfg.engine.gpu_memory_utilization,
-        block_size: engine.block_size as u64,
-        max_batched_tokens: engine.max_batched_tokens as u64,
-        seq_len: seq_len as u64,
-    })?)
-}
+    /// Writes this step's checkpoint under `root` with `pending`, the whole step's rollout
+    /// waiting for the next step.
+    fn write_checkpoint(
+        &self,
+        root: &Path,
+        keep: usize,
+        eval_before: Option<f64>,
+        pending: Option<StepRollout>,
+    ) -> Result<PathBuf, TrainError> {
+        let policy = Policy::new(
+            self.learner.model.config().clone(),
+            self.learner.weights()?,
+            self.tokenizer.clone(),
+        )?;
+        let PromptsState { drawn, algorithm } = self.prompts.state();
+        let state = TrainerState {
+            step: self.step,
+            eval_before,
+            world_size: self.rank().1,
+            drawn,
+            history: algorithm.history,
+            greso: algorithm.greso,
+            policy_version: self.policy_version(),
+            pending,
+            optimizer_step: self.learner.optimizer.step,
+            num_nonfinite_steps: self.nonfinite.num_steps(),
+        };
+        let contents = Contents {
+            step: self.step,
+            policy: &policy,
+            optimizer: self.learner.optimizer_tensors(),
+            reference: self.learner.reference_weights(),
+            state: serde_json::to_string(&state).map_err(|e| TrainError::Config(e.to_string()))?,
+            config: self.cfg.to_toml(),
+        };
+        checkpoint::write(root, keep, &contents)
+    }
 
-/// The memory plan's name of a floating-point dtype.
-fn precision(dtype: DType) -> Precision {
-    match dtype {
-        DType::BF16 => Precision::Bf16,
-        DType::F16 => Precision::F16,
-        _ => Precision::F32,
+    /// Restores the optimizer and the loop state from checkpoint `dir` (the weights came
+    /// with the policy the trainer was built from: `dir/model`).
+    pub fn restore(&mut self, dir: &Path) -> Result<TrainerState, TrainError> {
+        let path = checkpoint::state_path(dir);
+        let state: TrainerState = serde_json::from_str(&checkpoint::read_state(dir)?)
+            .map_err(|e| TrainError::Config(format!("{}: {e}", path.display())))?;
+        // Onto the learner's device, whichever device wrote the checkpoint.
+        let device = self.learner.model.device().clone();
+        let optimizer = checkpoint::read_tensors(dir, OPTIMIZER, &device)?.ok_or_else(|| {
+            TrainError::Config(format!("{}: missing", dir.join(OPTIMIZER).display()))
+        })?;
+        self.learner
+            .restore_optimizer(&optimizer, state.optimizer_step);
+        if self.learner.reference.is_some() {
+            if let Some(tensors) = checkpoint::read_tensors(dir, REFERENCE, &device)? {
+                let weights = dppo_model::Weights::from_tensors(
+                    self.learner.model.config(),
+                    tensors.into_iter().collect(),
+                    dir.join(REFERENCE).display().to_string(),
+                )?;
+                self.learner.set_reference(&weights)?;
+            }
+        }
+        self.step = state.step;
+        self.prompts.restore(PromptsState {
+            drawn: state.drawn,
+            algorithm: AlgorithmState {
+                history: state.history.clone(),
+                greso: state.greso.clone(),
+            },
+        });
+        self.nonfinite.restore(state.num_nonfinite_steps);
+        let pending = state.pending.clone();
+        if let Some(rollout) = &pending {
+            if rollout.step != state.step {
+                return Err(TrainError::Config(format!(
+                    "{}: the saved rollout is for step {}, the checkpoint is at step {}",
+                    path.display(),
+                    rollout.step,
+                    state.step
+                )));
+            }
+        }
+        let world = self.rank().1;
+        if state.world_size != world {
+            tracing::warn!(
+                "{} was written by {} rank(s), this run has {world}: it continues from the \
+                 same state, but not bit for bit as the original run would have",
+                dir.display(),
+                state.world_size
+            );
+        }
+        let pending = pending.map(|rollout| self.ranks.share_of(rollout));
+        self.rollouts
+            .restore(&self.learner, state.policy_version, pending)?;
+        Ok(state)
     }
 }
 

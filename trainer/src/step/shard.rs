@@ -8,14 +8,24 @@
 
 use std::collections::BTreeMap;
 use std::ops::Range;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::dist::shard_range;
+use crate::dist::{shard_range, sum_f64, weights_checksum, Collective};
+use crate::learner::Learner;
+use crate::prune::Drawn;
 use crate::rollout::{Group, Sample};
 use crate::TrainError;
 
-use super::{Drawn, StepRollout, Trainer};
+use super::prompts::Prompts;
+use super::rollout::StepRollout;
+
+/// The ranks of a data-parallel run ([`crate::dist::Single`] on one), as the step loop
+/// sees them.
+pub(crate) struct Ranks {
+    collective: Arc<dyn Collective>,
+}
 
 /// What a rank tells the others of its share of a step's rollout.
 #[derive(Debug, Serialize, Deserialize)]
@@ -53,9 +63,57 @@ pub(super) fn kept_prompts(drawn: &Drawn) -> Vec<(usize, f64)> {
         .collect()
 }
 
-impl Trainer {
+impl Ranks {
+    pub fn new(collective: Arc<dyn Collective>) -> Self {
+        Self { collective }
+    }
+
+    /// This rank's place: (rank, world size).
+    pub fn rank(&self) -> (usize, usize) {
+        (self.collective.rank(), self.collective.world_size())
+    }
+
+    /// Whether any rank says `yes`: every rank gets the same answer at the same point. A
+    /// collective when there are several ranks.
+    pub fn any(&self, yes: bool) -> Result<bool, TrainError> {
+        Ok(sum_f64(self.collective.as_ref(), &[f64::from(u8::from(yes))])?[0] > 0.0)
+    }
+
+    /// `x` summed over the ranks (itself on one rank).
+    pub fn sum(&self, x: f64) -> Result<f64, TrainError> {
+        Ok(sum_f64(self.collective.as_ref(), &[x])?[0])
+    }
+
+    /// Fails with [`TrainError::Diverged`] unless every rank's weights have the same
+    /// checksum: silent divergence of the replicas (a non-deterministic kernel, a bad
+    /// collective) becomes an error. A collective; free on one rank.
+    pub fn check_replicas(&self, learner: &Learner, step: u64) -> Result<(), TrainError> {
+        if self.collective.world_size() == 1 {
+            return Ok(());
+        }
+        let tensors: BTreeMap<String, candle_core::Tensor> = learner
+            .vars
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+            .collect();
+        let sum = weights_checksum(&tensors)?;
+        let all = self
+            .collective
+            .all_gather_f64(&[f64::from(sum), learner.optimizer.step as f64])?;
+        if all.iter().all(|x| *x == all[0]) {
+            return Ok(());
+        }
+        let checksums = all
+            .iter()
+            .enumerate()
+            .map(|(rank, x)| format!("rank {rank}: {:08x} after {} updates", x[0] as u32, x[1]))
+            .collect::<Vec<_>>()
+            .join(", ");
+        Err(TrainError::Diverged { step, checksums })
+    }
+
     /// This rank's share of `num_kept` rolled-out prompts.
-    pub(super) fn own_groups(&self, num_kept: usize) -> Range<usize> {
+    pub fn own_groups(&self, num_kept: usize) -> Range<usize> {
         shard_range(
             num_kept,
             self.collective.rank(),
@@ -65,7 +123,11 @@ impl Trainer {
 
     /// The whole step's view from this rank's finished share `rollout`: a collective
     /// (every rank calls it at the same point of the step).
-    pub(super) fn batch_view(&self, rollout: StepRollout) -> Result<BatchView, TrainError> {
+    pub fn batch_view(
+        &self,
+        rollout: StepRollout,
+        prompts: &Prompts,
+    ) -> Result<BatchView, TrainError> {
         let StepRollout {
             drawn,
             groups,
@@ -74,7 +136,7 @@ impl Trainer {
             extracted_by,
             num_correct,
             version,
-            ..
+            step,
         } = rollout;
         let world = self.collective.world_size();
         if world == 1 {
@@ -132,7 +194,7 @@ impl Trainer {
                     "rank {rank} rolled out {} prompts of step {}, its share is {}: the ranks \
                      drew different prompts",
                     report.groups.len(),
-                    self.step,
+                    step,
                     range.len()
                 )));
             }
@@ -153,7 +215,7 @@ impl Trainer {
                         .collect();
                     view.groups.push(Group {
                         w_q,
-                        ..Group::new(self.train[i].prompt_id, samples)
+                        ..Group::new(prompts.problem(i).prompt_id, samples)
                     });
                 }
             }
@@ -169,7 +231,7 @@ impl Trainer {
 
     /// Every rank's share of a rollout waiting for its step, joined into the whole step's
     /// (in rank order): what rank 0 saves in a checkpoint. A collective.
-    pub(crate) fn gather_rollout(
+    pub fn gather_rollout(
         &self,
         rollout: Option<&StepRollout>,
     ) -> Result<Option<StepRollout>, TrainError> {
@@ -212,7 +274,7 @@ impl Trainer {
     /// This rank's share of a whole step's rollout read from a checkpoint: its groups; the
     /// rollout's counts go to rank 0 only, so that the step's sums over ranks count them
     /// once.
-    pub(crate) fn share_of(&self, mut rollout: StepRollout) -> StepRollout {
+    pub fn share_of(&self, mut rollout: StepRollout) -> StepRollout {
         if self.collective.world_size() == 1 {
             return rollout;
         }

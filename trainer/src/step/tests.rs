@@ -1,13 +1,12 @@
-//! The step loop's own tests: warm-up position, variance study, allocation, GRESO, one
-//! step off-policy, non-finite steps.
+//! The step loop's own tests: warm-up, variance study, one step off-policy, evaluation
+//! between steps, non-finite steps.
 
 use super::*;
 use crate::data::builtin_task;
-use crate::prune::PromptStats;
-use crate::rollout::Sample;
+use crate::rollout::{Group, Sample};
 
 #[test]
-fn the_warm_up_draws_only_demonstrations_and_leaves_the_rl_position() {
+fn warm_up_steps_publish_and_leave_the_rl_position() {
     let overrides = [
         "warmup.examples=8".to_string(),
         "warmup.batch_size=4".into(),
@@ -16,17 +15,15 @@ fn the_warm_up_draws_only_demonstrations_and_leaves_the_rl_position() {
     let policy = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
     let (train, eval) = builtin_task("arithmetic", 64, 4, 0).unwrap();
     let mut trainer = Trainer::new(cfg, &policy, &Device::Cpu, train, eval).unwrap();
-    let mut demos = trainer.demo_order.clone();
     for _ in 0..3 {
         trainer.warmup_step().unwrap();
     }
     assert_eq!(
-        trainer.order.drawn, 0,
+        trainer.prompts.state().drawn,
+        0,
         "RL starts at the first training problem"
     );
-    assert_eq!(trainer.demo_order.drawn, 12);
-    assert!(demos.next(12).iter().all(|&i| i < 8));
-    assert_eq!(trainer.policy_version, 3);
+    assert_eq!(trainer.policy_version(), 3);
 }
 
 #[test]
@@ -54,89 +51,24 @@ fn pruning_variance_is_zero_unpruned_and_grows_with_the_rate() {
         })
         .collect();
     compute_advantages(&mut groups, crate::advantages::ScaleRewards::Group);
-    let variance = |rate: f64| {
-        let level = trainer.cfg.dppo.level(rate);
-        trainer
-            .pruning_variance(&groups, 0..4, 4, &level, 16)
-            .unwrap()
+    let variance = |r_o: f64| {
+        let cfg = RunConfig::default_with(&[format!("dppo.r_o={r_o}")]).unwrap();
+        let algorithm = prompts::algorithm(&cfg);
+        let inputs = variance::VarianceInputs {
+            algorithm: algorithm.as_ref(),
+            learner: &trainer.learner,
+            groups: &groups,
+            own: 0..4,
+            num_drawn: 4,
+            draws: 16,
+        };
+        variance::pruning_variance(&inputs, |phase| trainer.step_rng(0, phase)).unwrap()
     };
     assert_eq!(variance(0.0), 0.0, "no pruning, no scatter");
     let (low, high) = (variance(0.25), variance(0.75));
     assert!(
         low > 0.0 && high > 2.0 * low,
         "r_o 0.25: {low}, r_o 0.75: {high}"
-    );
-}
-
-#[test]
-fn greso_draws_until_the_rollout_batch_is_full() {
-    let cfg = RunConfig::default_with(&["algorithm=greso".to_string()]).unwrap();
-    let policy = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
-    let (train, eval) = builtin_task("arithmetic", 256, 4, 0).unwrap();
-    let mut trainer = Trainer::new(cfg, &policy, &Device::Cpu, train, eval).unwrap();
-    // Every even prompt was all-correct on its last 16 visits: skipped with probability
-    // 0.99 (GRESO's floor keeps 1%).
-    for p in trainer.train.iter().filter(|p| p.prompt_id % 2 == 0) {
-        trainer.greso.visits.insert(p.prompt_id, vec![1.0; 16]);
-    }
-    let drawn = trainer.draw_and_prune_prompts(0);
-    let kept = drawn.w_q.iter().filter(|w| w.is_some()).count();
-    assert_eq!(kept, 32, "the rollout batch stays full");
-    assert!(
-        drawn.problems.len() > 50,
-        "about half the drawn prompts are skipped"
-    );
-    assert_eq!(trainer.order.drawn, drawn.problems.len() as u64);
-    // With fewer rollable prompts than a batch, one pass over the training set ends it.
-    for p in &trainer.train {
-        trainer.greso.visits.insert(p.prompt_id, vec![1.0; 16]);
-    }
-    let drawn = trainer.draw_and_prune_prompts(0);
-    assert_eq!(drawn.problems.len(), 256);
-}
-
-#[test]
-fn allocation_decides_whether_prompt_pruning_refills_the_batch() {
-    let policy = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
-    let drawn_and_kept = |allocation: bool| {
-        let cfg = RunConfig::default_with(&[
-            "dppo.r_q=0.5".to_string(),
-            format!("dppo.allocation={allocation}"),
-        ])
-        .unwrap();
-        let (train, eval) = builtin_task("arithmetic", 256, 4, 0).unwrap();
-        let mut trainer = Trainer::new(cfg, &policy, &Device::Cpu, train, eval).unwrap();
-        // Every prompt seen; the even ones carried no signal: they are the candidates.
-        for p in &trainer.train {
-            let stats = PromptStats {
-                score: if p.prompt_id % 2 == 0 { 0.0 } else { 1.0 },
-                last_step: 0,
-                visits: 1,
-                zero_var_streak: u64::from(p.prompt_id % 2 == 0),
-                right: 0.0,
-                samples: 0,
-                ability_sum: 0.0,
-                group_size: 0,
-            };
-            trainer.history.entries.insert(p.prompt_id, stats);
-        }
-        // The first draw measures the candidate fraction that sizes the second.
-        trainer.draw_and_prune_prompts(0);
-        let drawn = trainer.draw_and_prune_prompts(0);
-        let kept = drawn.w_q.iter().flatten().count();
-        (drawn.problems.len(), kept)
-    };
-    let (drawn, kept) = drawn_and_kept(true);
-    assert!(drawn > 32, "over-drawn: {drawn}");
-    assert!(
-        (28..=36).contains(&kept),
-        "about a full batch rolled out: {kept}"
-    );
-    let (drawn, kept) = drawn_and_kept(false);
-    assert_eq!(drawn, 32);
-    assert!(
-        (16..32).contains(&kept),
-        "pruned prompts are not replaced: {kept}"
     );
 }
 
@@ -182,22 +114,21 @@ fn one_step_off_policy_trains_on_the_previous_version_and_gives_the_engine_a_cop
         0,
         "the first step waits"
     );
-    let Some(Pending::InFlight(next)) = &trainer.pending else {
-        panic!("step 1's rollout is in flight after step 0");
+    let in_flight = |trainer: &mut Trainer| match trainer.rollouts.pending_mut() {
+        Some(Pending::InFlight(next)) => next.step_and_version(),
+        _ => panic!("the next step's rollout is in flight"),
     };
-    assert_eq!((next.step, next.version), (1, 1));
+    assert_eq!(in_flight(&mut trainer), (1, 1));
     // The engine generates step 1's rollout with version 1 while version 2 is published;
     // the optimizer's next update must not reach the weights the engine holds.
-    let published = trainer.store.latest();
-    assert_eq!(published.version, 2);
-    let before = values(&published.weights);
+    let engine = trainer.engine();
+    assert_eq!(engine.policy_version(), 2);
+    let published = engine.published_weights();
+    let before = values(&published);
     assert_eq!(staleness(&trainer.step().unwrap()), 1);
-    assert_eq!(values(&published.weights), before);
+    assert_eq!(values(&published), before);
     assert_ne!(values(&trainer.learner.weights().unwrap()), before);
-    let Some(Pending::InFlight(next)) = &trainer.pending else {
-        panic!("step 2's rollout is in flight after step 1");
-    };
-    assert_eq!((next.step, next.version), (2, 2));
+    assert_eq!(in_flight(&mut trainer), (2, 2));
     assert_eq!(staleness(&trainer.step().unwrap()), 1);
 }
 
@@ -214,7 +145,8 @@ fn evaluating_between_off_policy_steps_leaves_the_run_unchanged() {
                 // rollout must survive the second wait.
                 for _ in 0..2 {
                     trainer.evaluate().unwrap();
-                    assert!(matches!(trainer.pending, Some(Pending::Done(_))));
+                    let pending = trainer.rollouts.pending_mut();
+                    assert!(matches!(pending, Some(Pending::Done(_))));
                 }
             }
         }
@@ -244,11 +176,11 @@ fn non_finite_steps_change_nothing_and_stop_the_run_after_three_in_a_row() {
     assert_eq!(line["train/nonfinite_steps"], 0);
     let good = values(&trainer.learner.weights().unwrap());
     let (good_moments, good_step) = (moments(&trainer), trainer.learner.optimizer.step);
-    let version = trainer.policy_version;
+    let version = trainer.policy_version();
     for skipped in 1..=3u64 {
         // The engine's logprobs of the next step's rollout come back NaN.
-        trainer.settle().unwrap();
-        let Some(Pending::Done(rollout)) = &mut trainer.pending else {
+        trainer.rollouts.settle(&trainer.prompts).unwrap();
+        let Some(Pending::Done(rollout)) = trainer.rollouts.pending_mut() else {
             panic!("a finished rollout waits for the next step");
         };
         for sample in rollout.groups.iter_mut().flat_map(|g| g.samples.iter_mut()) {
@@ -259,7 +191,7 @@ fn non_finite_steps_change_nothing_and_stop_the_run_after_three_in_a_row() {
         assert_eq!(values(&trainer.learner.weights().unwrap()), good);
         assert_eq!(moments(&trainer), good_moments);
         assert_eq!(trainer.learner.optimizer.step, good_step);
-        assert_eq!(trainer.policy_version, version, "nothing new to publish");
+        assert_eq!(trainer.policy_version(), version, "nothing new to publish");
         assert_eq!(trainer.nonfinite_limit().is_some(), skipped == 3);
     }
     let err = trainer.nonfinite_limit().unwrap().to_string();
@@ -288,4 +220,37 @@ fn an_empty_training_set_is_a_config_error() {
         .err()
         .unwrap();
     assert!(err.to_string().contains("training set is empty"), "{err}");
+}
+
+#[test]
+fn a_run_restores_only_its_algorithms_share_of_an_old_checkpoint() {
+    // Written at commit 5c72f55, when every checkpoint carried both the prompt history and
+    // GRESO's state (tests/resume.rs resumes it bit for bit).
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/checkpoint-5c72f55/step-000002");
+    let old: serde_json::Value =
+        serde_json::from_str(&checkpoint::read_state(&dir).unwrap()).unwrap();
+    let policy = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
+    let restored = |algorithm: &str| {
+        let cfg = RunConfig::default_with(&[format!("algorithm={algorithm}")]).unwrap();
+        let (train, eval) = builtin_task("arithmetic", 64, 4, 0).unwrap();
+        let mut trainer = Trainer::new(cfg, &policy, &Device::Cpu, train, eval).unwrap();
+        trainer.restore(&dir).unwrap();
+        trainer.prompts.state()
+    };
+    let greso = restored("greso");
+    let want: GresoState = serde_json::from_value(old["greso"].clone()).unwrap();
+    assert_eq!(
+        (greso.algorithm.greso, greso.algorithm.history),
+        (Some(want), None)
+    );
+    let dppo = restored("dppo");
+    let want: PromptHistory = serde_json::from_value(old["history"].clone()).unwrap();
+    assert_eq!(
+        (dppo.algorithm.history, dppo.algorithm.greso),
+        (Some(want), None)
+    );
+    assert_eq!(dppo.drawn, old["drawn"].as_u64().unwrap());
+    let grpo = restored("grpo");
+    assert_eq!(grpo.algorithm, AlgorithmState::default());
 }

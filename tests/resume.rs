@@ -1,0 +1,60 @@
+//! Checkpoints written by earlier versions of dppo resume and continue bit for bit.
+//!
+//! `tests/fixtures/checkpoint-5c72f55/` was written at commit 5c72f55 by
+//! `dppo run --set steps=4 --set checkpoint.every=2 --set checkpoint.keep=2` (DPPO on the
+//! built-in default, one step off-policy, so the checkpoint holds the prompt history, GRESO's
+//! state of that time and the rollout made ahead of step 3); `metrics-after.jsonl` holds that
+//! run's metrics lines of steps 3 and 4, timings removed.
+
+use std::path::PathBuf;
+
+use candle_core::Device;
+use dppo_model::Policy;
+use dppo_trainer::checkpoint;
+use dppo_trainer::config::RunConfig;
+use dppo_trainer::data::builtin_task;
+use dppo_trainer::step::Trainer;
+use serde_json::{Map, Value};
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/checkpoint-5c72f55")
+}
+
+/// A metrics line without its timings (which differ from run to run).
+fn untimed(line: Map<String, Value>) -> Map<String, Value> {
+    line.into_iter()
+        .filter(|(k, _)| {
+            !(k.starts_with("timing_s/") || k.starts_with("perf/") || k.ends_with("_s"))
+        })
+        .collect()
+}
+
+#[test]
+fn a_checkpoint_of_commit_5c72f55_resumes_to_that_runs_metrics() {
+    let ckpt = fixture().join("step-000002");
+    checkpoint::verify(&ckpt).unwrap();
+    let text = std::fs::read_to_string(ckpt.join(checkpoint::CONFIG)).unwrap();
+    let cfg = RunConfig::from_toml(&text, "the fixture's config.toml", &[]).unwrap();
+    let model = ckpt.join(checkpoint::MODEL_DIR);
+    let policy = Policy::load(model.to_str().unwrap(), &Device::Cpu).unwrap();
+    let (train, eval) = builtin_task(
+        "arithmetic",
+        cfg.data.num_train,
+        cfg.data.num_eval,
+        cfg.seed,
+    )
+    .unwrap();
+    let mut trainer = Trainer::new(cfg, &policy, &Device::Cpu, train, eval).unwrap();
+    let state = trainer.restore(&ckpt).unwrap();
+    assert_eq!((state.step, trainer.step), (2, 2));
+    let want: Vec<Map<String, Value>> =
+        std::fs::read_to_string(fixture().join("metrics-after.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+    for want in want {
+        let got = untimed(trainer.step().unwrap());
+        assert_eq!(got, want, "step {}", trainer.step);
+    }
+}

@@ -1,0 +1,186 @@
+//! The training prompts a run draws from: the problems with their prompts tokenized once,
+//! the RL and warm-up positions in them, and the pruning algorithm that decides which are
+//! rolled out. This part's share of a checkpoint is the RL position and the algorithm's state.
+
+use dppo_model::TextTokenizer;
+use rand::rngs::StdRng;
+
+use crate::config::RunConfig;
+use crate::data::{problem_prompts, Problem, ProblemOrder, DEMO_STREAM, TRAIN_STREAM};
+use crate::loss::TrainSeq;
+use crate::prune::{
+    Algorithm, AlgorithmState, BatchShape, Cppo, Dppo, Drawn, Greso, Grpo, PromptPool,
+    PruningAlgorithm,
+};
+use crate::rollout::Group;
+use crate::TrainError;
+
+/// The training problems, positions in them and the pruning algorithm.
+pub(crate) struct Prompts {
+    problems: Vec<Problem>,
+    /// Token ids of every problem's prompt (chat-formatted when the model has a template).
+    tokens: Vec<Vec<u32>>,
+    /// Every problem's prompt id, what prompt histories are keyed by.
+    prompt_ids: Vec<u64>,
+    /// The RL data position: problems drawn so far, epochs reshuffled by seed.
+    order: ProblemOrder,
+    /// The warm-up's own position over the demonstrations (`warmup.examples`).
+    demo_order: ProblemOrder,
+    algorithm: Box<dyn PruningAlgorithm>,
+}
+
+/// This part's share of a checkpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptsState {
+    /// Training problems drawn so far.
+    pub drawn: u64,
+    pub algorithm: AlgorithmState,
+}
+
+impl Prompts {
+    /// Tokenizes the prompts of `problems` (not empty) and builds the configured algorithm.
+    pub fn new(
+        cfg: &RunConfig,
+        tokenizer: &TextTokenizer,
+        problems: Vec<Problem>,
+    ) -> Result<Self, TrainError> {
+        if problems.is_empty() {
+            return Err(TrainError::Config(
+                "the training set is empty (data.train, data.num_train)".into(),
+            ));
+        }
+        let tokens = problem_prompts(tokenizer, &problems)?;
+        let num_demos = match cfg.warmup.examples {
+            0 => problems.len(),
+            n => n.min(problems.len()),
+        };
+        Ok(Self {
+            prompt_ids: problems.iter().map(|p| p.prompt_id).collect(),
+            order: ProblemOrder::new(cfg.seed, TRAIN_STREAM, problems.len()),
+            demo_order: ProblemOrder::new(cfg.seed, DEMO_STREAM, num_demos),
+            algorithm: algorithm(cfg),
+            problems,
+            tokens,
+        })
+    }
+
+    /// The length of the longest prompt in tokens.
+    pub fn longest(&self) -> usize {
+        self.tokens.iter().map(Vec::len).max().unwrap_or(0)
+    }
+
+    /// Training problem `i`.
+    pub fn problem(&self, i: usize) -> &Problem {
+        &self.problems[i]
+    }
+
+    /// The token ids of training problem `i`'s prompt.
+    pub fn tokens(&self, i: usize) -> &[u32] {
+        &self.tokens[i]
+    }
+
+    /// The algorithm that prunes this run.
+    pub fn algorithm(&self) -> &dyn PruningAlgorithm {
+        self.algorithm.as_ref()
+    }
+
+    /// Draws a step's prompts and prunes them (`rng`: the step's draw stream).
+    pub fn draw(&mut self, rng: &mut StdRng) -> Drawn {
+        let mut pool = PromptPool {
+            order: &mut self.order,
+            prompt_ids: &self.prompt_ids,
+        };
+        self.algorithm.draw(&mut pool, rng)
+    }
+
+    /// Lets the algorithm learn from step `step`'s scored groups.
+    pub fn update(&mut self, groups: &[Group], step: u64) {
+        self.algorithm.update(groups, step);
+    }
+
+    /// The next `batch_size` demonstrations (prompt, solution, `eos`) of the warm-up;
+    /// problems without a solution are skipped.
+    pub fn demo_batch(
+        &mut self,
+        batch_size: usize,
+        tokenizer: &TextTokenizer,
+        eos: Option<u32>,
+    ) -> Result<Vec<TrainSeq>, TrainError> {
+        let mut seqs = Vec::with_capacity(batch_size);
+        for i in self.demo_order.next(batch_size) {
+            let Some(solution) = &self.problems[i].solution else {
+                continue;
+            };
+            let mut tokens = self.tokens[i].clone();
+            let num_prompt_tokens = tokens.len();
+            tokens.extend(tokenizer.encode(solution, false)?);
+            tokens.extend(eos);
+            seqs.push(TrainSeq {
+                num_prompt_tokens,
+                rollout_logprobs: vec![0.0; tokens.len() - num_prompt_tokens],
+                tokens,
+                advantage: 0.0,
+                weight: 1.0,
+            });
+        }
+        Ok(seqs)
+    }
+
+    /// This part's share of a checkpoint.
+    pub fn state(&self) -> PromptsState {
+        PromptsState {
+            drawn: self.order.drawn,
+            algorithm: self.algorithm.state(),
+        }
+    }
+
+    /// Continues from a checkpoint's share.
+    pub fn restore(&mut self, state: PromptsState) {
+        self.order.drawn = state.drawn;
+        self.algorithm.restore(state.algorithm);
+    }
+}
+
+/// The configured algorithm (`algorithm`, `[dppo]`): the one place the choice is read.
+pub(super) fn algorithm(cfg: &RunConfig) -> Box<dyn PruningAlgorithm> {
+    let shape = BatchShape {
+        prompts_per_step: cfg.rollout.prompts_per_step,
+        group_size: cfg.rollout.n,
+        max_len: cfg.rollout.max_response_len,
+        beta: cfg.actor.beta,
+        scope: cfg.dppo.scope,
+    };
+    match cfg.algorithm {
+        Algorithm::Grpo => Box::new(Grpo::new(shape)),
+        Algorithm::Dppo => Box::new(Dppo::new(shape, cfg.dppo)),
+        Algorithm::Cppo => Box::new(Cppo::new(shape, cfg.dppo.r_o)),
+        Algorithm::Greso => Box::new(Greso::new(shape)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::builtin_task;
+
+    #[test]
+    fn the_warm_up_draws_only_demonstrations_and_leaves_the_rl_position() {
+        let overrides = ["warmup.examples=8".to_string()];
+        let cfg = RunConfig::default_with(&overrides).unwrap();
+        let tiny = dppo_model::presets::load_preset("tiny", &candle_core::Device::Cpu).unwrap();
+        let (train, _) = builtin_task("arithmetic", 64, 4, 0).unwrap();
+        let mut prompts = Prompts::new(&cfg, &tiny.tokenizer, train).unwrap();
+        let mut demos = prompts.demo_order.clone();
+        for _ in 0..3 {
+            let batch = prompts.demo_batch(4, &tiny.tokenizer, Some(1)).unwrap();
+            assert_eq!(batch.len(), 4, "every built-in problem has a solution");
+        }
+        assert_eq!(
+            prompts.state().drawn,
+            0,
+            "RL starts at the first training problem"
+        );
+        assert_eq!(prompts.demo_order.drawn, 12);
+        assert!(demos.next(12).iter().all(|&i| i < 8));
+    }
+}

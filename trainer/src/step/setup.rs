@@ -1,0 +1,113 @@
+//! From a run's config to the learner's and the engine's: the settings each takes, the
+//! GPU memory plan that sizes the KV cache, and the start-up checks between them.
+
+use candle_core::{DType, Device};
+use dppo_engine::EngineConfig;
+use dppo_model::Policy;
+
+use crate::config::RunConfig;
+use crate::learner::LearnerConfig;
+use crate::loss::LossConfig;
+use crate::memory_plan::{self, LearnerInputs, MemoryPlan, ModelShape, PlanInputs, Precision};
+use crate::optim::{AdamWConfig, LrSchedule};
+use crate::TrainError;
+
+/// The learner's settings (`[actor]`, `[pack]`, `[train]`) on `device`.
+pub(super) fn learner_config(cfg: &RunConfig, device: &Device) -> LearnerConfig {
+    LearnerConfig {
+        loss: LossConfig {
+            eps_low: cfg.actor.eps_low,
+            eps_high: cfg.actor.eps_high,
+            loss_agg: cfg.actor.loss_agg,
+            ratio_level: cfg.actor.ratio_level,
+            beta: cfg.actor.beta,
+        },
+        adamw: AdamWConfig {
+            weight_decay: cfg.actor.weight_decay,
+            ..AdamWConfig::default()
+        },
+        schedule: LrSchedule {
+            lr: cfg.actor.lr,
+            warmup_steps: cfg.actor.warmup_steps,
+            cosine_total_steps: None,
+            min_lr: 0.0,
+        },
+        grad_clip: cfg.actor.grad_clip,
+        pack_tokens: cfg.pack.tokens,
+        pack_window: cfg.pack.window,
+        compute_dtype: cfg.train.compute_dtype.resolve(device),
+    }
+}
+
+/// The engine's settings (`[engine]`, `deterministic`) on `device`: on a GPU the KV cache
+/// gets what the memory plan leaves for sequences of `seq_len` tokens; the CPU keeps its
+/// size.
+pub(super) fn engine_config(
+    cfg: &RunConfig,
+    policy: &Policy,
+    device: &Device,
+    learner_dtype: DType,
+    seq_len: usize,
+) -> Result<EngineConfig, TrainError> {
+    let mut engine = EngineConfig {
+        kv_cache_bytes: 1 << 30,
+        isolate_high_priority: cfg.deterministic,
+        attention: cfg.engine.attention,
+        dtype: Some(cfg.engine.dtype.resolve(device)),
+        ..EngineConfig::default()
+    };
+    if let Some((free, total)) = dppo_model::device::memory_info(device)? {
+        let plan = gpu_plan(cfg, policy, &engine, learner_dtype, (free, total), seq_len)?;
+        tracing::info!("GPU memory plan:\n{plan}");
+        engine.kv_cache_tokens = Some(plan.kv_tokens as usize);
+    }
+    Ok(engine)
+}
+
+/// Start-up check: the `longest` prompt plus `max_response_len` must fit one packed buffer.
+pub(super) fn check_pack_tokens(cfg: &RunConfig, longest: usize) -> Result<(), TrainError> {
+    let needed = longest + cfg.rollout.max_response_len;
+    if needed > cfg.pack.tokens {
+        return Err(TrainError::Config(format!(
+            "pack.tokens = {} is smaller than the longest prompt ({longest} tokens) plus \
+             rollout.max_response_len ({}); set pack.tokens >= {needed}",
+            cfg.pack.tokens, cfg.rollout.max_response_len
+        )));
+    }
+    Ok(())
+}
+
+/// The memory plan of a co-located run on a GPU with `free` of `total` bytes, in the
+/// engine's and the learner's dtypes.
+fn gpu_plan(
+    cfg: &RunConfig,
+    policy: &Policy,
+    engine: &EngineConfig,
+    learner_dtype: DType,
+    (free, total): (u64, u64),
+    seq_len: usize,
+) -> Result<MemoryPlan, TrainError> {
+    Ok(memory_plan::plan(&PlanInputs {
+        model: ModelShape::from(&policy.config),
+        engine_dtype: precision(engine.dtype.unwrap_or(DType::F32)),
+        learner: Some(LearnerInputs {
+            compute_dtype: precision(learner_dtype),
+            pack_tokens: cfg.pack.tokens as u64,
+        }),
+        total_memory: total,
+        free_memory: free,
+        gpu_memory_utilization: cfg.engine.gpu_memory_utilization,
+        block_size: engine.block_size as u64,
+        max_batched_tokens: engine.max_batched_tokens as u64,
+        seq_len: seq_len as u64,
+    })?)
+}
+
+/// The memory plan's name of a floating-point dtype.
+fn precision(dtype: DType) -> Precision {
+    match dtype {
+        DType::BF16 => Precision::Bf16,
+        DType::F16 => Precision::F16,
+        _ => Precision::F32,
+    }
+}
