@@ -58,7 +58,10 @@ pub const MODEL_DIR: &str = "model";
 pub const CONFIG: &str = "config.toml";
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
-    move |e| TrainError::Config(format!("{}: {e}", path.display()))
+    move |source| TrainError::Io {
+        path: path.display().to_string(),
+        source,
+    }
 }
 
 impl Trainer {
@@ -154,7 +157,10 @@ impl Trainer {
             num_nonfinite_steps: self.num_nonfinite_steps,
             world_size: self.rank().1,
         };
-        let json = serde_json::to_string(&state).map_err(|e| TrainError::Config(e.to_string()))?;
+        let json = serde_json::to_string(&state).map_err(|e| TrainError::State {
+            what: "the trainer state",
+            reason: e.to_string(),
+        })?;
         write_atomic(&tmp.join(STATE), json.as_bytes())?;
         write_atomic(&tmp.join(CONFIG), self.cfg.to_toml().as_bytes())?;
         write_manifest(&tmp)?;
@@ -171,13 +177,17 @@ impl Trainer {
     pub fn restore(&mut self, dir: &Path) -> Result<TrainerState, TrainError> {
         let path = dir.join(STATE);
         let text = std::fs::read_to_string(&path).map_err(io(&path))?;
-        let state: TrainerState = serde_json::from_str(&text)
-            .map_err(|e| TrainError::Config(format!("{}: {e}", path.display())))?;
+        let corrupt = |file: &str, e: String| TrainError::Checkpoint {
+            dir: dir.display().to_string(),
+            reason: format!("{file} is unreadable ({e}): resume from another checkpoint"),
+        };
+        let state: TrainerState =
+            serde_json::from_str(&text).map_err(|e| corrupt(STATE, e.to_string()))?;
         // Onto the learner's device, whichever device wrote the checkpoint.
         let device = self.learner.model.device().clone();
         let path = dir.join(OPTIMIZER);
         let tensors = candle_core::safetensors::load(&path, &device)
-            .map_err(|e| TrainError::Config(format!("{}: {e}", path.display())))?;
+            .map_err(|e| corrupt(OPTIMIZER, e.to_string()))?;
         let mut moments: BTreeMap<String, (Tensor, Tensor)> = BTreeMap::new();
         for name in self.learner.vars.keys() {
             if let (Some(m), Some(v)) = (
@@ -191,7 +201,7 @@ impl Trainer {
         let path = dir.join(REFERENCE);
         if self.learner.reference.is_some() && path.exists() {
             let tensors = candle_core::safetensors::load(&path, &device)
-                .map_err(|e| TrainError::Config(format!("{}: {e}", path.display())))?;
+                .map_err(|e| corrupt(REFERENCE, e.to_string()))?;
             let weights = dppo_model::Weights::from_tensors(
                 self.learner.model.config(),
                 tensors.into_iter().collect(),
@@ -207,12 +217,13 @@ impl Trainer {
         self.num_nonfinite_steps = state.num_nonfinite_steps;
         if let Some(rollout) = &state.pending {
             if rollout.step != state.step {
-                return Err(TrainError::Config(format!(
-                    "{}: the saved rollout is for step {}, the checkpoint is at step {}",
-                    dir.join(STATE).display(),
-                    rollout.step,
-                    state.step
-                )));
+                return Err(corrupt(
+                    STATE,
+                    format!(
+                        "its saved rollout is for step {}, the checkpoint is at step {}",
+                        rollout.step, state.step
+                    ),
+                ));
             }
         }
         let world = self.rank().1;
@@ -274,8 +285,13 @@ fn write_manifest(dir: &Path) -> Result<(), TrainError> {
     for rel in files_under(dir)? {
         files.insert(rel.clone(), file_sum(&dir.join(&rel))?);
     }
-    let json = serde_json::to_string_pretty(&serde_json::json!({ "files": files }))
-        .map_err(|e| TrainError::Config(e.to_string()))?;
+    let json =
+        serde_json::to_string_pretty(&serde_json::json!({ "files": files })).map_err(|e| {
+            TrainError::State {
+                what: "the checkpoint manifest",
+                reason: e.to_string(),
+            }
+        })?;
     Ok(write_atomic(&dir.join(MANIFEST), json.as_bytes())?)
 }
 
@@ -345,7 +361,7 @@ pub fn latest(root: &Path) -> Option<PathBuf> {
 /// directories of saves that never finished.
 fn prune_old(root: &Path, keep: usize) -> Result<(), TrainError> {
     let steps = step_dirs(root);
-    let excess = steps.len().saturating_sub(keep.max(1));
+    let excess = steps.len().saturating_sub(keep);
     for old in &steps[..excess] {
         std::fs::remove_dir_all(old).map_err(io(old))?;
     }
