@@ -262,6 +262,100 @@ mod tests {
     }
 
     #[test]
+    fn bad_configs_name_the_key() {
+        let cases = [
+            (
+                "threads=-1",
+                "invalid value for threads: got -1, allowed: integer >= 0",
+            ),
+            (
+                "dppo.r_o=1",
+                "invalid value for dppo.r_o: got 1, allowed: float in [0, 1)",
+            ),
+            ("dppo.r_0=0.5", "--set dppo.r_0=0.5: unknown key dppo.r_0"),
+            (
+                "rollout.n=\"eight\"",
+                "rollout.n: got \"eight\", allowed: integer >= 2",
+            ),
+            (
+                "actor.loss_agg=\"mean\"",
+                "actor.loss_agg: got \"mean\", allowed: token-mean |",
+            ),
+            ("rollout.n=1", "invalid value for rollout.n: got 1"),
+            ("bogus", "expected key=value"),
+            (
+                "dppo.candidate_frac=0",
+                "dppo.candidate_frac: got 0, allowed: float in (0, 1]",
+            ),
+            ("dppo.mode=\"random\"", "dppo.mode: got \"random\""),
+            (
+                "dppo.candidates=\"lowest\"",
+                "dppo.candidates: got \"lowest\"",
+            ),
+            ("logger=[\"tensorboard\"]", "logger: must include \"jsonl\""),
+            ("logger=[\"wandb\"]", "logger: got [\"wandb\"]"),
+            ("actor.lr=inf", "actor.lr: got inf, allowed: float > 0"),
+            ("warmup.lr=nan", "warmup.lr: got nan, allowed: float > 0"),
+            ("actor.weight_decay=nan", "actor.weight_decay"),
+            (
+                "actor.grad_clip=nan",
+                "actor.grad_clip: got nan, allowed: float >= 0",
+            ),
+            (
+                "resume=\"always\"",
+                "resume: got \"always\", allowed: disable | auto",
+            ),
+            (
+                "reward.overlong_buffer=8",
+                "reward.overlong_buffer: must be less than rollout.max_response_len (8), got 8",
+            ),
+            (
+                "reward.overlong_penalty=-1",
+                "reward.overlong_penalty: got -1, allowed: float >= 0",
+            ),
+            (
+                "reward.extract=\"lenient\"",
+                "reward.extract: got \"lenient\"",
+            ),
+            ("reward.overlong=1", "unknown key reward.overlong"),
+            (
+                "device=\"gpu\"",
+                "device: got \"gpu\", allowed: cpu | cuda | cuda:N",
+            ),
+            (
+                "engine.gpu_memory_utilization=1.5",
+                "engine.gpu_memory_utilization: got 1.5, allowed: float in (0, 1]",
+            ),
+            ("train.compute_dtype=f16", "allowed: auto | f32 | bf16"),
+            (
+                "checkpoint.keep=0",
+                "checkpoint.keep: got 0, allowed: integer > 0",
+            ),
+            (
+                "warmup.batch_size=0",
+                "warmup.batch_size: got 0, allowed: integer > 0",
+            ),
+        ];
+        for (set, want) in cases {
+            let err = RunConfig::default_with(&[set.to_string()])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(want), "--set {set}: {err}");
+            if set != "bogus" {
+                assert!(err.starts_with(&format!("--set {set}: ")), "{err}");
+            }
+        }
+        let err = RunConfig::from_toml("model = ", "my.toml", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("my.toml:"), "{err}");
+        let err = RunConfig::from_toml("model = \"builtin:tiny\"", "my.toml", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("my.toml: missing field"), "{err}");
+    }
+
+    #[test]
     fn an_unknown_key_in_a_set_names_the_set() {
         let err = RunConfig::default_with(&["rollout.nn=3".to_string()])
             .unwrap_err()
