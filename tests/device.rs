@@ -100,7 +100,7 @@ fn a_device_that_is_no_device_is_rejected_naming_the_forms() {
     assert!(stderr.contains("expected cpu, cuda or cuda:N"), "{stderr}");
     let (code, stderr) = dppo(&["run", "--set", "device=cuda:x"]);
     assert_eq!(code, Some(2), "{stderr}");
-    assert!(stderr.contains("expected cpu, cuda or cuda:N"), "{stderr}");
+    assert!(stderr.contains("allowed: cpu | cuda | cuda:N"), "{stderr}");
 }
 
 #[test]

@@ -17,7 +17,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::TrainError;
 
-const STATE: &str = "state.json";
+/// The trainer's state as JSON.
+pub const STATE: &str = "state.json";
 /// Every other file's size and CRC-32; written last.
 pub const MANIFEST: &str = "manifest.json";
 /// The optimizer's moments (`m/<param>`, `v/<param>`).
@@ -30,7 +31,10 @@ pub const MODEL_DIR: &str = "model";
 pub const CONFIG: &str = "config.toml";
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
-    move |e| TrainError::Config(format!("{}: {e}", path.display()))
+    move |source| TrainError::Io {
+        path: path.display().to_string(),
+        source,
+    }
 }
 
 /// Everything one checkpoint holds.
@@ -54,7 +58,7 @@ pub fn step_dir(root: &Path, step: u64) -> PathBuf {
 
 /// Writes `contents` as `root/step-NNNNNN` atomically (unless that checkpoint is saved
 /// already: a resumed run stopped before its next step) and deletes all but the newest
-/// `keep` (at least one).
+/// `keep` (> 0).
 pub fn write(root: &Path, keep: usize, contents: &Contents<'_>) -> Result<PathBuf, TrainError> {
     let dir = step_dir(root, contents.step);
     std::fs::create_dir_all(root).map_err(io(root))?;
@@ -81,15 +85,18 @@ pub fn write(root: &Path, keep: usize, contents: &Contents<'_>) -> Result<PathBu
     Ok(dir)
 }
 
+/// The error of a checkpoint `dir` whose `file` cannot be used.
+pub fn corrupt(dir: &Path, file: &str, reason: String) -> TrainError {
+    TrainError::Checkpoint {
+        dir: dir.display().to_string(),
+        reason: format!("{file} is unreadable ({reason}): resume from another checkpoint"),
+    }
+}
+
 /// The trainer's state saved in checkpoint `dir`, as JSON text.
 pub fn read_state(dir: &Path) -> Result<String, TrainError> {
     let path = dir.join(STATE);
     std::fs::read_to_string(&path).map_err(io(&path))
-}
-
-/// The path of the trainer's state in checkpoint `dir` (for error messages).
-pub fn state_path(dir: &Path) -> PathBuf {
-    dir.join(STATE)
 }
 
 /// The tensors of `file` ([`OPTIMIZER`] or [`REFERENCE`]) in checkpoint `dir`, loaded onto
@@ -105,7 +112,7 @@ pub fn read_tensors(
     }
     candle_core::safetensors::load(&path, device)
         .map(Some)
-        .map_err(|e| TrainError::Config(format!("{}: {e}", path.display())))
+        .map_err(|e| corrupt(dir, file, e.to_string()))
 }
 
 /// What [`MANIFEST`] records of one file.
@@ -149,8 +156,13 @@ fn write_manifest(dir: &Path) -> Result<(), TrainError> {
     for rel in files_under(dir)? {
         files.insert(rel.clone(), file_sum(&dir.join(&rel))?);
     }
-    let json = serde_json::to_string_pretty(&serde_json::json!({ "files": files }))
-        .map_err(|e| TrainError::Config(e.to_string()))?;
+    let json =
+        serde_json::to_string_pretty(&serde_json::json!({ "files": files })).map_err(|e| {
+            TrainError::State {
+                what: "the checkpoint manifest",
+                reason: e.to_string(),
+            }
+        })?;
     Ok(write_atomic(&dir.join(MANIFEST), json.as_bytes())?)
 }
 
@@ -220,7 +232,7 @@ pub fn latest(root: &Path) -> Option<PathBuf> {
 /// directories of saves that never finished.
 fn prune_old(root: &Path, keep: usize) -> Result<(), TrainError> {
     let steps = step_dirs(root);
-    let excess = steps.len().saturating_sub(keep.max(1));
+    let excess = steps.len().saturating_sub(keep);
     for old in &steps[..excess] {
         std::fs::remove_dir_all(old).map_err(io(old))?;
     }

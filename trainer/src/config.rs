@@ -1,5 +1,6 @@
 //! The run configuration: TOML in the verl/TRL vocabulary, `--set key=value` overrides,
-//! unknown keys rejected, then validated once into a [`RunConfig`] the loop trusts.
+//! checked once against the key table ([`crate::config_keys::KEYS`]) into a [`RunConfig`]
+//! the loop trusts.
 
 use candle_core::{DType, Device};
 use dppo_engine::AttentionMode;
@@ -7,7 +8,8 @@ use dppo_model::DeviceSpec;
 use serde::{Deserialize, Serialize};
 
 use crate::advantages::ScaleRewards;
-use crate::loss::{LossAgg, RatioLevel};
+use crate::config_check::{check_keys, check_rules, Origins};
+use crate::loss::{LossAgg, LossConfig, RatioLevel};
 use crate::metrics_log::Logger;
 use crate::prune::{
     Algorithm, CandidateRule, CompletionScope, LevelConfig, PromptPredictor, PruneMode,
@@ -17,22 +19,53 @@ use crate::rewards::RewardConfig;
 /// The configuration compiled into the binary (`dppo run` with no arguments).
 pub const DEFAULT_TOML: &str = include_str!("../../configs/default.toml");
 
-/// A configuration that cannot run, naming the key.
+/// A configuration that cannot run, naming where the fault came from: the file (at the
+/// key's line) or the `--set` that wrote it.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    /// The config file cannot be read.
+    #[error("reading config {path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    /// Not TOML, or a required key is missing.
     #[error("{origin}: {reason}")]
     Parse { origin: String, reason: String },
+    /// An override that is not `key=value`.
     #[error("--set {0:?}: expected key=value with a dotted key such as dppo.r_o=0.5")]
     BadOverride(String),
-    #[error("invalid value for {key}: {reason}")]
-    Invalid { key: &'static str, reason: String },
+    /// A key the table does not have.
+    #[error("{origin}: unknown key {key} (known here: {known}; `dppo config` lists every key)")]
+    UnknownKey {
+        origin: String,
+        key: String,
+        known: String,
+    },
+    /// A value outside the key's allowed values.
+    #[error("{origin}: invalid value for {key}: got {value}, allowed: {allowed}")]
+    Invalid {
+        origin: String,
+        key: &'static str,
+        value: String,
+        allowed: String,
+    },
+    /// A value that breaks a rule relating it to other keys.
+    #[error("{origin}: invalid value for {key}: {reason}")]
+    Rule {
+        origin: String,
+        key: &'static str,
+        reason: String,
+    },
 }
 
-/// Everything a run needs; field names are the TOML keys.
+/// Everything a run needs; field names are the TOML keys, whose docs and allowed values are
+/// in [`crate::config_keys::KEYS`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RunConfig {
-    /// `builtin:tiny`, an HF directory, or a `.gguf` file.
+    /// The policy: a built-in preset, an HF directory, a `.gguf` file, a checkpoint or a
+    /// Hugging Face id.
     pub model: String,
     pub algorithm: Algorithm,
     pub seed: u64,
@@ -150,7 +183,7 @@ pub enum ResumeMode {
 pub struct CheckpointConfig {
     /// Save every this many RL steps (0: only at the end).
     pub every: u64,
-    /// Checkpoints kept (the newest).
+    /// Checkpoints kept, newest first (at least one).
     pub keep: usize,
 }
 
@@ -240,8 +273,10 @@ pub struct ActorConfig {
 }
 
 /// `[dppo]`: pruning rates (also the CPPO rate `r_o`).
+///
+/// Unknown keys are left to the key table, which rejects them before serde runs: serde
+/// cannot deny unknown fields of a struct with a flattened field.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct DppoConfig {
     pub r_q: f64,
     pub r_o: f64,
@@ -253,12 +288,9 @@ pub struct DppoConfig {
     #[serde(default = "default_allocation")]
     pub allocation: bool,
     /// Which items of a scope (a group, the batch, or the step's seen prompts) may be
-    /// dropped, at both levels: `below_mean` (default) or `lowest_fraction`.
-    #[serde(default)]
-    pub candidates: Candidates,
-    /// The fraction of a scope, lowest scores first, that `lowest_fraction` makes candidates.
-    #[serde(default = "default_candidate_frac")]
-    pub candidate_frac: f64,
+    /// dropped, at both levels: the keys `candidates` and `candidate_frac`.
+    #[serde(flatten, with = "candidate_keys")]
+    pub candidates: CandidateRule,
     /// How candidates are dropped: `fixed_count` (default; exactly unbiased, fixed count),
     /// `poisson` (unbiased, random count) or `deterministic` (biased ablation, weight 1).
     #[serde(default)]
@@ -270,28 +302,60 @@ pub struct DppoConfig {
     pub prompt_predictor: PromptPredictor,
 }
 
-/// `dppo.candidates` (docs/algorithm.md §2).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Candidates {
-    #[default]
-    BelowMean,
-    LowestFraction,
-}
-
 impl DppoConfig {
     /// The pruning design at `rate` (`r_q` or `r_o`): both levels share candidates and mode.
     pub fn level(&self, rate: f64) -> LevelConfig {
-        let candidates = match self.candidates {
-            Candidates::BelowMean => CandidateRule::BelowMean,
-            Candidates::LowestFraction => CandidateRule::LowestFraction {
-                fraction: self.candidate_frac,
-            },
-        };
         LevelConfig {
             rate,
-            candidates,
+            candidates: self.candidates,
             mode: self.mode,
+        }
+    }
+}
+
+/// `dppo.candidates` (`below_mean` when absent) and `dppo.candidate_frac` (0.5 when absent,
+/// written only with `lowest_fraction`) as a [`CandidateRule`] (docs/algorithm.md §2).
+mod candidate_keys {
+    use serde::de::Error as _;
+    use serde::ser::Error as _;
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    use crate::prune::CandidateRule;
+
+    const RULES: &[&str] = &["below_mean", "lowest_fraction"];
+
+    #[derive(Serialize, Deserialize)]
+    struct Keys {
+        candidates: Option<String>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        candidate_frac: Option<f64>,
+    }
+
+    pub fn serialize<S: Serializer>(rule: &CandidateRule, s: S) -> Result<S::Ok, S::Error> {
+        let (name, fraction) = match *rule {
+            CandidateRule::BelowMean => (RULES[0], None),
+            CandidateRule::LowestFraction { fraction } => (RULES[1], Some(fraction)),
+            CandidateRule::BelowMeanFraction { .. } => {
+                return Err(S::Error::custom(
+                    "below_mean_fraction is no dppo.candidates",
+                ))
+            }
+        };
+        Keys {
+            candidates: Some(name.to_string()),
+            candidate_frac: fraction,
+        }
+        .serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<CandidateRule, D::Error> {
+        let keys = Keys::deserialize(d)?;
+        match keys.candidates.as_deref().unwrap_or(RULES[0]) {
+            "below_mean" => Ok(CandidateRule::BelowMean),
+            "lowest_fraction" => Ok(CandidateRule::LowestFraction {
+                fraction: keys.candidate_frac.unwrap_or(0.5),
+            }),
+            other => Err(D::Error::unknown_variant(other, RULES)),
         }
     }
 }
@@ -353,9 +417,6 @@ impl EvalConfig {
 fn default_allocation() -> bool {
     true
 }
-fn default_candidate_frac() -> f64 {
-    0.5
-}
 fn default_question() -> String {
     "question".into()
 }
@@ -371,7 +432,8 @@ fn default_num_eval() -> usize {
 
 impl RunConfig {
     /// Parses `text` (from `origin`), applies `overrides` (`a.b=value`, values in TOML
-    /// syntax, bare words taken as strings) and validates.
+    /// syntax, bare words taken as strings) and validates; an error names the file (at
+    /// the key's line) or the `--set` that wrote the bad value.
     pub fn from_toml(text: &str, origin: &str, overrides: &[String]) -> Result<Self, ConfigError> {
         let parse_err = |reason: String| ConfigError::Parse {
             origin: origin.to_string(),
@@ -381,11 +443,24 @@ impl RunConfig {
         for o in overrides {
             apply_override(&mut doc, o)?;
         }
+        let origins = Origins::new(origin, text, overrides);
+        check_keys(&doc, &origins)?;
+        // Every key present is known and allowed: what serde can still reject is a key the
+        // file lacks.
         let cfg: RunConfig = toml::Value::Table(doc)
             .try_into()
-            .map_err(|e: toml::de::Error| parse_err(e.to_string()))?;
-        cfg.validate()?;
+            .map_err(|e: toml::de::Error| parse_err(e.message().to_string()))?;
+        check_rules(&cfg, &origins)?;
         Ok(cfg)
+    }
+
+    /// Reads the config file at `path` and applies `overrides`, as [`RunConfig::from_toml`].
+    pub fn from_file(path: &std::path::Path, overrides: &[String]) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_toml(&text, &path.display().to_string(), overrides)
     }
 
     /// The built-in default with `overrides`.
@@ -397,173 +472,18 @@ impl RunConfig {
     pub fn to_toml(&self) -> String {
         toml::to_string(self).unwrap_or_else(|e| format!("# cannot serialise: {e}"))
     }
+}
 
-    fn validate(&self) -> Result<(), ConfigError> {
-        let check = |ok: bool, key: &'static str, reason: String| {
-            if ok {
-                Ok(())
-            } else {
-                Err(ConfigError::Invalid { key, reason })
-            }
-        };
-        let rate = |r: f64| (0.0..1.0).contains(&r);
-        check(
-            self.logger.contains(&Logger::Jsonl),
-            "logger",
-            format!(
-                "must include \"jsonl\" (the plot, dppo compare and resume read metrics.jsonl), got {:?}",
-                self.logger
-            ),
-        )?;
-        check(
-            self.rank_timeout_s > 0,
-            "rank_timeout_s",
-            "must be positive".into(),
-        )?;
-        let gpus: Vec<_> = self
-            .devices
-            .iter()
-            .filter(|d| **d != DeviceSpec::Cpu)
-            .collect();
-        check(
-            gpus.is_empty() || gpus.len() == self.devices.len(),
-            "devices",
-            "mixes cpu and cuda ranks: every rank must be a GPU (NCCL) or every rank the CPU"
-                .into(),
-        )?;
-        check(
-            (1..gpus.len()).all(|i| !gpus[..i].contains(&gpus[i])),
-            "devices",
-            format!(
-                "lists a GPU twice ({}): one rank per GPU (CPU ranks may repeat `cpu`)",
-                self.devices
-                    .iter()
-                    .map(ToString::to_string)
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
-        )?;
-        check(
-            rate(self.dppo.r_q),
-            "dppo.r_q",
-            format!("must be in [0, 1), got {}", self.dppo.r_q),
-        )?;
-        check(
-            rate(self.dppo.r_o),
-            "dppo.r_o",
-            format!("must be in [0, 1), got {}", self.dppo.r_o),
-        )?;
-        check(
-            self.rollout.n >= 2,
-            "rollout.n",
-            format!("group advantages need n >= 2, got {}", self.rollout.n),
-        )?;
-        check(
-            self.rollout.prompts_per_step > 0,
-            "rollout.prompts_per_step",
-            "must be positive".into(),
-        )?;
-        check(
-            self.rollout.max_response_len > 0,
-            "rollout.max_response_len",
-            "must be positive".into(),
-        )?;
-        check(
-            self.rollout.temperature > 0.0 && self.rollout.temperature.is_finite(),
-            "rollout.temperature",
-            format!(
-                "must be positive for RL sampling, got {}",
-                self.rollout.temperature
-            ),
-        )?;
-        check(
-            self.rollout.top_p > 0.0 && self.rollout.top_p <= 1.0,
-            "rollout.top_p",
-            format!("must be in (0, 1], got {}", self.rollout.top_p),
-        )?;
-        check(
-            self.actor.lr > 0.0 && self.actor.lr.is_finite(),
-            "actor.lr",
-            format!("must be positive and finite, got {}", self.actor.lr),
-        )?;
-        check(
-            self.warmup.lr > 0.0 && self.warmup.lr.is_finite(),
-            "warmup.lr",
-            format!("must be positive and finite, got {}", self.warmup.lr),
-        )?;
-        check(
-            (0.0..1.0).contains(&(self.actor.lr * self.actor.weight_decay))
-                && (0.0..1.0).contains(&(self.warmup.lr * self.actor.weight_decay)),
-            "actor.weight_decay",
-            format!(
-                "must be >= 0 with lr * weight_decay < 1, got {}",
-                self.actor.weight_decay
-            ),
-        )?;
-        check(
-            self.actor.grad_clip >= 0.0,
-            "actor.grad_clip",
-            format!("must be >= 0 (0: off), got {}", self.actor.grad_clip),
-        )?;
-        check(
-            self.actor.eps_low >= 0.0 && self.actor.eps_low < 1.0,
-            "actor.eps_low",
-            format!("must be in [0, 1), got {}", self.actor.eps_low),
-        )?;
-        check(
-            self.actor.eps_high >= 0.0,
-            "actor.eps_high",
-            format!("must be >= 0, got {}", self.actor.eps_high),
-        )?;
-        check(
-            self.actor.beta >= 0.0,
-            "actor.beta",
-            format!("must be >= 0, got {}", self.actor.beta),
-        )?;
-        check(
-            self.pack.window > 0,
-            "pack.window",
-            "must be positive".into(),
-        )?;
-        check(
-            self.dppo.candidate_frac > 0.0 && self.dppo.candidate_frac <= 1.0,
-            "dppo.candidate_frac",
-            format!("must be in (0, 1], got {}", self.dppo.candidate_frac),
-        )?;
-        check(
-            self.dppo.history_decay >= 0.0 && self.dppo.history_decay < 1.0,
-            "dppo.history_decay",
-            format!("must be in [0, 1), got {}", self.dppo.history_decay),
-        )?;
-        check(
-            self.reward.overlong_buffer < self.rollout.max_response_len,
-            "reward.overlong_buffer",
-            format!(
-                "must be less than rollout.max_response_len ({}), got {}",
-                self.rollout.max_response_len, self.reward.overlong_buffer
-            ),
-        )?;
-        check(
-            self.reward.overlong_penalty >= 0.0 && self.reward.overlong_penalty.is_finite(),
-            "reward.overlong_penalty",
-            format!(
-                "must be finite and >= 0, got {}",
-                self.reward.overlong_penalty
-            ),
-        )?;
-        let u = self.engine.gpu_memory_utilization;
-        check(
-            u > 0.0 && u <= 1.0,
-            "engine.gpu_memory_utilization",
-            format!("must be in (0, 1], got {u}"),
-        )?;
-        check(
-            self.train.compute_dtype != DtypeChoice::F16,
-            "train.compute_dtype",
-            "f16 is not supported (its range overflows in the backward pass): use f32 or bf16"
-                .into(),
-        )?;
-        Ok(())
+impl ActorConfig {
+    /// The clipped objective these settings define.
+    pub fn loss(&self) -> LossConfig {
+        LossConfig {
+            eps_low: self.eps_low,
+            eps_high: self.eps_high,
+            loss_agg: self.loss_agg,
+            ratio_level: self.ratio_level,
+            beta: self.beta,
+        }
     }
 }
 
@@ -648,53 +568,12 @@ mod tests {
     }
 
     #[test]
-    fn bad_configs_name_the_key() {
-        let cases = [
-            ("threads=-1", "threads"),
-            ("dppo.r_o=1", "dppo.r_o: must be in [0, 1), got 1"),
-            ("dppo.r_0=0.5", "unknown field `r_0`"),
-            ("rollout.n=\"eight\"", "rollout.n"),
-            ("actor.loss_agg=\"mean\"", "unknown variant `mean`"),
-            ("rollout.n=1", "rollout.n"),
-            ("bogus", "expected key=value"),
-            (
-                "dppo.candidate_frac=0",
-                "dppo.candidate_frac: must be in (0, 1], got 0",
-            ),
-            ("dppo.mode=\"random\"", "unknown variant `random`"),
-            ("dppo.candidates=\"lowest\"", "unknown variant `lowest`"),
-            ("logger=[\"tensorboard\"]", "logger: must include \"jsonl\""),
-            ("logger=[\"wandb\"]", "unknown variant `wandb`"),
-            ("actor.lr=inf", "actor.lr: must be positive and finite"),
-            ("warmup.lr=nan", "warmup.lr: must be positive and finite"),
-            ("actor.weight_decay=nan", "actor.weight_decay"),
-            ("actor.grad_clip=nan", "actor.grad_clip"),
-            ("resume=\"always\"", "unknown variant `always`"),
-            (
-                "reward.overlong_buffer=8",
-                "reward.overlong_buffer: must be less than rollout.max_response_len (8), got 8",
-            ),
-            (
-                "reward.overlong_penalty=-1",
-                "reward.overlong_penalty: must be finite and >= 0, got -1",
-            ),
-            ("reward.extract=\"lenient\"", "unknown variant `lenient`"),
-            ("reward.overlong=1", "unknown field `overlong`"),
-            ("device=\"gpu\"", "expected cpu, cuda or cuda:N"),
-            (
-                "engine.gpu_memory_utilization=1.5",
-                "engine.gpu_memory_utilization: must be in (0, 1], got 1.5",
-            ),
-        ];
-        for (set, want) in cases {
-            let err = RunConfig::default_with(&[set.to_string()])
-                .unwrap_err()
-                .to_string();
-            assert!(err.contains(want), "--set {set}: {err}");
-        }
-        let err = RunConfig::from_toml("model = ", "my.toml", &[])
-            .unwrap_err()
-            .to_string();
-        assert!(err.starts_with("my.toml:"), "{err}");
+    fn a_config_file_that_cannot_be_read_is_an_io_error() {
+        let err =
+            RunConfig::from_file(std::path::Path::new("/nonexistent/my.toml"), &[]).unwrap_err();
+        assert!(matches!(err, ConfigError::Io { .. }), "{err}");
+        assert!(err
+            .to_string()
+            .starts_with("reading config /nonexistent/my.toml: "));
     }
 }

@@ -1,9 +1,13 @@
-//! The reference of every configuration key: a one-line doc, the allowed values and the
-//! name of the same setting in verl or TRL. `dppo config` prints a configuration as TOML
-//! with these as comments, and `docs/configuration.md` is that output for the default; a
-//! test keeps this table and [`crate::config::RunConfig`] in step, key for key.
+//! The one table of configuration keys: each key's doc, the values it accepts and the name
+//! of the same setting in verl or TRL. Validation checks a configuration against it,
+//! `dppo config` prints it as comments, and `docs/configuration.md` is that output.
+
+use std::fmt;
+
+use dppo_model::DeviceSpec;
 
 use crate::config::RunConfig;
+use crate::config_check::RULES;
 
 /// One key of the configuration.
 pub struct KeyDoc {
@@ -12,17 +16,140 @@ pub struct KeyDoc {
     /// What it sets, in a line.
     pub doc: &'static str,
     /// The values it accepts.
-    pub allowed: &'static str,
+    pub allowed: Allowed,
     /// The same setting in verl or TRL, where one exists.
     pub peer: Option<&'static str>,
     /// Whether the key may be absent (then it is printed commented out).
     pub optional: bool,
 }
 
+/// The values one key accepts: printed as its "Allowed" text and checked by validation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Allowed {
+    /// `true` or `false`.
+    Bool,
+    /// An integer of at least `min`.
+    Int { min: i64 },
+    /// A finite number (integers included) within both bounds.
+    Float { low: Bound, high: Bound },
+    /// One of these strings.
+    OneOf(&'static [&'static str]),
+    /// Any string; the text says what it names.
+    Text(&'static str),
+    /// A device name: `cpu`, `cuda` or `cuda:N`.
+    Device,
+    /// A list of device names.
+    Devices,
+    /// A list of strings, each one of these.
+    ListOf(&'static [&'static str]),
+}
+
+/// One end of a float range.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Bound {
+    /// No limit on this side.
+    None,
+    /// The limit itself is excluded.
+    Open(f64),
+    /// The limit itself is allowed.
+    Closed(f64),
+}
+
+impl Allowed {
+    /// Whether `value` is one of the allowed values.
+    pub fn admits(&self, value: &toml::Value) -> bool {
+        use toml::Value as V;
+        let is_device = |v: &V| v.as_str().is_some_and(|s| s.parse::<DeviceSpec>().is_ok());
+        match (self, value) {
+            (Self::Bool, V::Boolean(_)) => true,
+            (Self::Int { min }, V::Integer(i)) => i >= min,
+            (Self::Float { low, high }, V::Integer(i)) => in_range(*i as f64, *low, *high),
+            (Self::Float { low, high }, V::Float(x)) => in_range(*x, *low, *high),
+            (Self::OneOf(choices), V::String(s)) => choices.contains(&s.as_str()),
+            (Self::Text(_), V::String(_)) => true,
+            (Self::Device, v) => is_device(v),
+            (Self::Devices, V::Array(items)) => items.iter().all(is_device),
+            (Self::ListOf(choices), V::Array(items)) => items
+                .iter()
+                .all(|v| v.as_str().is_some_and(|s| choices.contains(&s))),
+            _ => false,
+        }
+    }
+}
+
+fn in_range(x: f64, low: Bound, high: Bound) -> bool {
+    let above = match low {
+        Bound::None => true,
+        Bound::Open(l) => x > l,
+        Bound::Closed(l) => x >= l,
+    };
+    let below = match high {
+        Bound::None => true,
+        Bound::Open(h) => x < h,
+        Bound::Closed(h) => x <= h,
+    };
+    x.is_finite() && above && below
+}
+
+impl fmt::Display for Allowed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Bool => f.write_str("true | false"),
+            Self::Int { min: 1 } => f.write_str("integer > 0"),
+            Self::Int { min } => write!(f, "integer >= {min}"),
+            Self::Float { low, high } => {
+                let low = match *low {
+                    Bound::None => None,
+                    Bound::Open(l) => Some(('(', ">", l)),
+                    Bound::Closed(l) => Some(('[', ">=", l)),
+                };
+                let high = match *high {
+                    Bound::None => None,
+                    Bound::Open(h) => Some((')', "<", h)),
+                    Bound::Closed(h) => Some((']', "<=", h)),
+                };
+                match (low, high) {
+                    (None, None) => f.write_str("float"),
+                    (Some((_, op, l)), None) => write!(f, "float {op} {l}"),
+                    (None, Some((_, op, h))) => write!(f, "float {op} {h}"),
+                    (Some((open, _, l)), Some((close, _, h))) => {
+                        write!(f, "float in {open}{l}, {h}{close}")
+                    }
+                }
+            }
+            Self::OneOf(choices) => f.write_str(&choices.join(" | ")),
+            Self::Text(what) => f.write_str(what),
+            Self::Device => f.write_str("cpu | cuda | cuda:N"),
+            Self::Devices => f.write_str("[] | [\"cpu\", \"cpu\"] | [\"cuda:0\", \"cuda:1\", ...]"),
+            Self::ListOf(choices) => {
+                let quoted: Vec<String> = choices.iter().map(|c| format!("{c:?}")).collect();
+                write!(f, "a list of {}", quoted.join(", "))
+            }
+        }
+    }
+}
+
+impl KeyDoc {
+    /// The allowed values in words: the key's own, then the rules relating it to others.
+    pub fn allowed_text(&self) -> String {
+        let mut text = self.allowed.to_string();
+        for rule in RULES.iter().filter(|r| r.key == self.key) {
+            text.push_str(", ");
+            text.push_str(rule.says);
+        }
+        text
+    }
+}
+
+/// The entry of dotted `key`.
+pub fn find(key: &str) -> Option<&'static KeyDoc> {
+    KEYS.iter().find(|d| d.key == key)
+}
+
 const fn key(
     key: &'static str,
     doc: &'static str,
-    allowed: &'static str,
+    allowed: Allowed,
     peer: Option<&'static str>,
 ) -> KeyDoc {
     KeyDoc {
@@ -34,68 +161,99 @@ const fn key(
     }
 }
 
+const fn optional(
+    key: &'static str,
+    doc: &'static str,
+    allowed: Allowed,
+    peer: Option<&'static str>,
+) -> KeyDoc {
+    KeyDoc {
+        key,
+        doc,
+        allowed,
+        peer,
+        optional: true,
+    }
+}
+
+const fn int(min: i64) -> Allowed {
+    Allowed::Int { min }
+}
+
+const fn float(low: Bound, high: Bound) -> Allowed {
+    Allowed::Float { low, high }
+}
+
+/// `[0, 1)`: a pruning rate or a decay.
+const RATE: Allowed = float(Bound::Closed(0.0), Bound::Open(1.0));
+/// `(0, 1]`: a fraction of something that must not be empty.
+const FRACTION: Allowed = float(Bound::Open(0.0), Bound::Closed(1.0));
+const POSITIVE: Allowed = float(Bound::Open(0.0), Bound::None);
+const NON_NEGATIVE: Allowed = float(Bound::Closed(0.0), Bound::None);
+
 /// Every key, in the order `dppo config` prints them (top-level keys, then each table).
+#[rustfmt::skip]
 pub const KEYS: &[KeyDoc] = &[
-    key("model", "the policy: a built-in preset, an HF model directory or a .gguf file", "builtin:tiny | an HF model directory | a .gguf file", Some("verl actor_rollout_ref.model.path; TRL model")),
-    key("algorithm", "what trains: GRPO, DPPO (unbiased pruning) or the biased baselines CPPO and GRESO", "grpo | dppo | cppo | greso", Some("verl algorithm.adv_estimator")),
-    key("seed", "seed of every random draw (data split, prompts, sampling, pruning); a run is a function of it", "integer >= 0", Some("TRL seed")),
-    key("steps", "RL optimizer steps", "integer >= 0", Some("verl trainer.total_training_steps; TRL max_steps")),
-    key("deterministic", "rollouts run alone in the engine so serving never changes what is trained (bit-reproducible)", "true | false", None),
-    key("threads", "CPU threads for tensor work (0: one per core, or RAYON_NUM_THREADS)", "integer >= 0", None),
-    key("device", "where the engine and the learner run (cuda needs a build with the cuda feature)", "cpu | cuda | cuda:N", Some("verl trainer.device")),
-    key("devices", "data-parallel ranks, one process per device, each with a replica of the policy and its own engine (empty: one process on device)", "[] | [\"cpu\", \"cpu\"] | [\"cuda:0\", \"cuda:1\", ...]", Some("torchrun --nproc-per-node; verl trainer.n_gpus_per_node")),
-    key("rank_timeout_s", "seconds a rank waits for the others before the run fails naming the rank that stopped answering", "integer > 0", Some("torch.distributed timeout")),
-    key("resume", "auto: continue from the newest complete checkpoint in the run directory, or start when there is none", "disable | auto", Some("verl trainer.resume_mode")),
-    key("logger", "metrics sinks: metrics.jsonl (required) and TensorBoard event files under tensorboard/", "[\"jsonl\"] | [\"jsonl\", \"tensorboard\"]", Some("verl trainer.logger; TRL report_to")),
-    key("data.train", "training prompts: a built-in task or a JSONL file", "builtin:arithmetic | path.jsonl", Some("verl data.train_files")),
-    KeyDoc { optional: true, ..key("data.eval", "held-out JSONL file (built-in tasks bring their own held-out split)", "path.jsonl", Some("verl data.val_files")) },
-    key("data.question_field", "JSONL field holding the question", "string", Some("verl data.prompt_key")),
-    key("data.answer_field", "JSONL field holding the gold answer", "string", None),
-    key("data.num_train", "size of a built-in task's training split", "integer > 0", None),
-    key("data.num_eval", "size of a built-in task's held-out split; also caps a held-out file", "integer > 0", None),
-    key("warmup.steps", "supervised steps on demonstrations before RL", "integer >= 0 (0: no warm-up)", None),
-    key("warmup.examples", "demonstrations: the first this many training problems (0: all)", "integer >= 0", None),
-    key("warmup.batch_size", "demonstrations per warm-up step", "integer > 0", None),
-    key("warmup.lr", "warm-up learning rate", "float > 0", None),
-    key("rollout.n", "samples per prompt (G)", "integer >= 2", Some("verl actor_rollout_ref.rollout.n; TRL num_generations")),
-    key("rollout.prompts_per_step", "prompts per RL step (before DPPO's over-draw)", "integer > 0", Some("verl data.train_batch_size")),
-    key("rollout.temperature", "sampling temperature of rollouts", "float > 0", Some("verl actor_rollout_ref.rollout.temperature; TRL temperature")),
-    key("rollout.top_p", "nucleus sampling of rollouts", "float in (0, 1]", Some("verl actor_rollout_ref.rollout.top_p; TRL top_p")),
-    key("rollout.max_response_len", "new tokens per completion at most", "integer > 0", Some("verl data.max_response_length; TRL max_completion_length")),
-    key("rollout.one_step_off_policy", "generate step t+1's rollouts while step t trains", "true | false", Some("verl recipe one_step_off_policy")),
-    key("actor.lr", "AdamW learning rate", "float > 0", Some("verl actor.optim.lr; TRL learning_rate")),
-    key("actor.grad_clip", "global gradient-norm clip", "float > 0", Some("verl actor.grad_clip; TRL max_grad_norm")),
-    key("actor.eps_low", "lower clip range of the ratio: 1 - eps_low", "float in [0, 1)", Some("verl actor.clip_ratio_low; TRL epsilon")),
-    key("actor.eps_high", "upper clip range of the ratio: 1 + eps_high", "float >= 0", Some("verl actor.clip_ratio_high; TRL epsilon_high")),
-    key("actor.beta", "KL (k3) penalty against the reference policy (0: no reference model)", "float >= 0", Some("verl actor.kl_loss_coef; TRL beta")),
-    key("actor.loss_agg", "how token losses aggregate, over the full unpruned batch", "token-mean | seq-mean-token-mean | seq-mean-token-sum-norm", Some("verl actor.loss_agg_mode; TRL loss_type")),
-    key("actor.scale_rewards", "advantage scaling: group std (GRPO), batch std, or none (Dr. GRPO)", "group | batch | none", Some("TRL scale_rewards; verl algorithm.norm_adv_by_std_in_grpo")),
-    key("actor.ratio_level", "importance ratio per token, or per sequence (GSPO)", "token | sequence", Some("TRL importance_sampling_level")),
-    key("actor.warmup_steps", "linear learning-rate warm-up steps", "integer >= 0", Some("verl actor.optim.lr_warmup_steps; TRL warmup_steps")),
-    key("actor.weight_decay", "AdamW weight decay", "float >= 0", Some("verl actor.optim.weight_decay; TRL weight_decay")),
-    key("dppo.r_q", "prompt-level pruning rate (DPPO); GRESO's skip rate", "float in [0, 1)", None),
-    key("dppo.r_o", "completion-level pruning rate (DPPO); CPPO's batch-wide rate", "float in [0, 1)", None),
-    key("dppo.scope", "where completions compete for pruning: within a group or across the batch", "group | batch", None),
-    key("dppo.history_decay", "EMA decay of a prompt's |advantage| history", "float in [0, 1)", None),
-    key("dppo.allocation", "over-draw prompts so the rollout batch stays full despite prompt pruning", "true | false", None),
-    key("dppo.candidates", "which items may be dropped, at both levels", "below_mean | lowest_fraction", None),
-    key("dppo.candidate_frac", "the lowest fraction that lowest_fraction makes candidates", "float in (0, 1]", None),
-    key("dppo.prompt_predictor", "how prompt histories score prompts: EMA of |advantage|, or the chance of signal now from the prompt's difficulty and the policy's progress since its visit (candidates: below half the mean)", "signal_ema | difficulty", None),
-    key("dppo.mode", "how candidates are dropped: exactly unbiased fixed count, unbiased random count, or biased", "fixed_count | poisson | deterministic", None),
-    key("pack.tokens", "tokens per packed training buffer", "integer >= the longest prompt + max_response_len", Some("verl actor.ppo_max_token_len_per_gpu")),
-    key("pack.window", "sequences per first-fit-decreasing packing window", "integer > 0", None),
-    key("engine.gpu_memory_utilization", "fraction of the GPU's memory the run may use; the KV cache gets what weights, learner state and activations leave (dppo plan)", "float in (0, 1]", Some("verl actor_rollout_ref.rollout.gpu_memory_utilization")),
-    key("engine.attention", "the engine's attention backend: the CPU kernel (f32 on the CPU only), the device-generic tensor-op path, or auto (the kernel where it runs)", "auto | cpu | generic", Some("vLLM attention_backend")),
-    key("engine.dtype", "dtype of the engine's weights and KV cache (auto: f32 on the CPU, bf16 on a GPU)", "auto | f32 | bf16 | f16", Some("verl actor_rollout_ref.rollout.dtype")),
-    key("eval.every", "held-out evaluation every this many steps (0: before and after only)", "integer >= 0", Some("verl trainer.test_freq; TRL eval_steps")),
-    key("eval.grad_variance_draws", "pruning draws measuring the pruned gradient's scatter at evaluation steps (0: off)", "integer >= 0", None),
-    KeyDoc { optional: true, ..key("reward.extract", "how the final answer is extracted (unset: strict for JSONL data, answer for built-in tasks)", "boxed | strict | flexible | answer", Some("verl's GSM8K reward modes")) },
-    key("reward.overlong_buffer", "DAPO soft overlong penalty over the last this many tokens before max_response_len (0: off)", "integer < rollout.max_response_len", Some("verl reward_model.overlong_buffer.len")),
-    key("reward.overlong_penalty", "the penalty at the token limit, reached linearly over the buffer", "float >= 0", Some("verl reward_model.overlong_buffer.penalty_factor")),
-    key("train.compute_dtype", "dtype of the learner's forward and backward (auto: f32 on the CPU, bf16 on a GPU); master weights and AdamW state stay f32", "auto | f32 | bf16", Some("verl actor.fsdp_config.mixed_precision.param_dtype")),
-    key("train.max_nonfinite_steps", "NaN/inf steps in a row (each skipped, changing nothing) before the run checkpoints its last good state and stops", "integer >= 0 (0: never stop)", None),
-    key("checkpoint.every", "save every this many RL steps (0: at the end only)", "integer >= 0", Some("verl trainer.save_freq; TRL save_steps")),
-    key("checkpoint.keep", "checkpoints kept, newest first", "integer > 0", Some("verl trainer.max_actor_ckpt_to_keep; TRL save_total_limit")),
+    key("model", "the policy: a built-in preset, an HF model directory, a .gguf file, a dppo checkpoint directory or a Hugging Face id in the local hub cache", Allowed::Text("builtin:tiny | an HF model directory | a .gguf file | a checkpoint directory | Org/Name"), Some("verl actor_rollout_ref.model.path; TRL model")),
+    key("algorithm", "what trains: GRPO, DPPO (unbiased pruning) or the biased baselines CPPO and GRESO", Allowed::OneOf(&["grpo", "dppo", "cppo", "greso"]), Some("verl algorithm.adv_estimator")),
+    key("seed", "seed of every random draw (data split, prompts, sampling, pruning); a run is a function of it", int(0), Some("TRL seed")),
+    key("steps", "RL optimizer steps", int(0), Some("verl trainer.total_training_steps; TRL max_steps")),
+    key("deterministic", "rollouts run alone in the engine so serving never changes what is trained (bit-reproducible)", Allowed::Bool, None),
+    key("threads", "CPU threads for tensor work (0: one per core, or RAYON_NUM_THREADS)", int(0), None),
+    key("device", "where the engine and the learner run (cuda needs a build with the cuda feature)", Allowed::Device, Some("verl trainer.device")),
+    key("devices", "data-parallel ranks, one process per device, each with a replica of the policy and its own engine (empty: one process on device)", Allowed::Devices, Some("torchrun --nproc-per-node; verl trainer.n_gpus_per_node")),
+    key("rank_timeout_s", "seconds a rank waits for the others before the run fails naming the rank that stopped answering", int(1), Some("torch.distributed timeout")),
+    key("resume", "auto: continue from the newest complete checkpoint in the run directory, or start when there is none", Allowed::OneOf(&["disable", "auto"]), Some("verl trainer.resume_mode")),
+    key("logger", "metrics sinks: metrics.jsonl and TensorBoard event files under tensorboard/", Allowed::ListOf(&["jsonl", "tensorboard"]), Some("verl trainer.logger; TRL report_to")),
+    key("data.train", "training prompts: a built-in task or a JSONL file", Allowed::Text("builtin:arithmetic | path.jsonl"), Some("verl data.train_files")),
+    optional("data.eval", "held-out JSONL file, required with a JSONL training set (built-in tasks bring their own held-out split)", Allowed::Text("path.jsonl"), Some("verl data.val_files")),
+    key("data.question_field", "JSONL field holding the question", Allowed::Text("a field name"), Some("verl data.prompt_key")),
+    key("data.answer_field", "JSONL field holding the gold answer", Allowed::Text("a field name"), None),
+    key("data.num_train", "size of a built-in task's training split", int(1), None),
+    key("data.num_eval", "size of a built-in task's held-out split; also caps a held-out file", int(1), None),
+    key("warmup.steps", "supervised steps on demonstrations before RL (0: no warm-up)", int(0), None),
+    key("warmup.examples", "demonstrations: the first this many training problems (0: all)", int(0), None),
+    key("warmup.batch_size", "demonstrations per warm-up step", int(1), None),
+    key("warmup.lr", "warm-up learning rate", POSITIVE, None),
+    key("rollout.n", "samples per prompt (G)", int(2), Some("verl actor_rollout_ref.rollout.n; TRL num_generations")),
+    key("rollout.prompts_per_step", "prompts per RL step (before DPPO's over-draw)", int(1), Some("verl data.train_batch_size")),
+    key("rollout.temperature", "sampling temperature of rollouts", POSITIVE, Some("verl actor_rollout_ref.rollout.temperature; TRL temperature")),
+    key("rollout.top_p", "nucleus sampling of rollouts", FRACTION, Some("verl actor_rollout_ref.rollout.top_p; TRL top_p")),
+    key("rollout.max_response_len", "new tokens per completion at most", int(1), Some("verl data.max_response_length; TRL max_completion_length")),
+    key("rollout.one_step_off_policy", "generate step t+1's rollouts while step t trains", Allowed::Bool, Some("verl recipe one_step_off_policy")),
+    key("actor.lr", "AdamW learning rate", POSITIVE, Some("verl actor.optim.lr; TRL learning_rate")),
+    key("actor.grad_clip", "global gradient-norm clip (0: off)", NON_NEGATIVE, Some("verl actor.grad_clip; TRL max_grad_norm")),
+    key("actor.eps_low", "lower clip range of the ratio: 1 - eps_low", RATE, Some("verl actor.clip_ratio_low; TRL epsilon")),
+    key("actor.eps_high", "upper clip range of the ratio: 1 + eps_high", NON_NEGATIVE, Some("verl actor.clip_ratio_high; TRL epsilon_high")),
+    key("actor.beta", "KL (k3) penalty against the reference policy (0: no reference model)", NON_NEGATIVE, Some("verl actor.kl_loss_coef; TRL beta")),
+    key("actor.loss_agg", "how token losses aggregate, over the full unpruned batch", Allowed::OneOf(&["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]), Some("verl actor.loss_agg_mode; TRL loss_type")),
+    key("actor.scale_rewards", "advantage scaling: group std (GRPO), batch std, or none (Dr. GRPO)", Allowed::OneOf(&["group", "batch", "none"]), Some("TRL scale_rewards; verl algorithm.norm_adv_by_std_in_grpo")),
+    key("actor.ratio_level", "importance ratio per token, or per sequence (GSPO)", Allowed::OneOf(&["token", "sequence"]), Some("TRL importance_sampling_level")),
+    key("actor.warmup_steps", "linear learning-rate warm-up steps", int(0), Some("verl actor.optim.lr_warmup_steps; TRL warmup_steps")),
+    key("actor.weight_decay", "AdamW weight decay", NON_NEGATIVE, Some("verl actor.optim.weight_decay; TRL weight_decay")),
+    key("dppo.r_q", "prompt-level pruning rate (DPPO); GRESO's skip rate", RATE, None),
+    key("dppo.r_o", "completion-level pruning rate (DPPO); CPPO's batch-wide rate", RATE, None),
+    key("dppo.scope", "where completions compete for pruning: within a group or across the batch", Allowed::OneOf(&["group", "batch"]), None),
+    key("dppo.history_decay", "EMA decay of a prompt's |advantage| history", RATE, None),
+    key("dppo.allocation", "over-draw prompts so the rollout batch stays full despite prompt pruning", Allowed::Bool, None),
+    key("dppo.candidates", "which items may be dropped, at both levels", Allowed::OneOf(&["below_mean", "lowest_fraction"]), None),
+    optional("dppo.candidate_frac", "the lowest fraction that lowest_fraction makes candidates (unset: 0.5; below_mean ignores it)", FRACTION, None),
+    key("dppo.prompt_predictor", "how prompt histories score prompts: EMA of |advantage|, or the chance of signal now from the prompt's difficulty and the policy's progress since its visit (candidates: below half the mean)", Allowed::OneOf(&["signal_ema", "difficulty"]), None),
+    key("dppo.mode", "how candidates are dropped: exactly unbiased fixed count, unbiased random count, or biased", Allowed::OneOf(&["fixed_count", "poisson", "deterministic"]), None),
+    key("pack.tokens", "tokens per packed training buffer; the run checks at start that the longest prompt plus rollout.max_response_len fits one", int(1), Some("verl actor.ppo_max_token_len_per_gpu")),
+    key("pack.window", "sequences per first-fit-decreasing packing window", int(1), None),
+    key("engine.gpu_memory_utilization", "fraction of the GPU's memory the run may use; the KV cache gets what weights, learner state and activations leave (dppo plan)", FRACTION, Some("verl actor_rollout_ref.rollout.gpu_memory_utilization")),
+    key("engine.attention", "the engine's attention backend: the CPU kernel (f32 on the CPU only), the device-generic tensor-op path, or auto (the kernel where it runs)", Allowed::OneOf(&["auto", "cpu", "generic"]), Some("vLLM attention_backend")),
+    key("engine.dtype", "dtype of the engine's weights and KV cache (auto: f32 on the CPU, bf16 on a GPU)", Allowed::OneOf(&["auto", "f32", "bf16", "f16"]), Some("verl actor_rollout_ref.rollout.dtype")),
+    key("eval.every", "held-out evaluation every this many steps (0: before and after only)", int(0), Some("verl trainer.test_freq; TRL eval_steps")),
+    key("eval.grad_variance_draws", "pruning draws measuring the pruned gradient's scatter at evaluation steps (0: off)", int(0), None),
+    optional("reward.extract", "how the final answer is extracted (unset: strict for JSONL data, answer for built-in tasks)", Allowed::OneOf(&["boxed", "strict", "flexible", "answer"]), Some("verl's GSM8K reward modes")),
+    key("reward.overlong_buffer", "DAPO soft overlong penalty over the last this many tokens before max_response_len (0: off)", int(0), Some("verl reward_model.overlong_buffer.len")),
+    key("reward.overlong_penalty", "the penalty at the token limit, reached linearly over the buffer", NON_NEGATIVE, Some("verl reward_model.overlong_buffer.penalty_factor")),
+    key("train.compute_dtype", "dtype of the learner's forward and backward (auto: f32 on the CPU, bf16 on a GPU; f16's range overflows in the backward pass); master weights and AdamW state stay f32", Allowed::OneOf(&["auto", "f32", "bf16"]), Some("verl actor.fsdp_config.mixed_precision.param_dtype")),
+    key("train.max_nonfinite_steps", "NaN/inf steps in a row (each skipped, changing nothing) before the run checkpoints its last good state and stops (0: never stop)", int(0), None),
+    key("checkpoint.every", "save every this many RL steps (0: at the end only)", int(0), Some("verl trainer.save_freq; TRL save_steps")),
+    key("checkpoint.keep", "checkpoints kept, newest first", int(1), Some("verl trainer.max_actor_ckpt_to_keep; TRL save_total_limit")),
 ];
 
 /// `cfg` as TOML, every key preceded by its doc, allowed values and peer name; optional
@@ -113,7 +271,7 @@ pub fn annotated_toml(cfg: &RunConfig) -> String {
         out.push_str(&format!(
             "# {}. Allowed: {}.",
             capitalise(doc.doc),
-            doc.allowed
+            doc.allowed_text()
         ));
         if let Some(peer) = doc.peer {
             out.push_str(&format!(" As {peer}."));
@@ -197,15 +355,58 @@ mod tests {
         all.sort();
         all.dedup();
         assert_eq!(all.len(), KEYS.len(), "a key is documented twice");
-        // Optional keys are real keys: setting one parses.
-        for d in KEYS.iter().filter(|d| d.optional) {
-            let err = RunConfig::default_with(&[format!("{}=x", d.key)]);
-            assert!(
-                !matches!(&err, Err(e) if e.to_string().contains("unknown field")),
-                "{}: {err:?}",
-                d.key
-            );
+        for rule in RULES {
+            assert!(find(rule.key).is_some(), "rule on unknown key {}", rule.key);
         }
+    }
+
+    /// Each key's default satisfies its constraint, and every value the table allows for a
+    /// key of choices or a bool parses to itself: the table and serde's spelling agree.
+    #[test]
+    fn the_table_and_the_config_types_agree() {
+        let cfg = RunConfig::default_with(&[]).unwrap();
+        let table = toml::Table::try_from(&cfg).unwrap();
+        for doc in KEYS {
+            if let Some(value) = lookup(&table, doc.key) {
+                assert!(doc.allowed.admits(value), "{} = {value}", doc.key);
+            }
+            let choices: Vec<String> = match doc.allowed {
+                Allowed::OneOf(choices) => choices.iter().map(|c| format!("{c:?}")).collect(),
+                Allowed::Bool => vec!["true".into(), "false".into()],
+                _ => continue,
+            };
+            for choice in choices {
+                let set = format!("{}={choice}", doc.key);
+                let cfg = RunConfig::default_with(std::slice::from_ref(&set)).unwrap();
+                let table = toml::Table::try_from(&cfg).unwrap();
+                let got = lookup(&table, doc.key).map(ToString::to_string);
+                assert_eq!(got.as_deref(), Some(choice.as_str()), "--set {set}");
+            }
+        }
+    }
+
+    #[test]
+    fn allowed_values_read_as_written() {
+        let text = |key: &str| find(key).unwrap().allowed_text();
+        assert_eq!(text("dppo.r_o"), "float in [0, 1)");
+        assert_eq!(text("rollout.top_p"), "float in (0, 1]");
+        assert_eq!(text("actor.grad_clip"), "float >= 0");
+        assert_eq!(text("actor.lr"), "float > 0");
+        assert_eq!(text("checkpoint.keep"), "integer > 0");
+        assert_eq!(text("rollout.n"), "integer >= 2");
+        assert_eq!(
+            text("reward.overlong_buffer"),
+            "integer >= 0, less than rollout.max_response_len"
+        );
+        let value = |s: &str| s.parse::<toml::Table>().unwrap()["v"].clone();
+        let rate = find("dppo.r_o").unwrap().allowed;
+        assert!(rate.admits(&value("v = 0")) && rate.admits(&value("v = 0.5")));
+        for bad in ["v = 1", "v = -0.1", "v = nan", "v = \"0.5\""] {
+            assert!(!rate.admits(&value(bad)), "{bad}");
+        }
+        let devices = find("devices").unwrap().allowed;
+        assert!(devices.admits(&value("v = [\"cpu\", \"cuda:1\"]")));
+        assert!(!devices.admits(&value("v = [\"tpu\"]")));
     }
 
     #[test]

@@ -11,6 +11,7 @@ use dppo_model::{CausalLm, ModelConfig, Weights};
 
 use crate::dist::{shard_range, sum_f64, Collective, Single};
 
+use crate::config::RunConfig;
 use crate::loss::{buffer_loss, buffer_nll, LossConfig, TrainSeq};
 use crate::optim::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule};
 use crate::pack::pack;
@@ -35,18 +36,16 @@ pub struct LearnerConfig {
 }
 
 impl LearnerConfig {
-    /// The built-in default's objective (clip range 0.2 / 0.28, `token-mean`, token-level
-    /// ratio, no KL term) with default AdamW at the constant learning rate `lr`: the learner
-    /// of `dppo bench train`, the learner benchmark and the tests.
+    /// The built-in default's objective (`configs/default.toml`'s `[actor]`: its clip range,
+    /// `token-mean`, token-level ratio, no KL term) with default AdamW at the constant
+    /// learning rate `lr`: the learner of `dppo bench train`, the learner benchmark and the
+    /// tests.
     pub fn token_mean(lr: f64, grad_clip: f64, pack_tokens: usize, pack_window: usize) -> Self {
+        let actor = RunConfig::default_with(&[])
+            .expect("the built-in default is valid")
+            .actor;
         Self {
-            loss: LossConfig {
-                eps_low: 0.2,
-                eps_high: 0.28,
-                loss_agg: crate::loss::LossAgg::TokenMean,
-                ratio_level: crate::loss::RatioLevel::Token,
-                beta: 0.0,
-            },
+            loss: actor.loss(),
             adamw: AdamWConfig::default(),
             schedule: LrSchedule {
                 lr,

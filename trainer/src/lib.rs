@@ -6,6 +6,7 @@ pub mod advantages;
 pub mod checkpoint;
 pub mod compare;
 pub mod config;
+pub mod config_check;
 pub mod config_keys;
 pub mod data;
 pub mod dist;
@@ -41,8 +42,24 @@ pub enum TrainError {
     Thread(String),
     #[error(transparent)]
     Engine(#[from] dppo_engine::EngineError),
+    /// A configuration value that cannot run (checked when the run starts).
     #[error("invalid config: {0}")]
     Config(String),
+    /// A file that cannot be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    /// Trainer state that cannot be encoded (a bug: every state type serialises).
+    #[error("encoding {what}: {reason}")]
+    State { what: &'static str, reason: String },
+    /// Another data-parallel rank sent what this one cannot use.
+    #[error(
+        "rank {rank}: {reason}; every rank must run the same dppo build with the same \
+         configuration, data and checkpoint"
+    )]
+    Rank { rank: usize, reason: String },
     #[error(transparent)]
     Reward(#[from] rewards::RewardError),
     #[error(transparent)]

@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::advantages::compute_advantages;
-use crate::checkpoint::{self, Contents, OPTIMIZER, REFERENCE};
+use crate::checkpoint::{self, Contents, OPTIMIZER, REFERENCE, STATE};
 use crate::config::RunConfig;
 use crate::data::{mix, Problem};
 use crate::dist::{broadcast_weights, Collective, Single};
@@ -426,7 +426,10 @@ impl Trainer {
             policy: &policy,
             optimizer: self.learner.optimizer_tensors(),
             reference: self.learner.reference_weights(),
-            state: serde_json::to_string(&state).map_err(|e| TrainError::Config(e.to_string()))?,
+            state: serde_json::to_string(&state).map_err(|e| TrainError::State {
+                what: "the trainer state",
+                reason: e.to_string(),
+            })?,
             config: self.cfg.to_toml(),
         };
         checkpoint::write(root, keep, &contents)
@@ -435,14 +438,12 @@ impl Trainer {
     /// Restores the optimizer and the loop state from checkpoint `dir` (the weights came
     /// with the policy the trainer was built from: `dir/model`).
     pub fn restore(&mut self, dir: &Path) -> Result<TrainerState, TrainError> {
-        let path = checkpoint::state_path(dir);
         let state: TrainerState = serde_json::from_str(&checkpoint::read_state(dir)?)
-            .map_err(|e| TrainError::Config(format!("{}: {e}", path.display())))?;
+            .map_err(|e| checkpoint::corrupt(dir, STATE, e.to_string()))?;
         // Onto the learner's device, whichever device wrote the checkpoint.
         let device = self.learner.model.device().clone();
-        let optimizer = checkpoint::read_tensors(dir, OPTIMIZER, &device)?.ok_or_else(|| {
-            TrainError::Config(format!("{}: missing", dir.join(OPTIMIZER).display()))
-        })?;
+        let optimizer = checkpoint::read_tensors(dir, OPTIMIZER, &device)?
+            .ok_or_else(|| checkpoint::corrupt(dir, OPTIMIZER, "missing".into()))?;
         self.learner
             .restore_optimizer(&optimizer, state.optimizer_step);
         if self.learner.reference.is_some() {
@@ -467,12 +468,14 @@ impl Trainer {
         let pending = state.pending.clone();
         if let Some(rollout) = &pending {
             if rollout.step != state.step {
-                return Err(TrainError::Config(format!(
-                    "{}: the saved rollout is for step {}, the checkpoint is at step {}",
-                    path.display(),
-                    rollout.step,
-                    state.step
-                )));
+                return Err(checkpoint::corrupt(
+                    dir,
+                    STATE,
+                    format!(
+                        "its saved rollout is for step {}, the checkpoint is at step {}",
+                        rollout.step, state.step
+                    ),
+                ));
             }
         }
         let world = self.rank().1;

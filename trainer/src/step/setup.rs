@@ -7,7 +7,6 @@ use dppo_model::Policy;
 
 use crate::config::RunConfig;
 use crate::learner::LearnerConfig;
-use crate::loss::LossConfig;
 use crate::memory_plan::{self, LearnerInputs, MemoryPlan, ModelShape, PlanInputs, Precision};
 use crate::optim::{AdamWConfig, LrSchedule};
 use crate::TrainError;
@@ -15,13 +14,7 @@ use crate::TrainError;
 /// The learner's settings (`[actor]`, `[pack]`, `[train]`) on `device`.
 pub(super) fn learner_config(cfg: &RunConfig, device: &Device) -> LearnerConfig {
     LearnerConfig {
-        loss: LossConfig {
-            eps_low: cfg.actor.eps_low,
-            eps_high: cfg.actor.eps_high,
-            loss_agg: cfg.actor.loss_agg,
-            ratio_level: cfg.actor.ratio_level,
-            beta: cfg.actor.beta,
-        },
+        loss: cfg.actor.loss(),
         adamw: AdamWConfig {
             weight_decay: cfg.actor.weight_decay,
             ..AdamWConfig::default()

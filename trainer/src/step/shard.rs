@@ -165,15 +165,20 @@ impl Ranks {
             extracted_by,
             num_correct,
         };
-        let bytes = serde_json::to_vec(&report).map_err(|e| TrainError::Config(e.to_string()))?;
+        let bytes = serde_json::to_vec(&report).map_err(|e| TrainError::State {
+            what: "this rank's rollout report",
+            reason: e.to_string(),
+        })?;
         let reports = self
             .collective
             .all_gather_bytes(&bytes)?
             .into_iter()
             .enumerate()
             .map(|(rank, b)| {
-                serde_json::from_slice::<ShardReport>(&b)
-                    .map_err(|e| TrainError::Config(format!("rank {rank}'s rollout report: {e}")))
+                serde_json::from_slice::<ShardReport>(&b).map_err(|e| TrainError::Rank {
+                    rank,
+                    reason: format!("unreadable rollout report: {e}"),
+                })
             })
             .collect::<Result<Vec<_>, _>>()?;
         let kept = kept_prompts(&drawn);
@@ -190,13 +195,16 @@ impl Ranks {
         for (rank, report) in reports.into_iter().enumerate() {
             let range = shard_range(kept.len(), rank, world);
             if report.groups.len() != range.len() {
-                return Err(TrainError::Config(format!(
-                    "rank {rank} rolled out {} prompts of step {}, its share is {}: the ranks \
-                     drew different prompts",
-                    report.groups.len(),
-                    step,
-                    range.len()
-                )));
+                return Err(TrainError::Rank {
+                    rank,
+                    reason: format!(
+                        "rolled out {} prompts of step {}, its share is {}: the ranks drew \
+                         different prompts",
+                        report.groups.len(),
+                        step,
+                        range.len()
+                    ),
+                });
             }
             if rank == self.collective.rank() {
                 view.groups
@@ -238,7 +246,10 @@ impl Ranks {
         if self.collective.world_size() == 1 {
             return Ok(rollout.cloned());
         }
-        let bytes = serde_json::to_vec(&rollout).map_err(|e| TrainError::Config(e.to_string()))?;
+        let bytes = serde_json::to_vec(&rollout).map_err(|e| TrainError::State {
+            what: "this rank's rollout",
+            reason: e.to_string(),
+        })?;
         let mut whole: Option<StepRollout> = None;
         for (rank, b) in self
             .collective
@@ -246,8 +257,11 @@ impl Ranks {
             .into_iter()
             .enumerate()
         {
-            let share: Option<StepRollout> = serde_json::from_slice(&b)
-                .map_err(|e| TrainError::Config(format!("rank {rank}'s rollout: {e}")))?;
+            let share: Option<StepRollout> =
+                serde_json::from_slice(&b).map_err(|e| TrainError::Rank {
+                    rank,
+                    reason: format!("unreadable rollout: {e}"),
+                })?;
             whole = match (whole, share) {
                 (None, share) if rank == 0 => share,
                 (Some(mut w), Some(s)) if s.step == w.step && s.version == w.version => {
@@ -262,9 +276,10 @@ impl Ranks {
                 }
                 (None, None) => None,
                 _ => {
-                    return Err(TrainError::Config(format!(
-                        "rank {rank}'s rollout waiting for the next step is not rank 0's"
-                    )))
+                    return Err(TrainError::Rank {
+                        rank,
+                        reason: "its rollout waiting for the next step is not rank 0's".into(),
+                    })
                 }
             };
         }

@@ -1,0 +1,424 @@
+//! Validation of a configuration against the key table ([`crate::config_keys::KEYS`]) and
+//! the few rules that relate keys, naming where each bad value came from.
+
+use std::collections::BTreeMap;
+
+use dppo_model::DeviceSpec;
+
+use crate::config::{ConfigError, RunConfig};
+use crate::config_keys::{self, KEYS};
+use crate::metrics_log::Logger;
+
+/// A requirement that no single key's constraint states: it relates keys, or a list's items.
+pub struct Rule {
+    /// The key an error names.
+    pub key: &'static str,
+    /// What it requires, printed after the key's allowed values.
+    pub says: &'static str,
+    /// Why `cfg` breaks it, if it does.
+    pub broken: fn(&RunConfig) -> Option<String>,
+}
+
+/// Every rule, checked in order once the keys' own constraints hold.
+pub const RULES: &[Rule] = &[
+    Rule {
+        key: "logger",
+        says: "including \"jsonl\" (the plot, dppo compare and resume read metrics.jsonl)",
+        broken: |cfg| {
+            (!cfg.logger.contains(&Logger::Jsonl)).then(|| {
+                format!(
+                    "must include \"jsonl\" (the plot, dppo compare and resume read \
+                     metrics.jsonl), got {:?}",
+                    cfg.logger
+                )
+            })
+        },
+    },
+    Rule {
+        key: "devices",
+        says: "all cpu or all GPUs (NCCL), each GPU once",
+        broken: |cfg| {
+            let gpus: Vec<_> = cfg
+                .devices
+                .iter()
+                .filter(|d| **d != DeviceSpec::Cpu)
+                .collect();
+            if !gpus.is_empty() && gpus.len() != cfg.devices.len() {
+                return Some(
+                    "mixes cpu and cuda ranks: every rank must be a GPU (NCCL) or every rank \
+                     the CPU"
+                        .into(),
+                );
+            }
+            let listed: Vec<_> = cfg.devices.iter().map(ToString::to_string).collect();
+            (1..gpus.len())
+                .any(|i| gpus[..i].contains(&gpus[i]))
+                .then(|| {
+                    format!(
+                        "lists a GPU twice ({}): one rank per GPU (CPU ranks may repeat `cpu`)",
+                        listed.join(", ")
+                    )
+                })
+        },
+    },
+    Rule {
+        key: "actor.weight_decay",
+        says: "with actor.lr * weight_decay < 1 and warmup.lr * weight_decay < 1",
+        broken: |cfg| {
+            let wd = cfg.actor.weight_decay;
+            (cfg.actor.lr * wd >= 1.0 || cfg.warmup.lr * wd >= 1.0).then(|| {
+                format!(
+                    "must have actor.lr * weight_decay < 1 and warmup.lr * weight_decay < 1 \
+                     (decoupled decay would flip the weights' sign), got {wd} with actor.lr {} \
+                     and warmup.lr {}",
+                    cfg.actor.lr, cfg.warmup.lr
+                )
+            })
+        },
+    },
+    Rule {
+        key: "reward.overlong_buffer",
+        says: "less than rollout.max_response_len",
+        broken: |cfg| {
+            let (buffer, max_len) = (cfg.reward.overlong_buffer, cfg.rollout.max_response_len);
+            (buffer >= max_len).then(|| {
+                format!("must be less than rollout.max_response_len ({max_len}), got {buffer}")
+            })
+        },
+    },
+];
+
+/// Where the values of a configuration came from: the `--set` overrides, else the file.
+pub(crate) struct Origins<'a> {
+    /// The file, as errors name it.
+    file: &'a str,
+    /// The line of every dotted key written in the file.
+    lines: BTreeMap<String, usize>,
+    /// Each override's dotted key, and the override as given.
+    overrides: Vec<(&'a str, &'a str)>,
+}
+
+impl<'a> Origins<'a> {
+    /// The origins of `text` (read from `file`) with `overrides` applied in order.
+    pub(crate) fn new(file: &'a str, text: &str, overrides: &'a [String]) -> Self {
+        let mut lines = BTreeMap::new();
+        if let Ok(doc) = toml::de::DeTable::parse(text) {
+            key_lines(text, doc.get_ref(), "", &mut lines);
+        }
+        let overrides = overrides
+            .iter()
+            .map(|o| {
+                (
+                    o.split_once('=').map_or(o.as_str(), |(k, _)| k.trim()),
+                    o.as_str(),
+                )
+            })
+            .collect();
+        Self {
+            file,
+            lines,
+            overrides,
+        }
+    }
+
+    /// Where `key`'s value came from: the last `--set` of it or of a table holding it,
+    /// else the file, at the key's line when it is written there.
+    pub(crate) fn of(&self, key: &str) -> String {
+        let set_by = |path: &str| key == path || key.starts_with(&format!("{path}."));
+        if let Some((_, spec)) = self.overrides.iter().rev().find(|(path, _)| set_by(path)) {
+            return format!("--set {spec}");
+        }
+        match self.lines.get(key) {
+            Some(line) => format!("{}:{line}", self.file),
+            None => self.file.to_string(),
+        }
+    }
+}
+
+/// Records the line of each key of `table` (and of its sub-tables) in `out`.
+fn key_lines(
+    text: &str,
+    table: &toml::de::DeTable<'_>,
+    prefix: &str,
+    out: &mut BTreeMap<String, usize>,
+) {
+    for (name, value) in table.iter() {
+        let key = dotted(prefix, name.get_ref());
+        let line = text[..name.span().start].matches('\n').count() + 1;
+        if let Some(sub) = value.get_ref().as_table() {
+            key_lines(text, sub, &key, out);
+        }
+        out.insert(key, line);
+    }
+}
+
+fn dotted(prefix: &str, name: &str) -> String {
+    if prefix.is_empty() {
+        name.to_string()
+    } else {
+        format!("{prefix}.{name}")
+    }
+}
+
+/// Checks every key of `doc` against the table: known, and its value allowed.
+pub(crate) fn check_keys(doc: &toml::Table, origins: &Origins<'_>) -> Result<(), ConfigError> {
+    check_table(doc, "", origins)
+}
+
+fn check_table(
+    table: &toml::Table,
+    prefix: &str,
+    origins: &Origins<'_>,
+) -> Result<(), ConfigError> {
+    for (name, value) in table {
+        let key = dotted(prefix, name);
+        if let Some(doc) = config_keys::find(&key) {
+            if !doc.allowed.admits(value) {
+                return Err(ConfigError::Invalid {
+                    origin: origins.of(&key),
+                    key: doc.key,
+                    value: value.to_string(),
+                    allowed: doc.allowed_text(),
+                });
+            }
+            continue;
+        }
+        let within = format!("{key}.");
+        match value.as_table() {
+            Some(sub) if KEYS.iter().any(|d| d.key.starts_with(&within)) => {
+                check_table(sub, &key, origins)?
+            }
+            _ => {
+                return Err(ConfigError::UnknownKey {
+                    origin: origins.of(&key),
+                    key,
+                    known: siblings(prefix),
+                })
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The keys and tables directly under `prefix` (the top level when empty).
+fn siblings(prefix: &str) -> String {
+    let mut names: Vec<&str> = KEYS
+        .iter()
+        .filter_map(|d| match prefix {
+            "" => Some(d.key),
+            p => d.key.strip_prefix(p)?.strip_prefix('.'),
+        })
+        .map(|rest| rest.split('.').next().unwrap_or(rest))
+        .collect();
+    names.dedup();
+    names.join(", ")
+}
+
+/// Checks the rules that relate keys.
+pub(crate) fn check_rules(cfg: &RunConfig, origins: &Origins<'_>) -> Result<(), ConfigError> {
+    for rule in RULES {
+        if let Some(reason) = (rule.broken)(cfg) {
+            return Err(ConfigError::Rule {
+                origin: origins.of(rule.key),
+                key: rule.key,
+                reason,
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::{RunConfig, DEFAULT_TOML};
+
+    fn error(text: &str, sets: &[&str]) -> String {
+        let sets: Vec<String> = sets.iter().map(ToString::to_string).collect();
+        RunConfig::from_toml(text, "my.toml", &sets)
+            .unwrap_err()
+            .to_string()
+    }
+
+    /// `DEFAULT_TOML` with `key = value` in place of the line setting `key` in `table`.
+    fn with_line(table: &str, key: &str, value: &str) -> (String, usize) {
+        let mut section = "";
+        let mut at = 0;
+        let lines: Vec<String> = DEFAULT_TOML
+            .lines()
+            .enumerate()
+            .map(|(i, line)| {
+                if line.starts_with('[') {
+                    section = line;
+                }
+                if section == format!("[{table}]") && line.starts_with(&format!("{key} =")) {
+                    at = i + 1;
+                    return format!("{key} = {value}");
+                }
+                line.to_string()
+            })
+            .collect();
+        assert!(at > 0, "{table}.{key} is in the default");
+        (lines.join("\n"), at)
+    }
+
+    #[test]
+    fn bad_configs_name_the_key() {
+        let cases = [
+            (
+                "threads=-1",
+                "invalid value for threads: got -1, allowed: integer >= 0",
+            ),
+            (
+                "dppo.r_o=1",
+                "invalid value for dppo.r_o: got 1, allowed: float in [0, 1)",
+            ),
+            ("dppo.r_0=0.5", "--set dppo.r_0=0.5: unknown key dppo.r_0"),
+            (
+                "rollout.n=\"eight\"",
+                "rollout.n: got \"eight\", allowed: integer >= 2",
+            ),
+            (
+                "actor.loss_agg=\"mean\"",
+                "actor.loss_agg: got \"mean\", allowed: token-mean |",
+            ),
+            ("rollout.n=1", "invalid value for rollout.n: got 1"),
+            ("bogus", "expected key=value"),
+            (
+                "dppo.candidate_frac=0",
+                "dppo.candidate_frac: got 0, allowed: float in (0, 1]",
+            ),
+            ("dppo.mode=\"random\"", "dppo.mode: got \"random\""),
+            (
+                "dppo.candidates=\"lowest\"",
+                "dppo.candidates: got \"lowest\"",
+            ),
+            ("logger=[\"tensorboard\"]", "logger: must include \"jsonl\""),
+            ("logger=[\"wandb\"]", "logger: got [\"wandb\"]"),
+            ("actor.lr=inf", "actor.lr: got inf, allowed: float > 0"),
+            ("warmup.lr=nan", "warmup.lr: got nan, allowed: float > 0"),
+            ("actor.weight_decay=nan", "actor.weight_decay"),
+            (
+                "actor.grad_clip=nan",
+                "actor.grad_clip: got nan, allowed: float >= 0",
+            ),
+            (
+                "resume=\"always\"",
+                "resume: got \"always\", allowed: disable | auto",
+            ),
+            (
+                "reward.overlong_buffer=8",
+                "reward.overlong_buffer: must be less than rollout.max_response_len (8), got 8",
+            ),
+            (
+                "reward.overlong_penalty=-1",
+                "reward.overlong_penalty: got -1, allowed: float >= 0",
+            ),
+            (
+                "reward.extract=\"lenient\"",
+                "reward.extract: got \"lenient\"",
+            ),
+            ("reward.overlong=1", "unknown key reward.overlong"),
+            (
+                "device=\"gpu\"",
+                "device: got \"gpu\", allowed: cpu | cuda | cuda:N",
+            ),
+            (
+                "engine.gpu_memory_utilization=1.5",
+                "engine.gpu_memory_utilization: got 1.5, allowed: float in (0, 1]",
+            ),
+            ("train.compute_dtype=f16", "allowed: auto | f32 | bf16"),
+            (
+                "checkpoint.keep=0",
+                "checkpoint.keep: got 0, allowed: integer > 0",
+            ),
+            (
+                "warmup.batch_size=0",
+                "warmup.batch_size: got 0, allowed: integer > 0",
+            ),
+        ];
+        for (set, want) in cases {
+            let err = RunConfig::default_with(&[set.to_string()])
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(want), "--set {set}: {err}");
+            if set != "bogus" {
+                assert!(err.starts_with(&format!("--set {set}: ")), "{err}");
+            }
+        }
+        let err = RunConfig::from_toml("model = ", "my.toml", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("my.toml:"), "{err}");
+        let err = RunConfig::from_toml("model = \"builtin:tiny\"", "my.toml", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("my.toml: missing field"), "{err}");
+    }
+
+    #[test]
+    fn an_unknown_key_in_a_set_names_the_set() {
+        let err = RunConfig::default_with(&["rollout.nn=3".to_string()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("--set rollout.nn=3: unknown key rollout.nn"),
+            "{err}"
+        );
+        assert!(
+            err.contains("max_response_len"),
+            "the table's keys are listed: {err}"
+        );
+        assert!(!err.contains("configs/default.toml"), "{err}");
+    }
+
+    #[test]
+    fn a_bad_value_names_its_origin_key_and_allowed_values() {
+        let (text, line) = with_line("checkpoint", "keep", "0");
+        let err = error(&text, &[]);
+        assert_eq!(
+            err,
+            format!(
+                "my.toml:{line}: invalid value for checkpoint.keep: got 0, allowed: integer > 0"
+            )
+        );
+        let (text, line) = with_line("warmup", "batch_size", "0");
+        assert_eq!(
+            error(&text, &[]),
+            format!(
+                "my.toml:{line}: invalid value for warmup.batch_size: got 0, allowed: integer > 0"
+            )
+        );
+        let err = error(DEFAULT_TOML, &["checkpoint.keep=3", "checkpoint.keep=0"]);
+        assert!(
+            err.starts_with("--set checkpoint.keep=0: invalid value"),
+            "{err}"
+        );
+        let err = error(DEFAULT_TOML, &["checkpoint={every = 5, keep = 0}"]);
+        assert!(
+            err.starts_with("--set checkpoint={every = 5, keep = 0}: invalid"),
+            "{err}"
+        );
+        let text = DEFAULT_TOML.replace("\nn = 8\n", "\nnn = 8\n");
+        let line = text.lines().position(|l| l == "nn = 8").unwrap() + 1;
+        let err = error(&text, &[]);
+        assert!(
+            err.starts_with(&format!("my.toml:{line}: unknown key rollout.nn")),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_rule_names_the_key_it_constrains() {
+        let err = error(DEFAULT_TOML, &["reward.overlong_buffer=8"]);
+        assert_eq!(
+            err,
+            "--set reward.overlong_buffer=8: invalid value for reward.overlong_buffer: must be \
+             less than rollout.max_response_len (8), got 8"
+        );
+        let err = error(DEFAULT_TOML, &["actor.weight_decay=2500"]);
+        assert!(
+            err.contains("invalid value for actor.weight_decay: must have"),
+            "{err}"
+        );
+    }
+}
