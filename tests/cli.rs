@@ -88,116 +88,31 @@ fn bench_rollout_json_reports_both_engines() {
     assert!(report["peak_kv_mib"].as_f64().unwrap() > 0.0);
 }
 
+/// `dppo run` end to end: it prints the accuracy table and writes the run directory.
 #[test]
-fn run_writes_metrics_summary_and_config() {
+fn run_prints_the_accuracy_table_and_writes_the_run_directory() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("run");
-    let (ok, _, stderr) = dppo(&[
-        "run",
-        "--set",
-        "warmup.steps=3",
-        "--set",
-        "steps=3",
-        "--set",
-        "data.num_train=64",
-        "--set",
-        "data.num_eval=8",
-        "--set",
-        "rollout.prompts_per_step=4",
-        "--set",
-        "eval.every=2",
-        "--set",
-        "logger=[\"jsonl\", \"tensorboard\"]",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+    let mut args = vec!["run", "--out", out.to_str().unwrap(), "--set", "steps=2"];
+    args.extend_from_slice(&SMALL);
+    let (ok, stdout, stderr) = dppo(&args);
     assert!(ok, "{stderr}");
-    let lines: Vec<Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(lines.len(), 3);
-    for (i, line) in lines.iter().enumerate() {
-        assert_eq!(line["step"], i + 1);
-        for key in [
-            "reward/mean",
-            "prune/prompts_kept",
-            "prune/completions_kept",
-            "pack/density",
-            "timing_s/gen",
-            "timing_s/train",
-            "timing_s/step",
-            "actor/lr",
-            "perf/gen_tokens_per_s",
-            "rollout/all_equal",
-        ] {
-            assert!(line[key].is_number(), "{key} missing in {line}");
-        }
-        // One publication per warm-up step and per RL step, in order.
-        assert_eq!(line["policy_version"], 3 + i + 1);
-        // The built-in task's answers are read in its `Answer: N` format only.
-        let rules: Vec<&String> = line
-            .as_object()
-            .unwrap()
-            .keys()
-            .filter_map(|k| k.strip_prefix("reward/extracted_by/").map(|_| k))
-            .collect();
-        assert!(!rules.is_empty(), "{line}");
-        let mut counted = 0;
-        for key in rules {
-            assert!(
-                key.ends_with("/answer_line") || key.ends_with("/none"),
-                "{key}"
-            );
-            counted += line[key].as_u64().unwrap();
-        }
-        assert!(
-            counted > 0 && counted % 8 == 0,
-            "every sample of n = 8 counted: {line}"
-        );
-    }
-    assert!(lines[1]["eval/acc"].is_number());
     let summary: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
-    for key in ["eval_before", "eval_after"] {
-        let acc = summary[key].as_f64().unwrap();
-        assert!((0.0..=1.0).contains(&acc));
+    let percent = |key: &str| format!("{:.1}%", 100.0 * summary[key].as_f64().unwrap());
+    let table = format!(
+        "\n| held-out accuracy | before RL | after RL |\n|---|---|---|\n| builtin:tiny | {} | {} |\n\
+         run directory: {}\n",
+        percent("eval_before"),
+        percent("eval_after"),
+        out.display()
+    );
+    assert!(stdout.ends_with(&table), "{stdout}");
+    assert_eq!(summary["steps"], 2);
+    for file in ["metrics.jsonl", "metrics.svg", "config.toml"] {
+        assert!(out.join(file).is_file(), "{file} missing");
     }
-    assert_eq!(summary["algorithm"], "dppo");
-    let svg = std::fs::read_to_string(out.join("metrics.svg")).unwrap();
-    assert!(svg.contains("<polyline"));
-    let config = std::fs::read_to_string(out.join("config.toml")).unwrap();
-    assert!(config.contains("prompts_per_step = 4"));
-    assert_tensorboard_matches_jsonl(&out, &lines);
-}
-
-/// TensorBoard's own reader finds every numeric metric of `metrics.jsonl` at its step.
-fn assert_tensorboard_matches_jsonl(run: &std::path::Path, lines: &[Value]) {
-    let out = Command::new("python3")
-        .arg(crate::util::repo_root().join("tests/tensorboard_reader.py"))
-        .arg(run.join("tensorboard"))
-        .output()
-        .expect("python3 must be installed (with tensorboard: scripts/test installs it)");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "tensorboard reader: {stderr}");
-    let scalars: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let mut compared = 0;
-    for line in lines {
-        let step = line["step"].to_string();
-        for (tag, value) in line.as_object().unwrap() {
-            let Some(want) = value.as_f64().filter(|_| tag != "step") else {
-                continue;
-            };
-            let got = scalars[tag][&step]
-                .as_f64()
-                .unwrap_or_else(|| panic!("{tag} at step {step} missing from TensorBoard"));
-            // TensorBoard stores f32; compare in f32 (JSON parsing may move an f64 by an ulp).
-            assert_eq!(got as f32, want as f32, "{tag} at step {step}");
-            compared += 1;
-        }
-    }
-    assert!(compared > 30, "only {compared} scalars compared");
+    dppo_trainer::checkpoint::verify(&out.join("checkpoints/step-000002")).unwrap();
 }
 
 /// `dppo score` on a hand-written samples file: agreement with the saved rewards, the
@@ -307,14 +222,10 @@ fn run_rejects_bad_configs_naming_the_key() {
 fn compare_tables_and_plots_runs_and_names_a_bad_one() {
     let dir = tempfile::tempdir().unwrap();
     let run = |name: &str, algorithm: &str| {
-        let out = dir.path().join(name).to_str().unwrap().to_string();
+        let out = dir.path().join(name);
         let algorithm = format!("algorithm={algorithm}");
-        let mut args = vec!["run", "--set", &algorithm, "--set", "steps=3"];
-        args.extend(["--set", "eval.every=1", "--out", &out]);
-        args.extend(SMALL);
-        let (ok, _, stderr) = dppo(&args);
-        assert!(ok, "{stderr}");
-        out
+        crate::run::small_run(&out, &[&algorithm, "steps=3", "eval.every=1"]);
+        out.to_str().unwrap().to_string()
     };
     let (grpo, dppo_run) = (run("grpo-run", "grpo"), run("dppo-run", "dppo"));
     let svg = dir.path().join("cmp.svg");
@@ -872,38 +783,4 @@ fn a_full_disk_for_metrics_stops_the_run_and_keeps_the_lines_written() {
     let steps = metric_steps(&out);
     assert!(!steps.is_empty() && steps.len() < 50, "{steps:?}");
     assert_eq!(steps, (1..=steps.len() as u64).collect::<Vec<_>>());
-}
-
-/// A model whose forward pass overflows makes every warm-up step non-finite: after three in
-/// a row (`train.max_nonfinite_steps`) the run stops with a clear error and a checkpoint of
-/// the untouched weights.
-#[test]
-fn non_finite_steps_stop_the_run_with_a_checkpoint_of_the_last_good_state() {
-    use candle_core::Tensor;
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("model");
-    let tiny = dppo_model::Policy::load("builtin:tiny", &candle_core::Device::Cpu).unwrap();
-    let mut tensors = tiny.weights.tensors().clone();
-    let norm = &tensors["model.norm.weight"];
-    let inf = Tensor::full(f32::INFINITY, norm.shape(), norm.device()).unwrap();
-    tensors.insert("model.norm.weight".into(), inf);
-    let weights = dppo_model::Weights::from_tensors(&tiny.config, tensors, "inf").unwrap();
-    let policy = dppo_model::Policy::new(tiny.config.clone(), weights, tiny.tokenizer).unwrap();
-    policy.save_hf(&model).unwrap();
-    let out = dir.path().join("run");
-    let mut args = vec!["run", "--out", out.to_str().unwrap()];
-    args.extend_from_slice(&SMALL);
-    let model_key = format!("model={}", model.display());
-    args.extend_from_slice(&["--set", &model_key, "--set", "warmup.steps=10"]);
-    let (ok, _, stderr) = dppo(&args);
-    assert!(!ok, "the run went on");
-    assert!(
-        stderr.contains("3 optimizer steps in a row")
-            && stderr.contains("the last good state is checkpointed in"),
-        "{stderr}"
-    );
-    let ckpt = out.join("checkpoints/step-000000");
-    dppo_trainer::checkpoint::verify(&ckpt).unwrap();
-    let saved = std::fs::read(ckpt.join("model/model.safetensors")).unwrap();
-    assert!(saved == std::fs::read(model.join("model.safetensors")).unwrap());
 }

@@ -31,6 +31,8 @@ mod cli;
 mod device;
 // dppo plan: GPU memory plans without a GPU.
 mod plan;
+// Whole runs in process: run directory files, resume, interruptions, non-finite stop.
+mod run;
 // The learner: GRPO equivalence, unbiasedness, packing, progress.
 mod trainer;
 // Checkpoints of earlier versions resume bit for bit.

@@ -20,10 +20,7 @@ pub struct ConfigArgs {
 impl ConfigArgs {
     /// The config file with the overrides, or the built-in default with them.
     pub fn load(&self) -> anyhow::Result<RunConfig> {
-        match &self.config {
-            Some(path) => super::run::read_config(path, &self.sets),
-            None => Ok(RunConfig::default_with(&self.sets)?),
-        }
+        Ok(RunConfig::load(self.config.as_deref(), &self.sets)?)
     }
 }
 

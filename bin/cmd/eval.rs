@@ -6,7 +6,7 @@ use dppo_engine::{Engine, EngineConfig, SamplingParams};
 use dppo_model::weights::write_atomic;
 use dppo_model::DeviceSpec;
 use dppo_trainer::config::RunConfig;
-use dppo_trainer::data::{builtin_task, default_extract_mode, load_jsonl, Fields, Problem};
+use dppo_trainer::data::{default_extract_mode, held_out, Fields, Problem};
 use dppo_trainer::eval::{evaluate, EvalSet, EvalSpec, Graded};
 use dppo_trainer::rewards::{rule_name, ExtractMode};
 use serde_json::json;
@@ -65,19 +65,13 @@ pub struct Args {
 pub fn run(args: Args) -> anyhow::Result<()> {
     let device = args.device.open()?;
     let policy = super::load_policy(&args.model, args.revision.as_deref(), &device)?;
-    let mut problems = match args.data.strip_prefix("builtin:") {
-        Some(task) => {
-            let num_eval = RunConfig::default_with(&[])?.data.num_eval;
-            builtin_task(task, 0, num_eval, args.seed)?.1
-        }
-        None => {
-            let fields = Fields {
-                question: args.question_field.clone(),
-                answer: args.answer_field.clone(),
-            };
-            load_jsonl(Path::new(&args.data), &fields)?
-        }
+    let fields = Fields {
+        question: args.question_field.clone(),
+        answer: args.answer_field.clone(),
     };
+    // A built-in task's held-out split is as large as the built-in default's.
+    let num_eval = RunConfig::default_with(&[])?.data.num_eval;
+    let mut problems = held_out(&args.data, &fields, num_eval, args.seed)?;
     if let Some(limit) = args.limit {
         problems.truncate(limit);
     }

@@ -57,10 +57,7 @@ pub struct Args {
 
 /// Prints the plan, or fails saying what does not fit.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let cfg = match &args.config {
-        Some(path) => super::run::read_config(path, &args.sets)?,
-        None => RunConfig::default_with(&args.sets)?,
-    };
+    let cfg = RunConfig::load(args.config.as_deref(), &args.sets)?;
     let engine_dtype = args.engine_dtype.unwrap_or(on_gpu(cfg.engine.dtype));
     let compute_dtype = args
         .compute_dtype

@@ -78,7 +78,8 @@ pub fn threads_per_rank(threads: usize, local_world: usize) -> usize {
 pub fn is_collective_failure(err: &anyhow::Error) -> bool {
     err.chain().any(|e| {
         e.downcast_ref::<DistError>().is_some()
-            || matches!(e.downcast_ref::<TrainError>(), Some(TrainError::Dist(_)))
+            || e.downcast_ref::<TrainError>()
+                .is_some_and(TrainError::is_collective_failure)
     })
 }
 

@@ -463,6 +463,14 @@ impl RunConfig {
         Self::from_toml(&text, &path.display().to_string(), overrides)
     }
 
+    /// The config file `path` with `overrides`, or the built-in default with them.
+    pub fn load(path: Option<&std::path::Path>, overrides: &[String]) -> Result<Self, ConfigError> {
+        match path {
+            Some(path) => Self::from_file(path, overrides),
+            None => Self::default_with(overrides),
+        }
+    }
+
     /// The built-in default with `overrides`.
     pub fn default_with(overrides: &[String]) -> Result<Self, ConfigError> {
         Self::from_toml(DEFAULT_TOML, "configs/default.toml (built in)", overrides)
@@ -522,6 +530,27 @@ mod tests {
         assert_eq!(cfg.model, "builtin:tiny");
         let again = RunConfig::from_toml(&cfg.to_toml(), "effective", &[]).unwrap();
         assert_eq!(again, cfg);
+    }
+
+    #[test]
+    fn config_files_load_with_overrides_and_are_named_in_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run.toml");
+        std::fs::write(&path, DEFAULT_TOML).unwrap();
+        let cfg = RunConfig::load(Some(&path), &["steps=7".to_string()]).unwrap();
+        assert_eq!(
+            cfg,
+            RunConfig::default_with(&["steps=7".to_string()]).unwrap()
+        );
+        let missing = dir.path().join("missing.toml");
+        let err = RunConfig::from_file(&missing, &[]).unwrap_err().to_string();
+        assert!(
+            err.starts_with(&format!("reading config {}: ", missing.display())),
+            "{err}"
+        );
+        std::fs::write(&path, "steps = [").unwrap();
+        let err = RunConfig::from_file(&path, &[]).unwrap_err().to_string();
+        assert!(err.starts_with(&path.display().to_string()), "{err}");
     }
 
     #[test]

@@ -7,6 +7,7 @@ use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
 
 use dppo_model::{ChatMessage, TextTokenizer};
 
+use crate::config::DataConfig;
 use crate::rewards::{parse_gold, Answer, ExtractMode};
 
 /// One prompt with its gold answer.
@@ -37,6 +38,8 @@ pub enum DataError {
     },
     #[error("unknown built-in task {0:?} (available: builtin:arithmetic)")]
     UnknownTask(String),
+    #[error("data.eval: a held-out JSONL file is required with a JSONL train set")]
+    NoEvalSet,
 }
 
 /// Which JSON fields hold the question and the answer.
@@ -110,6 +113,41 @@ pub fn load_jsonl(path: &Path, fields: &Fields) -> Result<Vec<Problem>, DataErro
         });
     }
     Ok(problems)
+}
+
+/// A run's training and held-out problems (`[data]`; a built-in task is drawn with `seed`),
+/// the held-out ones cut to `num_eval`.
+pub fn run_problems(
+    data: &DataConfig,
+    seed: u64,
+) -> Result<(Vec<Problem>, Vec<Problem>), DataError> {
+    if let Some(task) = data.train.strip_prefix("builtin:") {
+        return builtin_task(task, data.num_train, data.num_eval, seed);
+    }
+    let fields = Fields {
+        question: data.question_field.clone(),
+        answer: data.answer_field.clone(),
+    };
+    let train = load_jsonl(Path::new(&data.train), &fields)?;
+    let source = data.eval.as_deref().ok_or(DataError::NoEvalSet)?;
+    let mut eval = held_out(source, &fields, data.num_eval, seed)?;
+    eval.truncate(data.num_eval);
+    Ok((train, eval))
+}
+
+/// The held-out problems of the data set `source`: a built-in task's held-out split
+/// (`builtin:arithmetic`: its first `num_eval`, drawn with `seed`) or every problem of a
+/// JSONL file.
+pub fn held_out(
+    source: &str,
+    fields: &Fields,
+    num_eval: usize,
+    seed: u64,
+) -> Result<Vec<Problem>, DataError> {
+    match source.strip_prefix("builtin:") {
+        Some(task) => Ok(builtin_task(task, 0, num_eval, seed)?.1),
+        None => load_jsonl(Path::new(source), fields),
+    }
 }
 
 /// The extraction mode for a data set when `reward.extract` (or `--extract`) is not given:
@@ -277,6 +315,29 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("algebra"));
+    }
+
+    #[test]
+    fn run_and_evaluation_data_come_from_one_loader() {
+        let mut data = crate::config::RunConfig::default_with(&[]).unwrap().data;
+        (data.num_train, data.num_eval) = (50, 10);
+        let (train, eval) = run_problems(&data, 3).unwrap();
+        assert_eq!(
+            (train, eval.clone()),
+            builtin_task("arithmetic", 50, 10, 3).unwrap()
+        );
+        let fields = Fields {
+            question: "question".into(),
+            answer: "answer".into(),
+        };
+        assert_eq!(held_out(&data.train, &fields, 10, 3).unwrap(), eval);
+        let gsm8k = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/gsm8k/test.jsonl");
+        data.train = gsm8k.display().to_string();
+        let err = run_problems(&data, 3).unwrap_err();
+        assert!(matches!(err, DataError::NoEvalSet), "{err}");
+        data.eval = Some(data.train.clone());
+        let (train, eval) = run_problems(&data, 3).unwrap();
+        assert_eq!(eval[..], train[..10], "the held-out file, cut to num_eval");
     }
 
     #[test]

@@ -21,6 +21,7 @@ pub mod plot;
 pub mod prune;
 pub mod rewards;
 pub mod rollout;
+pub mod run;
 pub mod step;
 pub mod tensorboard;
 pub mod train_batch;
@@ -79,9 +80,59 @@ pub enum TrainError {
     Checkpoint { dir: String, reason: String },
     #[error(transparent)]
     Dist(#[from] dist::DistError),
+    #[error(transparent)]
+    Data(#[from] data::DataError),
+    #[error(transparent)]
+    RunConfig(#[from] config::ConfigError),
+    #[error(transparent)]
+    Metrics(#[from] metrics_log::MetricsError),
+    #[error("loading model {what}")]
+    LoadModel {
+        what: String,
+        #[source]
+        error: Box<dppo_model::ModelError>,
+    },
+    #[error("{action} {path}")]
+    RunDir {
+        action: &'static str,
+        path: String,
+        #[source]
+        error: std::io::Error,
+    },
+    #[error(
+        "rank {rank} runs another configuration than rank 0: {differs}; start every rank \
+         with the same arguments"
+    )]
+    RanksDisagree { rank: usize, differs: String },
+    #[error("checkpointing step {step}")]
+    Checkpointing {
+        step: u64,
+        #[source]
+        error: Box<TrainError>,
+    },
+    #[error("stopping: the last good state is checkpointed in {dir}")]
+    Stopped {
+        dir: String,
+        #[source]
+        error: Box<TrainError>,
+    },
     #[error(
         "the replicas diverged by step {step}: their weights' checksums differ ({checksums}); \
          every rank must hold the same weights after each step"
     )]
     Diverged { step: u64, checksums: String },
+}
+
+impl TrainError {
+    /// Whether a collective failed (a rank that exited or stopped answering), here or in
+    /// the error this one wraps, rather than this rank itself.
+    pub fn is_collective_failure(&self) -> bool {
+        match self {
+            Self::Dist(_) => true,
+            Self::Checkpointing { error, .. } | Self::Stopped { error, .. } => {
+                error.is_collective_failure()
+            }
+            _ => false,
+        }
+    }
 }
