@@ -12,7 +12,7 @@ use crate::metrics_log::Logger;
 use crate::prune::{
     Algorithm, CandidateRule, CompletionScope, LevelConfig, PromptPredictor, PruneMode,
 };
-use crate::rewards::RewardConfig;
+use dppo_rewards::RewardConfig;
 
 /// The configuration compiled into the binary (`dppo run` with no arguments).
 pub const DEFAULT_TOML: &str = include_str!("../../configs/default.toml");

@@ -18,7 +18,6 @@ pub mod optim;
 pub mod pack;
 pub mod plot;
 pub mod prune;
-pub mod rewards;
 pub mod rollout;
 pub mod step;
 pub mod tensorboard;
@@ -27,6 +26,9 @@ pub mod train_batch;
 pub use advantages::{compute_advantages, ScaleRewards};
 pub use prune::{Algorithm, Kept, LevelConfig};
 pub use rollout::{Group, Sample};
+
+/// The verifier, under the path the step loop names it by.
+pub(crate) use dppo_rewards as rewards;
 
 /// Errors of the trainer; each says what to change.
 #[derive(Debug, thiserror::Error)]
@@ -46,7 +48,7 @@ pub enum TrainError {
     #[error("invalid config: {0}")]
     Config(String),
     #[error(transparent)]
-    Reward(#[from] rewards::RewardError),
+    Reward(#[from] dppo_rewards::RewardError),
     #[error(transparent)]
     Device(#[from] dppo_model::DeviceError),
     #[error("GPU memory plan: {0}")]
