@@ -13,7 +13,7 @@ use dppo_trainer::checkpoint;
 use dppo_trainer::config::{ResumeMode, RunConfig};
 use dppo_trainer::data::{builtin_task, load_jsonl, Fields};
 use dppo_trainer::dist::{Collective, Single, TcpCollective};
-use dppo_trainer::metrics_log::{MetricsLog, METRICS_JSONL};
+use dppo_trainer::report::metrics_log::{MetricsLog, METRICS_JSONL};
 use dppo_trainer::step::Trainer;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
@@ -261,7 +261,7 @@ fn train(
         .collect();
     write_atomic(
         &args.out.join("metrics.svg"),
-        dppo_trainer::plot::render(&lines).as_bytes(),
+        dppo_trainer::report::plot::render(&lines).as_bytes(),
     )?;
     let summary = json!({
         "algorithm": cfg.algorithm,

@@ -8,10 +8,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::advantages::ScaleRewards;
 use crate::loss::{LossAgg, RatioLevel};
-use crate::metrics_log::Logger;
 use crate::prune::{
     Algorithm, CandidateRule, CompletionScope, LevelConfig, PromptPredictor, PruneMode,
 };
+use crate::report::metrics_log::Logger;
 use dppo_rewards::RewardConfig;
 
 /// The configuration compiled into the binary (`dppo run` with no arguments).

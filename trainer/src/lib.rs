@@ -4,7 +4,6 @@
 
 pub mod advantages;
 pub mod checkpoint;
-pub mod compare;
 pub mod config;
 pub mod config_keys;
 pub mod data;
@@ -13,14 +12,12 @@ pub mod eval;
 pub mod learner;
 pub mod loss;
 pub mod memory_plan;
-pub mod metrics_log;
 pub mod optim;
 pub mod pack;
-pub mod plot;
 pub mod prune;
+pub mod report;
 pub mod rollout;
 pub mod step;
-pub mod tensorboard;
 pub mod train_batch;
 
 pub use advantages::{compute_advantages, ScaleRewards};
