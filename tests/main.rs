@@ -29,8 +29,8 @@ mod soak;
 mod cli;
 // --device and the device key: CUDA asked of a CPU build or a machine without a GPU.
 mod device;
-// dppo plan: GPU memory plans without a GPU.
-mod plan;
+// dppo memory: GPU memory budgets without a GPU.
+mod memory;
 // The learner: GRPO equivalence, unbiasedness, packing, progress.
 mod trainer;
 // Data parallelism on CPU ranks: W ranks train as one; the --devices launcher.

@@ -311,7 +311,7 @@ pub struct PackConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct EngineSettings {
     /// The fraction of the GPU's memory the process may use, as vLLM's; the KV cache gets
-    /// what weights, learner state and activations leave of it (`dppo plan` shows the split).
+    /// what weights, learner state and activations leave of it (`dppo memory` shows the split).
     /// Default 0.5, the engine being co-located with the learner (`dppo serve` uses 0.9).
     pub gpu_memory_utilization: f64,
     /// The attention backend: `auto` (the CPU kernel for f32 on the CPU, the device-generic

@@ -9,20 +9,20 @@ pub mod config_keys;
 pub mod data;
 pub mod dist;
 pub mod eval;
+pub mod group;
 pub mod learner;
 pub mod loss;
-pub mod memory_plan;
+pub mod memory_budget;
 pub mod optim;
 pub mod pack;
 pub mod prune;
 pub mod report;
-pub mod rollout;
 pub mod step;
 pub mod train_batch;
 
 pub use advantages::{compute_advantages, ScaleRewards};
+pub use group::{Group, Sample};
 pub use prune::{Algorithm, Kept, LevelConfig};
-pub use rollout::{Group, Sample};
 
 /// The verifier, under the path the step loop names it by.
 pub(crate) use dppo_rewards as rewards;
@@ -48,8 +48,8 @@ pub enum TrainError {
     Reward(#[from] dppo_rewards::RewardError),
     #[error(transparent)]
     Device(#[from] dppo_model::DeviceError),
-    #[error("GPU memory plan: {0}")]
-    Plan(#[from] memory_plan::PlanError),
+    #[error("GPU memory budget: {0}")]
+    MemoryBudget(#[from] memory_budget::BudgetError),
     #[error("rollout came from policy version {got}, the step expected {expected}")]
     Version { expected: u64, got: u64 },
     #[error(

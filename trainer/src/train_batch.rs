@@ -1,9 +1,9 @@
 //! From pruned groups to what the learner consumes: the kept sequences with their weights,
 //! and the normalisers of the full batch (computed here, once, before packing).
 
+use crate::group::Group;
 use crate::loss::{Normalisers, TrainSeq};
 use crate::prune::{Algorithm, Kept};
-use crate::rollout::Group;
 
 /// What one optimizer step trains on.
 #[derive(Debug, Clone)]

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
-use crate::rollout::Group;
+use crate::group::Group;
 
 /// Mean reward at or above which a visit counts as all-correct.
 const EASY: f64 = 0.98;
@@ -98,7 +98,7 @@ impl Greso {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rollout::test_group as group;
+    use crate::group::test_group as group;
     use rand::{rngs::StdRng, SeedableRng};
 
     #[test]

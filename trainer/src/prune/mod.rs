@@ -60,7 +60,7 @@ pub struct Kept {
 /// completion that carries signal; DPPO prunes at `level`; CPPO cuts the batch at
 /// `level.rate`.
 pub fn select_completions<R: rand::Rng>(
-    groups: &[crate::rollout::Group],
+    groups: &[crate::group::Group],
     algorithm: Algorithm,
     level: &LevelConfig,
     scope: CompletionScope,

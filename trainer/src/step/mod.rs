@@ -32,13 +32,15 @@ use crate::data::{
 };
 use crate::dist::{broadcast_weights, shard_range, sum_f64, weights_checksum, Collective, Single};
 use crate::eval::{evaluate, EvalSet, EvalSpec};
+use crate::group::Group;
 use crate::learner::{Learner, LearnerConfig};
 use crate::loss::LossConfig;
-use crate::memory_plan::{self, LearnerInputs, MemoryPlan, ModelShape, PlanInputs, Precision};
+use crate::memory_budget::{
+    self, BudgetInputs, LearnerInputs, MemoryBudget, ModelShape, Precision,
+};
 use crate::optim::{AdamWConfig, LrSchedule};
 use crate::prune::{select_completions, Greso, LevelConfig, PromptHistory};
 use crate::rewards::RewardSpec;
-use crate::rollout::Group;
 use crate::train_batch::{build_train_shard, TrainBatch};
 use crate::TrainError;
 
@@ -502,8 +504,8 @@ fn gpu_plan(
     learner_dtype: DType,
     (free, total): (u64, u64),
     seq_len: usize,
-) -> Result<MemoryPlan, TrainError> {
-    Ok(memory_plan::plan(&PlanInputs {
+) -> Result<MemoryBudget, TrainError> {
+    Ok(memory_budget::budget(&BudgetInputs {
         model: ModelShape::from(&policy.config),
         engine_dtype: precision(engine.dtype.unwrap_or(DType::F32)),
         learner: Some(LearnerInputs {

@@ -12,7 +12,7 @@ use std::ops::Range;
 use serde::{Deserialize, Serialize};
 
 use crate::dist::shard_range;
-use crate::rollout::{Group, Sample};
+use crate::group::{Group, Sample};
 use crate::TrainError;
 
 use super::{Drawn, StepRollout, Trainer};

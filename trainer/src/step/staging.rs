@@ -10,9 +10,9 @@ use dppo_engine::{FinishReason, GenerateRequest, Priority, RequestHandle, Sampli
 use serde::{Deserialize, Serialize};
 
 use crate::data::mix;
+use crate::group::{Group, Sample};
 use crate::prune::Algorithm;
 use crate::rewards::{rule_name, score, Response};
-use crate::rollout::{Group, Sample};
 use crate::TrainError;
 
 use super::Trainer;

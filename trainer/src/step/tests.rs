@@ -3,8 +3,8 @@
 
 use super::*;
 use crate::data::builtin_task;
+use crate::group::Sample;
 use crate::prune::PromptStats;
-use crate::rollout::Sample;
 
 #[test]
 fn the_warm_up_draws_only_demonstrations_and_leaves_the_rl_position() {

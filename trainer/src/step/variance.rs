@@ -6,9 +6,9 @@ use std::ops::Range;
 
 use rand::rngs::StdRng;
 
+use crate::group::Group;
 use crate::optim::squared_norm;
 use crate::prune::LevelConfig;
-use crate::rollout::Group;
 use crate::TrainError;
 
 use super::Trainer;
