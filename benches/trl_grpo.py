@@ -52,7 +52,7 @@ def first_number(text):
 
 
 def flexible(text, truncated):
-    """dppo's `reward.extract = "flexible"` (trainer/src/rewards/extract.rs): the last closed
+    """dppo's `reward.extract = "flexible"` (rewards/src/extract.rs): the last closed
     `\\boxed{}`, else the line after the last `####`, else the line after the last "the
     answer is"-type phrase, else the last number; a truncated completion only counts an
     answer complete before the cut (a closed box, a line ended by a line break), never the

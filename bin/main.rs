@@ -30,7 +30,8 @@ enum Command {
     Serve(cmd::serve::Args),
     /// How a model and config divide a GPU's memory (weights, optimizer, activations, KV
     /// cache), or why they do not fit; needs no GPU.
-    Plan(cmd::plan::Args),
+    #[command(alias = "plan")]
+    Memory(cmd::memory::Args),
     /// Benchmarks: rollout and learner throughput, and a load test of the server.
     #[command(subcommand)]
     Bench(cmd::bench::Bench),
@@ -92,7 +93,7 @@ fn main() {
         Command::Score(args) => cmd::score::run(args),
         Command::Generate(args) => cmd::generate::run(args),
         Command::Serve(args) => cmd::serve::run(args),
-        Command::Plan(args) => cmd::plan::run(args),
+        Command::Memory(args) => cmd::memory::run(args),
         Command::Bench(bench) => cmd::bench::run(bench),
         Command::Convert(args) => cmd::convert::run(args),
     };

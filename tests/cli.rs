@@ -407,10 +407,10 @@ fn resumed_run_ends_with_the_weights_of_an_uninterrupted_run() {
         let reward = sample["reward"].as_f64().unwrap();
         let text = sample["text"].as_str().unwrap();
         let truncated = sample["truncated"].as_bool().unwrap();
-        let mode = dppo_trainer::rewards::ExtractMode::Answer;
-        let verdict = dppo_trainer::rewards::verify(text, truncated, &problem.answer, mode);
+        let mode = dppo_rewards::ExtractMode::Answer;
+        let verdict = dppo_rewards::verify(text, truncated, &problem.answer, mode);
         assert_eq!(reward, f64::from(u8::from(verdict.is_correct)));
-        let rule = dppo_trainer::rewards::rule_name(verdict.extracted_by);
+        let rule = dppo_rewards::rule_name(verdict.extracted_by);
         assert_eq!(sample["extracted_by"], rule);
         total += reward;
     }

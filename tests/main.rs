@@ -29,10 +29,10 @@ mod soak;
 mod cli;
 // --device and the device key: CUDA asked of a CPU build or a machine without a GPU.
 mod device;
-// dppo plan: GPU memory plans without a GPU.
-mod plan;
 // Whole runs in process: run directory files, resume, interruptions, non-finite stop.
 mod run;
+// dppo memory: GPU memory budgets without a GPU.
+mod memory;
 // The learner: GRPO equivalence, unbiasedness, packing, progress.
 mod trainer;
 // Checkpoints of earlier versions resume bit for bit.

@@ -7,10 +7,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::Device;
-use dppo_engine::server::{spawn, ServerConfig, ServerHandle};
 use dppo_engine::{Engine, EngineConfig, GenerateRequest};
 use dppo_model::template::ChatMessage;
 use dppo_model::{Arch, Policy, Weights};
+use dppo_server::{spawn, ServerConfig, ServerHandle};
 use serde_json::{json, Value};
 
 use crate::http::{open, post, read_until, request};

@@ -579,7 +579,7 @@ fn gold_answers() -> Vec<(String, String)> {
 /// every mode that reads `\boxed{}`.
 #[test]
 fn verifier_accepts_every_real_gold_answer() {
-    use dppo_trainer::rewards::{equivalent, parse_gold, verify, ExtractMode};
+    use dppo_rewards::{equivalent, parse_gold, verify, ExtractMode};
     let golds = gold_answers();
     assert!(golds.len() > 10_000, "{} gold answers", golds.len());
     for (at, raw) in golds {

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use dppo_model::weights::write_atomic;
-use dppo_trainer::compare::{self, Run};
+use dppo_trainer::report::compare::{self, Run};
 
 /// Arguments of `dppo compare`.
 #[derive(Debug, clap::Args)]

@@ -5,10 +5,10 @@ use anyhow::Context;
 use dppo_engine::{Engine, EngineConfig, SamplingParams};
 use dppo_model::weights::write_atomic;
 use dppo_model::DeviceSpec;
+use dppo_rewards::{rule_name, ExtractMode};
 use dppo_trainer::config::RunConfig;
 use dppo_trainer::data::{default_extract_mode, held_out, Fields, Problem};
 use dppo_trainer::eval::{evaluate, EvalSet, EvalSpec, Graded};
-use dppo_trainer::rewards::{rule_name, ExtractMode};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 

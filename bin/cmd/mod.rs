@@ -7,7 +7,7 @@ pub mod config;
 pub mod convert;
 pub mod eval;
 pub mod generate;
-pub mod plan;
+pub mod memory;
 pub mod ranks;
 pub mod run;
 pub mod score;

@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dppo_engine::server::ServerHandle;
 use dppo_model::DeviceSpec;
+use dppo_server::ServerHandle;
 use dppo_trainer::dist::{Collective, Single, TcpCollective};
 use dppo_trainer::run::{Resume, Run, RunHooks, Start};
 use indicatif::{ProgressBar, ProgressStyle};

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use dppo_model::weights::write_atomic;
-use dppo_trainer::rewards::{parse_gold, rule_name, verify, Answer, ExtractMode};
+use dppo_rewards::{parse_gold, rule_name, verify, Answer, ExtractMode};
 use serde_json::{json, Value};
 
 /// Arguments of `dppo score`.

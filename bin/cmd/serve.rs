@@ -3,10 +3,10 @@
 use std::io::Write;
 use std::sync::Arc;
 
-use dppo_engine::server::{self, ServerConfig, ServerHandle};
 use dppo_engine::{Engine, EngineConfig};
 use dppo_model::DeviceSpec;
 use dppo_model::Policy;
+use dppo_server::{ServerConfig, ServerHandle};
 
 /// Arguments of `dppo serve`.
 #[derive(Debug, clap::Args)]
@@ -75,7 +75,7 @@ pub fn start(
             .clone()
             .or_else(|| std::env::var("DPPO_API_KEY").ok().filter(|k| !k.is_empty())),
     };
-    let handle = server::spawn(
+    let handle = dppo_server::spawn(
         engine,
         policy.tokenizer.clone(),
         policy.eos_token_ids().to_vec(),

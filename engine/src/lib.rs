@@ -15,7 +15,6 @@ pub mod runner;
 pub mod sampler;
 pub mod scheduler;
 pub mod sequence;
-pub mod server;
 
 pub use engine::{Engine, EngineConfig, EngineStats, RequestHandle};
 pub use kv_pool::{BlockCopy, BlockId, KvPool};

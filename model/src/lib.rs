@@ -13,6 +13,7 @@ pub mod fused;
 pub mod hub;
 pub mod linear;
 pub mod lm_head;
+mod load;
 pub mod ops;
 pub mod packed;
 pub mod parallel;

@@ -48,6 +48,18 @@ pub fn silu(x: &Tensor) -> Result<Tensor> {
     x.mul(&sigmoid)
 }
 
+/// Rotary embedding in the HF "rotate half" layout: the rotation of `x` (tokens, heads,
+/// head_dim) by `cos`, `sin` (tokens, head_dim / 2).
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let half = x.dim(D::Minus1)? / 2;
+    let (cos, sin) = (cos.unsqueeze(1)?, sin.unsqueeze(1)?);
+    let x1 = x.narrow(D::Minus1, 0, half)?;
+    let x2 = x.narrow(D::Minus1, half, half)?;
+    let r1 = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
+    let r2 = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
+    Tensor::cat(&[r1, r2], D::Minus1)
+}
+
 /// Log-probability of each `targets[i]` under `logits[i]`: (tokens, vocab) -> (tokens,).
 pub fn token_logprobs(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let logp = log_softmax_last_dim(logits)?;

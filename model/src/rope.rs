@@ -1,7 +1,7 @@
 //! Rotary position embeddings in the HF "rotate half" layout (fused on the CPU, see
 //! [`crate::fused`]).
 
-use candle_core::{DType, Device, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor};
 
 /// Precomputed cos/sin tables, indexed by position id.
 #[derive(Debug, Clone)]
@@ -59,16 +59,4 @@ impl Rope {
     pub fn max_positions(&self) -> usize {
         self.cos.dims()[0]
     }
-}
-
-/// The rotation of `x` (tokens, heads, head_dim) by `cos`, `sin` (tokens, head_dim / 2) as
-/// composite ops.
-pub fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let half = x.dim(D::Minus1)? / 2;
-    let (cos, sin) = (cos.unsqueeze(1)?, sin.unsqueeze(1)?);
-    let x1 = x.narrow(D::Minus1, 0, half)?;
-    let x2 = x.narrow(D::Minus1, half, half)?;
-    let r1 = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
-    let r2 = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
-    Tensor::cat(&[r1, r2], D::Minus1)
 }

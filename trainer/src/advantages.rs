@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::rollout::Group;
+use crate::group::Group;
 
 /// How rewards are scaled after subtracting the group mean (`scale_rewards`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -53,7 +53,7 @@ mod tests {
     use super::*;
 
     fn group(rewards: &[f64]) -> Group {
-        crate::rollout::test_group(0, rewards)
+        crate::group::test_group(0, rewards)
     }
 
     #[test]

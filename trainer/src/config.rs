@@ -10,11 +10,11 @@ use serde::{Deserialize, Serialize};
 use crate::advantages::ScaleRewards;
 use crate::config_check::{check_keys, check_rules, Origins};
 use crate::loss::{LossAgg, LossConfig, RatioLevel};
-use crate::metrics_log::Logger;
 use crate::prune::{
     Algorithm, CandidateRule, CompletionScope, LevelConfig, PromptPredictor, PruneMode,
 };
-use crate::rewards::RewardConfig;
+use crate::report::metrics_log::Logger;
+use dppo_rewards::RewardConfig;
 
 /// The configuration compiled into the binary (`dppo run` with no arguments).
 pub const DEFAULT_TOML: &str = include_str!("../../configs/default.toml");
@@ -375,7 +375,7 @@ pub struct PackConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct EngineSettings {
     /// The fraction of the GPU's memory the process may use, as vLLM's; the KV cache gets
-    /// what weights, learner state and activations leave of it (`dppo plan` shows the split).
+    /// what weights, learner state and activations leave of it (`dppo memory` shows the split).
     /// Default 0.5, the engine being co-located with the learner (`dppo serve` uses 0.9).
     pub gpu_memory_utilization: f64,
     /// The attention backend: `auto` (the CPU kernel for f32 on the CPU, the device-generic

@@ -7,7 +7,7 @@ use dppo_model::DeviceSpec;
 
 use crate::config::{ConfigError, RunConfig};
 use crate::config_keys::{self, KEYS};
-use crate::metrics_log::Logger;
+use crate::report::metrics_log::Logger;
 
 /// A requirement that no single key's constraint states: it relates keys, or a list's items.
 pub struct Rule {

@@ -242,7 +242,7 @@ pub const KEYS: &[KeyDoc] = &[
     key("dppo.mode", "how candidates are dropped: exactly unbiased fixed count, unbiased random count, or biased", Allowed::OneOf(&["fixed_count", "poisson", "deterministic"]), None),
     key("pack.tokens", "tokens per packed training buffer; the run checks at start that the longest prompt plus rollout.max_response_len fits one", int(1), Some("verl actor.ppo_max_token_len_per_gpu")),
     key("pack.window", "sequences per first-fit-decreasing packing window", int(1), None),
-    key("engine.gpu_memory_utilization", "fraction of the GPU's memory the run may use; the KV cache gets what weights, learner state and activations leave (dppo plan)", FRACTION, Some("verl actor_rollout_ref.rollout.gpu_memory_utilization")),
+    key("engine.gpu_memory_utilization", "fraction of the GPU's memory the run may use; the KV cache gets what weights, learner state and activations leave (dppo memory)", FRACTION, Some("verl actor_rollout_ref.rollout.gpu_memory_utilization")),
     key("engine.attention", "the engine's attention backend: the CPU kernel (f32 on the CPU only), the device-generic tensor-op path, or auto (the kernel where it runs)", Allowed::OneOf(&["auto", "cpu", "generic"]), Some("vLLM attention_backend")),
     key("engine.dtype", "dtype of the engine's weights and KV cache (auto: f32 on the CPU, bf16 on a GPU)", Allowed::OneOf(&["auto", "f32", "bf16", "f16"]), Some("verl actor_rollout_ref.rollout.dtype")),
     key("eval.every", "held-out evaluation every this many steps (0: before and after only)", int(0), Some("verl trainer.test_freq; TRL eval_steps")),

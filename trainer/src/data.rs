@@ -8,7 +8,7 @@ use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
 use dppo_model::{ChatMessage, TextTokenizer};
 
 use crate::config::DataConfig;
-use crate::rewards::{parse_gold, Answer, ExtractMode};
+use dppo_rewards::{parse_gold, Answer, ExtractMode};
 
 /// One prompt with its gold answer.
 #[derive(Debug, Clone, PartialEq)]
@@ -271,7 +271,7 @@ pub(crate) fn mix(a: u64, b: u64, c: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rewards::verify;
+    use dppo_rewards::verify;
 
     #[test]
     fn problem_orders_are_seeded_epoch_permutations_that_resume_from_a_position() {

@@ -4,8 +4,8 @@ use dppo_engine::{Engine, FinishReason, GenerateRequest, Priority, SamplingParam
 use dppo_model::TextTokenizer;
 
 use crate::data::{problem_prompts, Problem};
-use crate::rewards::{verify, ExtractMode, Rule};
 use crate::TrainError;
+use dppo_rewards::{verify, ExtractMode, Rule};
 
 /// Accuracy figures of one evaluation.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -4,31 +4,27 @@
 
 pub mod advantages;
 pub mod checkpoint;
-pub mod compare;
 pub mod config;
 pub mod config_check;
 pub mod config_keys;
 pub mod data;
 pub mod dist;
 pub mod eval;
+pub mod group;
 pub mod learner;
 pub mod loss;
-pub mod memory_plan;
-pub mod metrics_log;
+pub mod memory_budget;
 pub mod optim;
 pub mod pack;
-pub mod plot;
 pub mod prune;
-pub mod rewards;
-pub mod rollout;
+pub mod report;
 pub mod run;
 pub mod step;
-pub mod tensorboard;
 pub mod train_batch;
 
 pub use advantages::{compute_advantages, ScaleRewards};
+pub use group::{Group, Sample};
 pub use prune::{Algorithm, Kept, LevelConfig};
-pub use rollout::{Group, Sample};
 
 /// Errors of the trainer; each says what to change.
 #[derive(Debug, thiserror::Error)]
@@ -62,11 +58,11 @@ pub enum TrainError {
     )]
     Rank { rank: usize, reason: String },
     #[error(transparent)]
-    Reward(#[from] rewards::RewardError),
+    Reward(#[from] dppo_rewards::RewardError),
     #[error(transparent)]
     Device(#[from] dppo_model::DeviceError),
-    #[error("GPU memory plan: {0}")]
-    Plan(#[from] memory_plan::PlanError),
+    #[error("GPU memory budget: {0}")]
+    MemoryBudget(#[from] memory_budget::BudgetError),
     #[error("rollout came from policy version {got}, the step expected {expected}")]
     Version { expected: u64, got: u64 },
     #[error(
@@ -85,7 +81,7 @@ pub enum TrainError {
     #[error(transparent)]
     RunConfig(#[from] config::ConfigError),
     #[error(transparent)]
-    Metrics(#[from] metrics_log::MetricsError),
+    Metrics(#[from] report::metrics_log::MetricsError),
     #[error("loading model {what}")]
     LoadModel {
         what: String,

@@ -3,9 +3,9 @@
 
 use rand::rngs::StdRng;
 
+use crate::group::Group;
 use crate::loss::{Normalisers, TrainSeq};
 use crate::prune::{Kept, PruningAlgorithm};
-use crate::rollout::Group;
 
 /// What one optimizer step trains on.
 #[derive(Debug, Clone)]

@@ -7,7 +7,7 @@ use super::{applies, run_kernel, Kernel, Real};
 
 /// Rotates `x` (tokens, heads, head_dim) by per-token angles given as `cos`, `sin` (tokens,
 /// head_dim / 2) of `x`'s dtype; fused with its own backward on f32/f64 CPU tensors,
-/// [`crate::rope::rotate`] otherwise.
+/// [`crate::ops::rope`] otherwise.
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     if applies(&[x, cos, sin]) {
         let heads = x.dim(1)?;
@@ -19,7 +19,7 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         x.contiguous()?
             .apply_op3(&cos.contiguous()?, &sin.contiguous()?, op)
     } else {
-        crate::rope::rotate(x, cos, sin)
+        crate::ops::rope(x, cos, sin)
     }
 }
 
@@ -116,7 +116,7 @@ mod tests {
         fused_matches_composite(
             &[&[tokens, 2, 2 * half]],
             |x| rope(&x[0], &table(f64::cos, &x[0])?, &table(f64::sin, &x[0])?),
-            |x| crate::rope::rotate(&x[0], &table(f64::cos, &x[0])?, &table(f64::sin, &x[0])?),
+            |x| crate::ops::rope(&x[0], &table(f64::cos, &x[0])?, &table(f64::sin, &x[0])?),
         );
     }
 }

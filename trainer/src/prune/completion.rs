@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use super::design::prune_scope;
 use super::{Kept, LevelConfig};
-use crate::rollout::Group;
+use crate::group::Group;
 
 /// Where completion candidates are compared (`scope`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

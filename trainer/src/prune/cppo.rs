@@ -5,8 +5,8 @@
 use rand::rngs::StdRng;
 
 use super::{cppo_completions, draw_all, BatchShape, Drawn, Kept, PromptPool, PruningAlgorithm};
+use crate::group::Group;
 use crate::loss::Normalisers;
-use crate::rollout::Group;
 
 /// CPPO's (stateless) choices at its batch-wide rate.
 pub struct Cppo {

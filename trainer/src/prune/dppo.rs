@@ -10,8 +10,8 @@ use super::{
     PromptHistory, PromptPool, PruningAlgorithm,
 };
 use crate::config::DppoConfig;
+use crate::group::Group;
 use crate::loss::Normalisers;
-use crate::rollout::Group;
 
 /// DPPO's settings and the prompt history its prompt pruning reads.
 pub struct Dppo {

@@ -13,8 +13,8 @@ use super::{
     full_batch_normalisers, prune_completions, AlgorithmState, BatchShape, Drawn, Kept,
     LevelConfig, PromptPool, PruningAlgorithm,
 };
+use crate::group::Group;
 use crate::loss::Normalisers;
-use crate::rollout::Group;
 
 /// Mean reward at or above which a visit counts as all-correct.
 const EASY: f64 = 0.98;
@@ -172,7 +172,7 @@ impl PruningAlgorithm for Greso {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rollout::test_group as group;
+    use crate::group::test_group as group;
     use rand::SeedableRng;
 
     #[test]

@@ -7,8 +7,8 @@ use super::{
     draw_all, full_batch_normalisers, prune_completions, BatchShape, Drawn, Kept, LevelConfig,
     PromptPool, PruningAlgorithm,
 };
+use crate::group::Group;
 use crate::loss::Normalisers;
-use crate::rollout::Group;
 
 /// GRPO's (stateless) choices.
 pub struct Grpo {

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use super::design::{candidates, prune_scope, CandidateRule, Inclusion};
 use super::LevelConfig;
-use crate::rollout::Group;
+use crate::group::Group;
 
 /// How a prompt's history scores it for prompt-level pruning (`dppo.prompt_predictor`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -224,7 +224,7 @@ mod tests {
     fn group(prompt_id: u64, advantages: &[f64]) -> Group {
         Group {
             advantages: advantages.to_vec(),
-            ..crate::rollout::test_group(prompt_id, &vec![0.0; advantages.len()])
+            ..crate::group::test_group(prompt_id, &vec![0.0; advantages.len()])
         }
     }
 
@@ -282,7 +282,7 @@ mod tests {
     /// A scored group of `n` samples of which `right` have reward 1, the rest 0.
     fn scored(prompt_id: u64, right: usize, n: usize) -> Group {
         let rewards: Vec<f64> = (0..n).map(|i| f64::from(u8::from(i < right))).collect();
-        let mut g = vec![crate::rollout::test_group(prompt_id, &rewards)];
+        let mut g = vec![crate::group::test_group(prompt_id, &rewards)];
         crate::advantages::compute_advantages(&mut g, crate::advantages::ScaleRewards::Group);
         g.remove(0)
     }

@@ -16,8 +16,8 @@ use rand::rngs::StdRng;
 use serde::{Deserialize, Serialize};
 
 use crate::data::ProblemOrder;
+use crate::group::Group;
 use crate::loss::Normalisers;
-use crate::rollout::Group;
 
 pub use completion::{cppo_completions, prune_completions, CompletionScope};
 pub use cppo::Cppo;

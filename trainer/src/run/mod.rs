@@ -17,8 +17,8 @@ use crate::checkpoint::MODEL_DIR;
 use crate::config::RunConfig;
 use crate::data::run_problems;
 use crate::dist::Collective;
-use crate::metrics_log::{MetricsLog, METRICS_JSONL};
 use crate::prune::Algorithm;
+use crate::report::metrics_log::{MetricsLog, METRICS_JSONL};
 use crate::step::Trainer;
 use crate::TrainError;
 
@@ -199,7 +199,7 @@ impl Run {
             let lines = self.metrics_lines()?;
             write_atomic(
                 &self.out.join(METRICS_SVG),
-                crate::plot::render(&lines).as_bytes(),
+                crate::report::plot::render(&lines).as_bytes(),
             )?;
         }
         let summary = RunSummary {

@@ -6,8 +6,8 @@ use dppo_model::TextTokenizer;
 
 use crate::dist::shard_range;
 use crate::eval::{evaluate, EvalSet, EvalSpec};
-use crate::rewards::ExtractMode;
 use crate::TrainError;
+use dppo_rewards::ExtractMode;
 
 use super::shard::Ranks;
 

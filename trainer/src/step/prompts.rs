@@ -7,12 +7,12 @@ use rand::rngs::StdRng;
 
 use crate::config::RunConfig;
 use crate::data::{problem_prompts, Problem, ProblemOrder, DEMO_STREAM, TRAIN_STREAM};
+use crate::group::Group;
 use crate::loss::TrainSeq;
 use crate::prune::{
     Algorithm, AlgorithmState, BatchShape, Cppo, Dppo, Drawn, Greso, Grpo, PromptPool,
     PruningAlgorithm,
 };
-use crate::rollout::Group;
 use crate::TrainError;
 
 /// The training problems, positions in them and the pruning algorithm.

@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 
 use serde_json::{json, Map, Value};
 
+use crate::group::Group;
 use crate::learner::StepMetrics;
-use crate::rollout::Group;
 
 /// What one RL step produced, for its metrics line.
 pub(super) struct StepReport<'a> {
@@ -113,7 +113,7 @@ impl StepReport<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rollout::test_group;
+    use crate::group::test_group;
 
     #[test]
     fn all_equal_counts_the_groups_whose_rewards_all_match() {

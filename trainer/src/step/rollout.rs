@@ -15,11 +15,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::RunConfig;
 use crate::data::{default_extract_mode, mix};
+use crate::group::{Group, Sample};
 use crate::learner::Learner;
 use crate::prune::Drawn;
-use crate::rewards::{rule_name, score, Response, RewardSpec};
-use crate::rollout::{Group, Sample};
 use crate::TrainError;
+use dppo_rewards::{rule_name, score, Response, RewardSpec};
 
 use super::prompts::Prompts;
 

@@ -1,5 +1,5 @@
 //! From a run's config to the learner's and the engine's: the settings each takes, the
-//! GPU memory plan that sizes the KV cache, and the start-up checks between them.
+//! GPU memory budget that sizes the KV cache, and the start-up checks between them.
 
 use candle_core::{DType, Device};
 use dppo_engine::EngineConfig;
@@ -7,7 +7,9 @@ use dppo_model::Policy;
 
 use crate::config::RunConfig;
 use crate::learner::LearnerConfig;
-use crate::memory_plan::{self, LearnerInputs, MemoryPlan, ModelShape, PlanInputs, Precision};
+use crate::memory_budget::{
+    self, BudgetInputs, LearnerInputs, MemoryBudget, ModelShape, Precision,
+};
 use crate::optim::{AdamWConfig, LrSchedule};
 use crate::TrainError;
 
@@ -33,7 +35,7 @@ pub(super) fn learner_config(cfg: &RunConfig, device: &Device) -> LearnerConfig 
 }
 
 /// The engine's settings (`[engine]`, `deterministic`) on `device`: on a GPU the KV cache
-/// gets what the memory plan leaves for sequences of `seq_len` tokens; the CPU keeps its
+/// gets what the memory budget leaves for sequences of `seq_len` tokens; the CPU keeps its
 /// size.
 pub(super) fn engine_config(
     cfg: &RunConfig,
@@ -50,9 +52,9 @@ pub(super) fn engine_config(
         ..EngineConfig::default()
     };
     if let Some((free, total)) = dppo_model::device::memory_info(device)? {
-        let plan = gpu_plan(cfg, policy, &engine, learner_dtype, (free, total), seq_len)?;
-        tracing::info!("GPU memory plan:\n{plan}");
-        engine.kv_cache_tokens = Some(plan.kv_tokens as usize);
+        let budget = gpu_budget(cfg, policy, &engine, learner_dtype, (free, total), seq_len)?;
+        tracing::info!("GPU memory budget:\n{budget}");
+        engine.kv_cache_tokens = Some(budget.kv_tokens as usize);
     }
     Ok(engine)
 }
@@ -70,17 +72,17 @@ pub(super) fn check_pack_tokens(cfg: &RunConfig, longest: usize) -> Result<(), T
     Ok(())
 }
 
-/// The memory plan of a co-located run on a GPU with `free` of `total` bytes, in the
+/// The memory budget of a co-located run on a GPU with `free` of `total` bytes, in the
 /// engine's and the learner's dtypes.
-fn gpu_plan(
+fn gpu_budget(
     cfg: &RunConfig,
     policy: &Policy,
     engine: &EngineConfig,
     learner_dtype: DType,
     (free, total): (u64, u64),
     seq_len: usize,
-) -> Result<MemoryPlan, TrainError> {
-    Ok(memory_plan::plan(&PlanInputs {
+) -> Result<MemoryBudget, TrainError> {
+    Ok(memory_budget::budget(&BudgetInputs {
         model: ModelShape::from(&policy.config),
         engine_dtype: precision(engine.dtype.unwrap_or(DType::F32)),
         learner: Some(LearnerInputs {
@@ -96,7 +98,7 @@ fn gpu_plan(
     })?)
 }
 
-/// The memory plan's name of a floating-point dtype.
+/// The memory budget's name of a floating-point dtype.
 fn precision(dtype: DType) -> Precision {
     match dtype {
         DType::BF16 => Precision::Bf16,

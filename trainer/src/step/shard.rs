@@ -13,9 +13,9 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use crate::dist::{shard_range, sum_f64, weights_checksum, Collective};
+use crate::group::{Group, Sample};
 use crate::learner::Learner;
 use crate::prune::Drawn;
-use crate::rollout::{Group, Sample};
 use crate::TrainError;
 
 use super::prompts::Prompts;

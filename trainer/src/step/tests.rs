@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::data::builtin_task;
-use crate::rollout::{Group, Sample};
+use crate::group::{Group, Sample};
 
 #[test]
 fn warm_up_steps_publish_and_leave_the_rl_position() {

@@ -6,10 +6,10 @@ use std::ops::Range;
 
 use rand::rngs::StdRng;
 
+use crate::group::Group;
 use crate::learner::Learner;
 use crate::optim::squared_norm;
 use crate::prune::PruningAlgorithm;
-use crate::rollout::Group;
 use crate::train_batch::prune_and_build;
 use crate::TrainError;
 

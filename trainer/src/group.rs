@@ -1,4 +1,4 @@
-//! The rollout batch as the learner sees it: groups of samples of one prompt each.
+//! A group: the samples of one prompt, as the learner sees the rollout batch.
 
 use serde::{Deserialize, Serialize};
 

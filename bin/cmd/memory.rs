@@ -1,4 +1,4 @@
-//! `dppo plan`: how a run's model and configuration would divide a GPU's memory (weights,
+//! `dppo memory`: how a run's model and configuration would divide a GPU's memory (weights,
 //! learner state, activations, KV cache), or why they do not fit. Needs no GPU.
 
 use std::path::{Path, PathBuf};
@@ -8,11 +8,11 @@ use candle_core::Device;
 use dppo_engine::EngineConfig;
 use dppo_model::ModelConfig;
 use dppo_trainer::config::{DtypeChoice, RunConfig};
-use dppo_trainer::memory_plan::{
-    format_size, parse_size, plan, LearnerInputs, ModelShape, PlanInputs, Precision,
+use dppo_trainer::memory_budget::{
+    budget, format_size, parse_size, BudgetInputs, LearnerInputs, ModelShape, Precision,
 };
 
-/// Arguments of `dppo plan`.
+/// Arguments of `dppo memory` (alias `dppo plan`).
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// The model (default: the config's `model`); an HF directory is read without its
@@ -34,7 +34,7 @@ pub struct Args {
     /// Override a config key, e.g. `--set pack.tokens=4096` (repeatable).
     #[arg(long = "set")]
     sets: Vec<String>,
-    /// Plan an engine alone, as `dppo serve` runs it (no learner; utilization 0.9 unless
+    /// Budget an engine alone, as `dppo serve` runs it (no learner; utilization 0.9 unless
     /// --gpu-memory-utilization says otherwise).
     #[arg(long)]
     serve: bool,
@@ -55,7 +55,7 @@ pub struct Args {
     prompt_len: Option<u64>,
 }
 
-/// Prints the plan, or fails saying what does not fit.
+/// Prints the budget, or fails saying what does not fit.
 pub fn run(args: Args) -> anyhow::Result<()> {
     let cfg = RunConfig::load(args.config.as_deref(), &args.sets)?;
     let engine_dtype = args.engine_dtype.unwrap_or(on_gpu(cfg.engine.dtype));
@@ -79,7 +79,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     } else {
         cfg.engine.gpu_memory_utilization
     });
-    let input = PlanInputs {
+    let input = BudgetInputs {
         model: ModelShape::from(&model_cfg),
         engine_dtype,
         learner: (!args.serve).then_some(LearnerInputs {
@@ -108,7 +108,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         format_size(input.free_memory),
         input.engine_dtype,
     );
-    print!("{}", plan(&input)?);
+    print!("{}", budget(&input)?);
     Ok(())
 }
 

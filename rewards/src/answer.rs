@@ -3,9 +3,9 @@
 
 use std::collections::BTreeSet;
 
-use super::normalise::{assigned_variable, clean, is_wrapped, split_top, strip_variable};
-use super::parse::number;
-use super::value::{Number, Rational};
+use crate::normalise::{assigned_variable, clean, is_wrapped, split_top, strip_variable};
+use crate::parse::number;
+use crate::value::{Number, Rational};
 
 /// Answers longer than this (cleaned) compare as text: no gold answer of the shipped data
 /// comes near (the longest has about 210 characters), and it bounds the recursion depth.
@@ -14,7 +14,7 @@ pub const MAX_STRUCTURED_LEN: usize = 1024;
 /// A parsed answer; compare two with [`equivalent`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Answer {
-    /// An exact number (see [`super::value`]).
+    /// An exact number (see [`crate::value`]).
     Number(Number),
     /// `52_8`: digits in a base from 2 to 36.
     Based { digits: String, base: u32 },

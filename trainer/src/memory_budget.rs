@@ -1,6 +1,6 @@
-//! GPU memory planning: how one GPU's memory divides between the engine's weights, the
+//! The GPU memory budget: how one GPU's memory divides between the engine's weights, the
 //! learner's state and activations, and the KV cache, as one pure function of sizes
-//! ([`plan`]), so that it is tested on the CPU and answers without a GPU (`dppo plan`).
+//! ([`budget`]), so that it is tested on the CPU and answers without a GPU (`dppo memory`).
 //!
 //! As vLLM's `gpu_memory_utilization`, the process may use that fraction of the GPU's total
 //! memory; the KV cache gets what is left of it after everything else the process keeps:
@@ -97,7 +97,7 @@ impl fmt::Display for Precision {
     }
 }
 
-/// The learner's side of a co-located plan.
+/// The learner's side of a co-located budget.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LearnerInputs {
     /// The dtype of the forward/backward pass (master weights and optimizer stay f32).
@@ -106,9 +106,9 @@ pub struct LearnerInputs {
     pub pack_tokens: u64,
 }
 
-/// Everything [`plan`] needs.
+/// Everything [`budget`] needs.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct PlanInputs {
+pub struct BudgetInputs {
     pub model: ModelShape,
     /// The engine's weights and KV cache dtype.
     pub engine_dtype: Precision,
@@ -129,7 +129,7 @@ pub struct PlanInputs {
 
 /// How the memory divides, in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MemoryPlan {
+pub struct MemoryBudget {
     /// `gpu_memory_utilization * total_memory`.
     pub budget: u64,
     /// The engine's weights in its dtype.
@@ -159,13 +159,13 @@ pub struct MemoryPlan {
     pub seq_len: u64,
 }
 
-impl MemoryPlan {
+impl MemoryBudget {
     /// The memory of the KV blocks.
     pub fn kv_bytes(&self) -> u64 {
         self.kv_blocks * self.block_size * self.kv_bytes_per_token
     }
 
-    /// What the plan keeps besides the KV cache, named.
+    /// What the budget keeps besides the KV cache, named.
     pub fn parts(&self) -> [(&'static str, u64); 7] {
         [
             ("engine weights", self.engine_weights),
@@ -179,9 +179,9 @@ impl MemoryPlan {
     }
 }
 
-/// Why a plan cannot be made.
+/// Why no budget can be made.
 #[derive(Debug, thiserror::Error, PartialEq)]
-pub enum PlanError {
+pub enum BudgetError {
     #[error("engine.gpu_memory_utilization = {0} is not in (0, 1]")]
     Utilization(f64),
     #[error(
@@ -223,15 +223,15 @@ pub enum PlanError {
 }
 
 /// Divides the GPU's memory (see the module doc), or says what does not fit.
-pub fn plan(input: &PlanInputs) -> Result<MemoryPlan, PlanError> {
+pub fn budget(input: &BudgetInputs) -> Result<MemoryBudget, BudgetError> {
     let u = input.gpu_memory_utilization;
     if !(u > 0.0 && u <= 1.0) {
-        return Err(PlanError::Utilization(u));
+        return Err(BudgetError::Utilization(u));
     }
     let m = &input.model;
     let budget = (u * input.total_memory as f64) as u64;
     if budget > input.free_memory {
-        return Err(PlanError::NotFree {
+        return Err(BudgetError::NotFree {
             utilization: u,
             total: input.total_memory,
             budget,
@@ -245,7 +245,7 @@ pub fn plan(input: &PlanInputs) -> Result<MemoryPlan, PlanError> {
     let eb = input.engine_dtype.bytes();
     let one_layer = 2 * m.hidden_size + q + 2 * kv + 2 * m.intermediate_size;
     let engine_workspace = input.max_batched_tokens * (4 * m.vocab_size + one_layer * eb);
-    let mut plan = MemoryPlan {
+    let mut memory = MemoryBudget {
         budget,
         engine_weights: m.num_parameters * eb,
         engine_workspace,
@@ -264,27 +264,27 @@ pub fn plan(input: &PlanInputs) -> Result<MemoryPlan, PlanError> {
     if let Some(learner) = &input.learner {
         let cb = learner.compute_dtype.bytes();
         let t = learner.pack_tokens;
-        plan.master_weights = 4 * m.num_parameters;
-        plan.optimizer_state = 8 * m.num_parameters;
-        plan.gradients = 4 * m.num_parameters;
+        memory.master_weights = 4 * m.num_parameters;
+        memory.optimizer_state = 8 * m.num_parameters;
+        memory.gradients = 4 * m.num_parameters;
         if learner.compute_dtype != Precision::F32 {
-            plan.compute_weights = cb * m.num_parameters;
+            memory.compute_weights = cb * m.num_parameters;
         }
         let per_token_layer = 6 * m.hidden_size + 3 * q + 3 * kv + 4 * m.intermediate_size;
         let scores = 2 * m.num_attention_heads * t * input.seq_len.min(t);
-        plan.activations =
+        memory.activations =
             m.num_layers * (t * per_token_layer + scores) * cb + 3 * t * m.vocab_size * 4;
     }
-    let needed: u64 = plan.parts().iter().map(|(_, b)| b).sum();
+    let needed: u64 = memory.parts().iter().map(|(_, b)| b).sum();
     if needed >= budget {
-        let needs = plan
+        let needs = memory
             .parts()
             .iter()
             .filter(|(_, b)| *b > 0)
             .map(|(name, b)| format!("{name} {}", format_size(*b)))
             .collect::<Vec<_>>()
             .join(" + ");
-        return Err(PlanError::DoesNotFit {
+        return Err(BudgetError::DoesNotFit {
             needs,
             needed,
             utilization: u,
@@ -292,22 +292,22 @@ pub fn plan(input: &PlanInputs) -> Result<MemoryPlan, PlanError> {
             budget,
         });
     }
-    let block_bytes = plan.kv_bytes_per_token * input.block_size;
-    plan.kv_blocks = (budget - needed) / block_bytes;
-    plan.kv_tokens = plan.kv_blocks * input.block_size;
-    plan.max_seqs = plan.kv_blocks / input.seq_len.div_ceil(input.block_size);
-    if plan.max_seqs == 0 {
-        return Err(PlanError::NoSequenceFits {
-            kv_bytes: plan.kv_bytes(),
-            kv_blocks: plan.kv_blocks,
+    let block_bytes = memory.kv_bytes_per_token * input.block_size;
+    memory.kv_blocks = (budget - needed) / block_bytes;
+    memory.kv_tokens = memory.kv_blocks * input.block_size;
+    memory.max_seqs = memory.kv_blocks / input.seq_len.div_ceil(input.block_size);
+    if memory.max_seqs == 0 {
+        return Err(BudgetError::NoSequenceFits {
+            kv_bytes: memory.kv_bytes(),
+            kv_blocks: memory.kv_blocks,
             block_size: input.block_size,
             seq_len: input.seq_len,
         });
     }
-    Ok(plan)
+    Ok(memory)
 }
 
-impl fmt::Display for MemoryPlan {
+impl fmt::Display for MemoryBudget {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "budget                  {}", format_size(self.budget))?;
         for (name, bytes) in self.parts() {

@@ -4,9 +4,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use dppo_engine::EngineStats;
 use parking_lot::Mutex;
-
-use crate::engine::EngineStats;
 
 /// Monotonic counters, updated by the handlers.
 #[derive(Debug, Default)]

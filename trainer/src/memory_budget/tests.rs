@@ -14,8 +14,8 @@ fn small() -> ModelShape {
     }
 }
 
-fn inputs(model: ModelShape, total: u64) -> PlanInputs {
-    PlanInputs {
+fn inputs(model: ModelShape, total: u64) -> BudgetInputs {
+    BudgetInputs {
         model,
         engine_dtype: Precision::Bf16,
         learner: Some(LearnerInputs {
@@ -32,8 +32,8 @@ fn inputs(model: ModelShape, total: u64) -> PlanInputs {
 }
 
 #[test]
-fn a_small_plan_accounts_for_every_byte() {
-    let p = plan(&inputs(small(), 1_000_000)).unwrap();
+fn a_small_budget_accounts_for_every_byte() {
+    let p = budget(&inputs(small(), 1_000_000)).unwrap();
     assert_eq!(p.budget, 500_000);
     assert_eq!(p.engine_weights, 2_000); // 1000 bf16
                                          // 16 tokens x (10 f32 logits + (2*8 + 8 + 2*4 + 2*16) bf16 values).
@@ -72,11 +72,11 @@ fn f32_compute_keeps_no_second_copy_and_an_engine_alone_no_learner_state() {
         compute_dtype: Precision::F32,
         pack_tokens: 32,
     });
-    let p = plan(&input).unwrap();
+    let p = budget(&input).unwrap();
     assert_eq!((p.compute_weights, p.gradients), (0, 4_000));
     input.learner = None;
     input.gpu_memory_utilization = 0.9;
-    let p = plan(&input).unwrap();
+    let p = budget(&input).unwrap();
     assert_eq!(p.budget, 900_000);
     let learner = p.master_weights + p.optimizer_state + p.gradients + p.activations;
     assert_eq!(learner + p.compute_weights, 0);
@@ -100,7 +100,7 @@ fn smollm2_135m_on_80_gib() {
     assert_eq!(model.num_parameters, 134_515_008);
     assert_eq!(model.head_dim, 64);
     let total = 80u64 << 30;
-    let input = PlanInputs {
+    let input = BudgetInputs {
         model,
         engine_dtype: Precision::Bf16,
         learner: Some(LearnerInputs {
@@ -114,7 +114,7 @@ fn smollm2_135m_on_80_gib() {
         max_batched_tokens: 2048,
         seq_len: 1024,
     };
-    let p = plan(&input).unwrap();
+    let p = budget(&input).unwrap();
     assert_eq!(p.budget, 40 << 30);
     assert_eq!(p.engine_weights, 269_030_016);
     assert_eq!(p.master_weights, 538_060_032);
@@ -130,7 +130,7 @@ fn smollm2_135m_on_80_gib() {
 }
 
 #[test]
-fn an_impossible_plan_names_what_does_not_fit() {
+fn an_impossible_budget_names_what_does_not_fit() {
     // An 8B model with f32 master weights and AdamW on a 24 GB card.
     let model = ModelShape {
         num_parameters: 8_000_000_000,
@@ -144,7 +144,7 @@ fn an_impossible_plan_names_what_does_not_fit() {
     };
     let mut input = inputs(model, 24_000_000_000);
     input.gpu_memory_utilization = 0.9;
-    let err = plan(&input).unwrap_err().to_string();
+    let err = budget(&input).unwrap_err().to_string();
     for part in [
         "does not fit",
         "engine weights 14.90 GiB",
@@ -162,10 +162,10 @@ fn a_kv_cache_too_small_for_one_sequence_is_an_error() {
     let mut input = inputs(small(), 1_000_000);
     // 55712 bytes kept + 4 blocks of 128 bytes: a 20-token sequence needs 5.
     input.gpu_memory_utilization = (55_712.0 + 4.0 * 128.0 + 0.5) / 1e6;
-    let err = plan(&input).unwrap_err();
+    let err = budget(&input).unwrap_err();
     assert_eq!(
         err,
-        PlanError::NoSequenceFits {
+        BudgetError::NoSequenceFits {
             kv_bytes: 512,
             kv_blocks: 4,
             block_size: 4,
@@ -174,21 +174,21 @@ fn a_kv_cache_too_small_for_one_sequence_is_an_error() {
     );
     assert!(err.to_string().contains("holds no sequence of 20 tokens"));
     input.gpu_memory_utilization += 128.0 / 1e6;
-    assert_eq!(plan(&input).unwrap().max_seqs, 1);
+    assert_eq!(budget(&input).unwrap().max_seqs, 1);
 }
 
 #[test]
 fn a_budget_beyond_free_memory_or_a_bad_fraction_is_an_error() {
     let mut input = inputs(small(), 1_000_000);
     input.free_memory = 409_600;
-    let err = plan(&input).unwrap_err().to_string();
+    let err = budget(&input).unwrap_err().to_string();
     assert!(
         err.contains("= 0.5 of 976.56 KiB is 488.28 KiB, but only 400.00 KiB of the GPU is free"),
         "{err}"
     );
     for u in [0.0, -0.5, 1.5, f64::NAN] {
         input.gpu_memory_utilization = u;
-        let err = plan(&input).unwrap_err();
-        assert!(matches!(err, PlanError::Utilization(_)), "{u}: {err}");
+        let err = budget(&input).unwrap_err();
+        assert!(matches!(err, BudgetError::Utilization(_)), "{u}: {err}");
     }
 }

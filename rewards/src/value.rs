@@ -335,7 +335,7 @@ impl Number {
     }
 }
 
-/// The canonical form, which [`super::parse`] reads back to the same value: terms in basis
+/// The canonical form, which [`crate::parse`] reads back to the same value: terms in basis
 /// order, such as `3/4`, `\frac{3}{4}\sqrt{13}\pi`, `-2i`; `0` for zero.
 impl std::fmt::Display for Number {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -9,13 +9,13 @@ use axum::http::{header, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
-use super::{ApiError, AppState};
+use crate::{ApiError, AppState};
 
 /// The one route open without a key: liveness probes carry no credentials.
 const OPEN_ROUTE: &str = "/health";
 
 /// Passes the request on when no key is set, the route is open, or it carries the key.
-pub(super) async fn require_key(
+pub(crate) async fn require_key(
     State(s): State<Arc<AppState>>,
     req: Request,
     next: Next,

@@ -1,4 +1,4 @@
-//! Reads a cleaned LaTeX expression (see [`super::normalise`]) into an exact [`Number`]:
+//! Reads a cleaned LaTeX expression (see [`crate::normalise`]) into an exact [`Number`]:
 //! integers, decimals, scientific notation (`4.5e33`), `+ - * /`, implicit products,
 //! `^`, `\frac{a}{b}` (and `\frac ab`), mixed numbers, `\sqrt{x}`, `\pi` and `i`.
 //!
@@ -8,7 +8,7 @@
 //! Anything else (letters, functions, `\infty`, roots other than square roots) is not a
 //! number: the caller compares it as text.
 
-use super::value::{Number, Rational};
+use crate::value::{Number, Rational};
 
 #[derive(Debug, Clone, PartialEq)]
 enum Token {

@@ -4,11 +4,11 @@
 
 use std::collections::BTreeMap;
 
+use dppo_engine::{SamplingParams, MAX_TOP_LOGPROBS};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::ApiError;
-use crate::sampler::{SamplingParams, MAX_TOP_LOGPROBS};
+use crate::ApiError;
 
 /// Body of `/v1/completions` and `/v1/chat/completions` (one type: the endpoints share
 /// most parameters; each reads its own).

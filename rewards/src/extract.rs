@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::normalise::matching_brace;
+use crate::normalise::matching_brace;
 
 /// Which rules may find the final answer (`reward.extract`, `dppo eval --extract`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::tensorboard::EventWriter;
+use crate::report::tensorboard::EventWriter;
 
 /// A metrics sink named in `logger`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -16,23 +16,20 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use dppo_engine::{EngineError, Event, FinishReason, GenerateRequest, RequestHandle};
 use futures_util::stream::{self, BoxStream, SelectAll, StreamExt};
 use serde_json::json;
 use tokio::sync::watch;
 
-use super::openai::{
+use crate::openai::{
     ApiRequest, ChatChoice, ChatDelta, ChatDeltaChoice, ChatLogprobs, ChatMessageOut, Job,
     PromptInput, Response as Body, TextChoice, TextLogprobs, TokenLogprob, Usage,
 };
-use super::text::TextStream;
-use super::{ApiError, AppState, PendingSlot};
-use crate::engine::RequestHandle;
-use crate::request::{Event, GenerateRequest};
-use crate::sequence::FinishReason;
-use crate::EngineError;
+use crate::text::TextStream;
+use crate::{ApiError, AppState, PendingSlot};
 
 /// The routes over `state`.
-pub(super) fn router(state: Arc<AppState>) -> Router {
+pub(crate) fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
@@ -43,7 +40,7 @@ pub(super) fn router(state: Arc<AppState>) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
-            super::auth::require_key,
+            crate::auth::require_key,
         ))
         .with_state(state)
 }

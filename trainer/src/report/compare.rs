@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use crate::metrics_log::METRICS_JSONL;
-use crate::plot::{Figure, Panel, Series, PALETTE};
+use crate::report::metrics_log::METRICS_JSONL;
+use crate::report::plot::{Figure, Panel, Series, PALETTE};
 
 /// Evaluations averaged for the steadier "final accuracy".
 pub const WINDOW: usize = 10;

@@ -1,6 +1,6 @@
-//! Verifiers: extract the final answer of a completion (by [`ExtractMode`]) and compare it
-//! with the gold answer by exact value and structure; the training reward adds DAPO's soft
-//! overlong penalty.
+//! dppo-rewards: the math verifier. It extracts the final answer of a completion (by
+//! [`ExtractMode`]) and compares it with the gold answer by exact value and structure; the
+//! training reward adds DAPO's soft overlong penalty.
 //!
 //! What counts as equal: numbers by exact value (fractions, decimals, scientific notation,
 //! thousands separators, mixed numbers, square roots of rationals, rational multiples of
@@ -24,8 +24,6 @@ mod answer;
 mod extract;
 mod normalise;
 mod parse;
-#[cfg(test)]
-mod table;
 mod value;
 
 use serde::{Deserialize, Serialize};
@@ -81,7 +79,7 @@ pub fn rule_name(rule: Option<Rule>) -> &'static str {
 #[serde(deny_unknown_fields)]
 pub struct RewardConfig {
     /// The extraction mode; when absent, `strict` for JSONL data and `answer` for the
-    /// built-in tasks (see [`crate::data::default_extract_mode`]).
+    /// built-in tasks (the trainer's `data::default_extract_mode`).
     #[serde(default)]
     pub extract: Option<ExtractMode>,
     /// DAPO's soft overlong penalty: the last this many tokens before

@@ -17,12 +17,12 @@ use std::time::Duration;
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use dppo_engine::Engine;
 use dppo_model::TextTokenizer;
 use serde_json::json;
 use tokio::sync::watch;
 
-use crate::engine::Engine;
-use metrics::Counters;
+use crate::metrics::Counters;
 
 /// How long in-flight requests get to wind down after a shutdown request.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);

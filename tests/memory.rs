@@ -1,17 +1,22 @@
-//! `dppo plan` through the binary: a plan without a GPU, and the errors of one that does not
-//! fit or of a size that does not parse.
+//! `dppo memory` through the binary: a GPU memory budget without a GPU, and the errors of
+//! one that does not fit or of a size that does not parse.
 
-/// Runs `dppo plan`; returns its exit code, stdout and stderr.
-fn plan(args: &[&str]) -> (Option<i32>, String, String) {
-    let args: Vec<&str> = std::iter::once("plan")
+/// Runs `dppo <command>`; returns its exit code, stdout and stderr.
+fn run(command: &str, args: &[&str]) -> (Option<i32>, String, String) {
+    let args: Vec<&str> = std::iter::once(command)
         .chain(args.iter().copied())
         .collect();
     crate::util::run_dppo(&args)
 }
 
+/// Runs `dppo memory`; returns its exit code, stdout and stderr.
+fn memory(args: &[&str]) -> (Option<i32>, String, String) {
+    run("memory", args)
+}
+
 #[test]
-fn plan_prints_every_part_and_the_kv_cache_for_the_config() {
-    let (code, stdout, stderr) = plan(&[
+fn memory_prints_every_part_and_the_kv_cache_for_the_config() {
+    let (code, stdout, stderr) = memory(&[
         "--gpu-memory",
         "80GiB",
         "--set",
@@ -38,7 +43,7 @@ fn plan_prints_every_part_and_the_kv_cache_for_the_config() {
     let engine_in = |sets: &[&str]| {
         let mut args = vec!["--gpu-memory", "80GiB"];
         args.extend(sets.iter().flat_map(|s| ["--set", s]));
-        let (code, stdout, stderr) = plan(&args);
+        let (code, stdout, stderr) = memory(&args);
         assert_eq!(code, Some(0), "{stderr}");
         stdout
     };
@@ -48,7 +53,7 @@ fn plan_prints_every_part_and_the_kv_cache_for_the_config() {
         configured.contains("engine in f32, learner in f32"),
         "{configured}"
     );
-    let (code, stdout, stderr) = plan(&[
+    let (code, stdout, stderr) = memory(&[
         "--gpu-memory",
         "80GiB",
         "--set",
@@ -58,7 +63,7 @@ fn plan_prints_every_part_and_the_kv_cache_for_the_config() {
     ]);
     assert_eq!(code, Some(0), "{stderr}");
     assert!(stdout.contains("engine in f16"), "{stdout}");
-    let (code, stdout, stderr) = plan(&["--gpu-memory", "24GB", "--serve"]);
+    let (code, stdout, stderr) = memory(&["--gpu-memory", "24GB", "--serve"]);
     assert_eq!(code, Some(0), "{stderr}");
     assert!(
         stdout.contains("no learner (serving); gpu_memory_utilization 0.9"),
@@ -68,8 +73,8 @@ fn plan_prints_every_part_and_the_kv_cache_for_the_config() {
 }
 
 #[test]
-fn plan_says_what_does_not_fit_and_rejects_bad_sizes() {
-    let (code, _, stderr) = plan(&["--gpu-memory", "1MB"]);
+fn memory_says_what_does_not_fit_and_rejects_bad_sizes() {
+    let (code, _, stderr) = memory(&["--gpu-memory", "1MB"]);
     assert_eq!(code, Some(2), "{stderr}");
     assert!(
         stderr.contains("does not fit: engine weights")
@@ -77,13 +82,22 @@ fn plan_says_what_does_not_fit_and_rejects_bad_sizes() {
             && stderr.contains("leaving nothing for the KV cache"),
         "{stderr}"
     );
-    let (code, _, stderr) = plan(&["--gpu-memory", "80G"]);
+    let (code, _, stderr) = memory(&["--gpu-memory", "80G"]);
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("e.g. 80GiB, 24GB, 1e9"), "{stderr}");
-    let (code, _, stderr) = plan(&["--gpu-memory", "80GiB", "--free-memory", "10GiB"]);
+    let (code, _, stderr) = memory(&["--gpu-memory", "80GiB", "--free-memory", "10GiB"]);
     assert_eq!(code, Some(2), "{stderr}");
     assert!(
         stderr.contains("but only 10.00 GiB of the GPU is free"),
         "{stderr}"
     );
+}
+
+/// `dppo plan` is an alias of `dppo memory`, so that existing scripts keep working.
+#[test]
+fn plan_is_an_alias_of_memory() {
+    let args = ["--gpu-memory", "24GB", "--serve"];
+    let (code, stdout, stderr) = run("plan", &args);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!(stdout, memory(&args).1);
 }

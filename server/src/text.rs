@@ -2,9 +2,8 @@
 //! so decoders that strip a leading space decode the same text either way) that never
 //! splits a UTF-8 character and never shows any part of a stop string.
 
+use dppo_engine::request::find_stop;
 use dppo_model::TextTokenizer;
-
-use crate::request::find_stop;
 
 /// Decoded text of a growing token list, and how much of it has been sent.
 #[derive(Debug, Default)]
