@@ -12,7 +12,7 @@ use candle_core::Device;
 use dppo_model::Policy;
 use dppo_trainer::checkpoint;
 use dppo_trainer::config::RunConfig;
-use dppo_trainer::data::builtin_task;
+use dppo_trainer::data::run_problems;
 use dppo_trainer::step::Trainer;
 use serde_json::{Map, Value};
 
@@ -37,13 +37,7 @@ fn a_checkpoint_of_commit_5c72f55_resumes_to_that_runs_metrics() {
     let cfg = RunConfig::from_toml(&text, "the fixture's config.toml", &[]).unwrap();
     let model = ckpt.join(checkpoint::MODEL_DIR);
     let policy = Policy::load(model.to_str().unwrap(), &Device::Cpu).unwrap();
-    let (train, eval) = builtin_task(
-        "arithmetic",
-        cfg.data.num_train,
-        cfg.data.num_eval,
-        cfg.seed,
-    )
-    .unwrap();
+    let (train, eval) = run_problems(&cfg.data, cfg.seed).unwrap();
     let mut trainer = Trainer::new(cfg, &policy, &Device::Cpu, train, eval).unwrap();
     let state = trainer.restore(&ckpt).unwrap();
     assert_eq!((state.step, trainer.step), (2, 2));

@@ -3,29 +3,25 @@
 //! weights take effect between two iterations, never inside one, and never while a request
 //! pinned to one policy version runs.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::mpsc::{self, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use candle_core::{DType, Device};
-use dppo_model::parallel::multi_threaded;
-use dppo_model::{CausalLm, Policy, TextTokenizer, Weights};
+use dppo_model::{CausalLm, Policy, Weights};
 use parking_lot::Mutex;
-use rayon::prelude::*;
 
 use crate::kv_pool::KvPool;
 use crate::paged_attn::CacheShape;
-use crate::plan::Plan;
 use crate::publish::Publication;
-use crate::request::{find_stop, Completion, Event, GenerateRequest};
+use crate::request::{Completion, Event, GenerateRequest};
 use crate::runner::{AttentionMode, Runner};
-use crate::sampler::{sample, Sampled, SamplingParams, SeqRng};
-use crate::scheduler::{Appended, Capacity, Scheduler, SchedulerConfig, SeqRequest};
-use crate::sequence::{FinishReason, RequestId};
+use crate::scheduler::{Capacity, Scheduler, SchedulerConfig};
+use crate::sequence::RequestId;
+use crate::worker::{Command, EngineStats, Submission, Worker};
 use crate::EngineError;
 
 /// Engine sizing; defaults suit a CPU box.
@@ -69,52 +65,6 @@ impl Default for EngineConfig {
             dtype: None,
         }
     }
-}
-
-/// Counters the worker keeps; read with [`Engine::stats`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct EngineStats {
-    pub num_blocks: usize,
-    pub block_size: usize,
-    /// Bytes of one KV block (keys and values of every layer). The pool's pages are touched
-    /// on first use, so its resident part grows with `peak_blocks_used`, up to the pool.
-    pub block_bytes: usize,
-    pub peak_blocks_used: usize,
-    pub num_preemptions: usize,
-    pub num_iterations: usize,
-    pub num_generated_tokens: usize,
-    /// Nanoseconds spent in iterations (schedule, forward, sampling), each counted before
-    /// its tokens are streamed: a caller holding its last token sees its time included.
-    pub busy_ns: u64,
-    /// The policy version the worker generates with (behind [`Engine::policy_version`]
-    /// while a publication waits for pinned requests to finish).
-    pub policy_version: u64,
-    /// Sequences waiting for admission (the queue depth).
-    pub num_waiting: usize,
-    pub num_running: usize,
-    /// KV blocks held by live sequences now.
-    pub blocks_used: usize,
-}
-
-/// A request on its way to the worker.
-struct Submission {
-    request_id: RequestId,
-    req: GenerateRequest,
-    events: UnboundedSender<Event>,
-}
-
-enum Command {
-    /// Requests admitted together, before the worker's next iteration: a batch's
-    /// composition then never depends on thread timing (reproducible rollouts).
-    Submit(Vec<Submission>),
-    Cancel(RequestId),
-    Swap {
-        model: Box<CausalLm>,
-        version: u64,
-    },
-    /// The engine is dropped: finish the queued work, then stop (request handles still
-    /// alive hold senders, so the channel alone would never close).
-    Shutdown,
 }
 
 /// A submitted request: its id, its event stream (read from threads or async tasks), and
@@ -227,17 +177,7 @@ impl Engine {
             ..EngineStats::default()
         }));
         let (tx, rx) = mpsc::channel();
-        let worker = Worker {
-            scheduler,
-            runner,
-            tokenizer: policy.tokenizer.clone(),
-            eos_token_ids: policy.eos_token_ids().into(),
-            requests: HashMap::new(),
-            stats: stats.clone(),
-            policy_version: 0,
-            held: None,
-            stopping: false,
-        };
+        let worker = Worker::new(scheduler, runner, policy, stats.clone());
         let handle = std::thread::Builder::new()
             .name("dppo-engine".into())
             .spawn(move || worker.run(rx))
@@ -413,320 +353,4 @@ fn num_blocks(cfg: &EngineConfig, shape: &CacheShape, dtype: DType) -> Result<us
         )));
     }
     Ok(blocks)
-}
-
-/// Per-request state kept by the worker.
-struct RequestState {
-    req: GenerateRequest,
-    /// One RNG per sample; lent out while a draw is under way.
-    rngs: Vec<Option<SeqRng>>,
-    events: UnboundedSender<Event>,
-    /// Output tokens per sample (for stop strings).
-    outputs: Vec<Vec<u32>>,
-    /// Which samples have finished.
-    done: Vec<bool>,
-}
-
-struct Worker {
-    scheduler: Scheduler,
-    runner: Runner,
-    tokenizer: TextTokenizer,
-    eos_token_ids: Arc<[u32]>,
-    requests: HashMap<RequestId, RequestState>,
-    stats: Arc<Mutex<EngineStats>>,
-    policy_version: u64,
-    /// A published model waiting for the pinned requests to finish.
-    held: Option<(Box<CausalLm>, u64)>,
-    /// Set by `Command::Shutdown`: return once no work is left.
-    stopping: bool,
-}
-
-impl Worker {
-    fn run(mut self, rx: Receiver<Command>) {
-        loop {
-            // 1. Commands: block while idle, drain without blocking while busy.
-            if !self.scheduler.has_work() {
-                if self.stopping {
-                    return;
-                }
-                match rx.recv() {
-                    Ok(cmd) => self.apply(cmd),
-                    Err(_) => return,
-                }
-            }
-            while let Ok(cmd) = rx.try_recv() {
-                self.apply(cmd);
-            }
-            if self.scheduler.has_work() {
-                // 2. One iteration.
-                if let Err(e) = self.step() {
-                    tracing::error!("engine iteration failed: {e}");
-                    self.fail_all();
-                }
-                self.apply_held();
-            }
-            self.publish_occupancy();
-        }
-    }
-
-    /// Current queue and pool occupancy, for `/metrics`.
-    fn publish_occupancy(&self) {
-        let (waiting, running) = self.scheduler.num_waiting_running();
-        let pool = self.scheduler.pool();
-        let mut stats = self.stats.lock();
-        stats.num_waiting = waiting;
-        stats.num_running = running;
-        stats.blocks_used = pool.num_blocks() - pool.num_free_blocks();
-    }
-
-    fn apply(&mut self, cmd: Command) {
-        match cmd {
-            Command::Submit(batch) => {
-                // New requests start with the newest weights the pinned ones allow.
-                self.apply_held();
-                for s in batch {
-                    self.admit(s.request_id, s.req, s.events);
-                }
-            }
-            Command::Cancel(request_id) => self.cancel(request_id),
-            Command::Swap { model, version } => {
-                self.held = Some((model, version));
-                self.apply_held();
-            }
-            Command::Shutdown => self.stopping = true,
-        }
-    }
-
-    /// Swaps in the held model unless a pinned request is running: every token of a pinned
-    /// request comes from one policy version (a step's rollout).
-    fn apply_held(&mut self) {
-        if self.requests.values().any(|r| r.req.pin_policy_version) {
-            return;
-        }
-        if let Some((model, version)) = self.held.take() {
-            self.runner.set_model(*model);
-            self.policy_version = version;
-            self.stats.lock().policy_version = version;
-        }
-    }
-
-    fn admit(
-        &mut self,
-        request_id: RequestId,
-        req: GenerateRequest,
-        events: UnboundedSender<Event>,
-    ) {
-        let eos = if req.ignore_eos {
-            Arc::from(Vec::new())
-        } else {
-            self.eos_token_ids.clone()
-        };
-        let seq_req = SeqRequest {
-            request_id,
-            prompt_ids: req.prompt_ids.clone(),
-            n: req.n,
-            max_tokens: req.max_tokens,
-            eos_token_ids: eos,
-            priority: req.priority,
-        };
-        if let Err(e) = self.scheduler.add_request(seq_req) {
-            tracing::warn!("request {request_id} rejected: {e}");
-            for sample_index in 0..req.n {
-                let _ = events.send(Event::Finished {
-                    sample_index,
-                    reason: FinishReason::Cancelled,
-                });
-            }
-            return;
-        }
-        let rngs = (0..req.n)
-            .map(|i| match req.sampling.seed {
-                Some(seed) => Some(SeqRng::new(seed, i as u64)),
-                None => Some(SeqRng::from_entropy()),
-            })
-            .collect();
-        let state = RequestState {
-            outputs: vec![Vec::new(); req.n],
-            done: vec![false; req.n],
-            req,
-            rngs,
-            events,
-        };
-        self.requests.insert(request_id, state);
-    }
-
-    fn cancel(&mut self, request_id: RequestId) {
-        self.scheduler.cancel(request_id);
-        if let Some(state) = self.requests.remove(&request_id) {
-            let live = (0..state.req.n).filter(|&i| !state.done[i]);
-            for sample_index in live {
-                let _ = state.events.send(Event::Finished {
-                    sample_index,
-                    reason: FinishReason::Cancelled,
-                });
-            }
-        }
-    }
-
-    fn step(&mut self) -> Result<(), EngineError> {
-        let started = std::time::Instant::now();
-        let plan = self.scheduler.schedule();
-        if plan.is_empty() {
-            return Err(EngineError::InvalidConfig(
-                "no sequence could be scheduled (KV cache too small for any waiting request)"
-                    .into(),
-            ));
-        }
-        let logits = self.runner.run(&plan, &self.scheduler)?;
-        let sampled = logits.with_rows(|rows| self.draw_all(&plan, rows))?;
-        let ids: Vec<Vec<u32>> = sampled
-            .iter()
-            .map(|draws| draws.iter().map(|d| d.token_id).collect())
-            .collect();
-        let appended = self.scheduler.postprocess(&plan, &ids);
-        self.update_stats(&plan, appended.len(), started.elapsed());
-        for a in appended {
-            self.emit(a, &sampled[a.plan_idx][a.sample_idx]);
-        }
-        Ok(())
-    }
-
-    /// Samples every row of the iteration, in parallel when rayon has several threads. Each
-    /// sample draws from its own RNG (a forking group's row is drawn once per sample), so no
-    /// result depends on the batch.
-    fn draw_all(&mut self, plan: &Plan, logits: &[Option<&[f32]>]) -> Vec<Vec<Sampled>> {
-        // 1. Lend each job the RNGs of the samples it draws for.
-        let jobs: Vec<(RequestId, usize, Vec<SeqRng>)> = plan
-            .seqs
-            .iter()
-            .zip(logits)
-            .map(|(s, row)| {
-                let seq = self.scheduler.seq(s.seq_id).expect("live");
-                let state = self
-                    .requests
-                    .get_mut(&seq.request_id)
-                    .expect("live request");
-                let first = if s.num_samples > 1 {
-                    0
-                } else {
-                    seq.sample_index
-                };
-                let count = if row.is_some() { s.num_samples } else { 0 };
-                let rngs = (first..first + count)
-                    .map(|i| state.rngs[i].take().expect("one draw per sample at a time"))
-                    .collect();
-                (seq.request_id, first, rngs)
-            })
-            .collect();
-        let params: Vec<SamplingParams> = jobs
-            .iter()
-            .map(|(r, _, _)| self.requests[r].req.sampling.clone())
-            .collect();
-        // 2. Draw.
-        let draw = |mut rngs: Vec<SeqRng>, row: &Option<&[f32]>, params: &SamplingParams| {
-            let draws = match row {
-                Some(row) => rngs
-                    .iter_mut()
-                    .map(|rng| sample(row, params, rng))
-                    .collect(),
-                None => Vec::new(),
-            };
-            (draws, rngs)
-        };
-        let results: Vec<(Vec<Sampled>, Vec<SeqRng>)> = if multi_threaded() {
-            jobs.into_par_iter()
-                .zip(logits.par_iter())
-                .zip(params.par_iter())
-                .map(|(((_, _, rngs), row), params)| draw(rngs, row, params))
-                .collect()
-        } else {
-            jobs.into_iter()
-                .zip(logits)
-                .zip(&params)
-                .map(|(((_, _, rngs), row), params)| draw(rngs, row, params))
-                .collect()
-        };
-        // 3. Give the RNGs back.
-        let mut sampled = Vec::with_capacity(results.len());
-        for (s, (draws, rngs)) in plan.seqs.iter().zip(results) {
-            if let Some(seq) = self.scheduler.seq(s.seq_id) {
-                let first = if s.num_samples > 1 {
-                    0
-                } else {
-                    seq.sample_index
-                };
-                let state = self
-                    .requests
-                    .get_mut(&seq.request_id)
-                    .expect("live request");
-                for (i, rng) in rngs.into_iter().enumerate() {
-                    state.rngs[first + i] = Some(rng);
-                }
-            }
-            sampled.push(draws);
-        }
-        sampled
-    }
-
-    fn update_stats(&self, plan: &Plan, num_new: usize, busy: std::time::Duration) {
-        let pool = self.scheduler.pool();
-        let mut stats = self.stats.lock();
-        stats.num_iterations += 1;
-        stats.busy_ns += busy.as_nanos() as u64;
-        stats.num_preemptions += plan.preempted.len();
-        stats.num_generated_tokens += num_new;
-        stats.peak_blocks_used = stats
-            .peak_blocks_used
-            .max(pool.num_blocks() - pool.num_free_blocks());
-    }
-
-    /// Streams one token and retires its sample on EOS, length or a stop string.
-    fn emit(&mut self, a: Appended, s: &Sampled) {
-        let Some(state) = self.requests.get_mut(&a.request_id) else {
-            return;
-        };
-        let token = Event::Token {
-            sample_index: a.sample_index,
-            token_id: a.token_id,
-            logprob: s.logprob,
-            model_logprob: s.model_logprob,
-            top_logprobs: s.top_logprobs.clone(),
-            policy_version: self.policy_version,
-        };
-        let receiver_gone = state.events.send(token).is_err();
-        state.outputs[a.sample_index].push(a.token_id);
-        let mut finish = a.finish;
-        if finish.is_none() && !state.req.stop.is_empty() {
-            // Decode only a tail long enough to hold any stop string.
-            let out = &state.outputs[a.sample_index];
-            let window = state.req.stop.iter().map(String::len).max().unwrap_or(0) + 4;
-            let tail = &out[out.len().saturating_sub(window)..];
-            let text = self.tokenizer.decode(tail, false).unwrap_or_default();
-            if find_stop(&text, &state.req.stop).is_some() {
-                self.scheduler.finish(a.seq_id, FinishReason::Stop);
-                finish = Some(FinishReason::Stop);
-            }
-        }
-        if receiver_gone {
-            self.cancel(a.request_id);
-            return;
-        }
-        if let Some(reason) = finish {
-            let _ = state.events.send(Event::Finished {
-                sample_index: a.sample_index,
-                reason,
-            });
-            state.done[a.sample_index] = true;
-            if state.done.iter().all(|&d| d) {
-                self.requests.remove(&a.request_id);
-            }
-        }
-    }
-
-    fn fail_all(&mut self) {
-        let ids: Vec<RequestId> = self.requests.keys().copied().collect();
-        for id in ids {
-            self.cancel(id);
-        }
-    }
 }

@@ -15,8 +15,9 @@ pub mod runner;
 pub mod sampler;
 pub mod scheduler;
 pub mod sequence;
+mod worker;
 
-pub use engine::{Engine, EngineConfig, EngineStats, RequestHandle};
+pub use engine::{Engine, EngineConfig, RequestHandle};
 pub use kv_pool::{BlockCopy, BlockId, KvPool};
 pub use plan::{Plan, ScheduledSeq};
 pub use request::{Completion, Event, GenerateRequest};
@@ -24,6 +25,7 @@ pub use runner::AttentionMode;
 pub use sampler::{SamplingParams, SeqRng, MAX_TOP_LOGPROBS};
 pub use scheduler::{Scheduler, SchedulerConfig, SeqRequest};
 pub use sequence::{FinishReason, Priority, RequestId, SeqId, Sequence};
+pub use worker::EngineStats;
 
 /// Errors of the engine; request errors say what to change.
 #[derive(Debug, thiserror::Error)]

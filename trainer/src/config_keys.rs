@@ -162,17 +162,14 @@ const fn key(
 }
 
 const fn optional(
-    key: &'static str,
+    name: &'static str,
     doc: &'static str,
     allowed: Allowed,
     peer: Option<&'static str>,
 ) -> KeyDoc {
     KeyDoc {
-        key,
-        doc,
-        allowed,
-        peer,
         optional: true,
+        ..key(name, doc, allowed, peer)
     }
 }
 

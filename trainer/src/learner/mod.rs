@@ -18,6 +18,14 @@ use crate::pack::pack;
 use crate::train_batch::TrainBatch;
 use crate::TrainError;
 
+mod grads;
+mod reference;
+mod sums;
+
+use grads::{accumulate, reduce_bucket, take_layer_grads};
+pub use reference::Reference;
+use sums::Sums;
+
 /// Learner settings.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LearnerConfig {
@@ -76,26 +84,6 @@ pub struct StepMetrics {
     pub is_nonfinite: bool,
 }
 
-/// A frozen policy for the KL term: its own copy of the weights and the model over them.
-pub struct Reference {
-    pub weights: Weights,
-    pub model: CausalLm,
-}
-
-impl Reference {
-    /// A frozen copy of `weights` (kept as given: checkpoints save it), its model reading
-    /// a cast to `compute_dtype`.
-    fn new(
-        config: &ModelConfig,
-        weights: &Weights,
-        compute_dtype: DType,
-    ) -> Result<Self, TrainError> {
-        let weights = weights.deep_copy()?;
-        let model = CausalLm::new(config, &weights.to_dtype(compute_dtype)?)?;
-        Ok(Self { weights, model })
-    }
-}
-
 /// Stack for the backward pass: candle's graph walk recurses once per op.
 const BACKWARD_STACK: usize = 512 << 20;
 
@@ -103,72 +91,6 @@ const BACKWARD_STACK: usize = 512 << 20;
 /// buckets): large enough to amortise a collective's latency, small enough not to double
 /// the gradients' memory at once.
 const BUCKET_ELEMS: usize = 1 << 22;
-
-/// What one rank's forward/backward passes add up, before any division: summed over ranks
-/// for the global batch's metrics.
-#[derive(Debug, Clone, Copy, Default)]
-struct Sums {
-    pg_loss: f64,
-    tokens: usize,
-    clipped: usize,
-    entropy: f64,
-    num_buffers: usize,
-    /// Tokens of every packed sequence (prompt and completion).
-    seq_tokens: usize,
-    /// Seconds of forward/backward (ranks run at once: their maximum).
-    seconds: f64,
-}
-
-impl Sums {
-    /// The step's metrics from these sums (`grad_norm` and `lr` are set later).
-    fn metrics(&self, pack_tokens: usize) -> StepMetrics {
-        StepMetrics {
-            pg_loss: self.pg_loss,
-            num_buffers: self.num_buffers,
-            pack_density: if self.num_buffers == 0 {
-                1.0
-            } else {
-                self.seq_tokens as f64 / (self.num_buffers * pack_tokens) as f64
-            },
-            clipfrac: self.clipped as f64 / self.tokens.max(1) as f64,
-            entropy: self.entropy / self.tokens.max(1) as f64,
-            train_tokens_per_s: self.seq_tokens as f64 / self.seconds,
-            ..StepMetrics::default()
-        }
-    }
-
-    /// The sums over every rank (in rank order, so every rank gets the same bits).
-    fn over_ranks(&self, coll: &dyn Collective) -> Result<Self, TrainError> {
-        if coll.world_size() == 1 {
-            return Ok(*self);
-        }
-        let counts = sum_f64(
-            coll,
-            &[
-                self.pg_loss,
-                self.tokens as f64,
-                self.clipped as f64,
-                self.entropy,
-                self.num_buffers as f64,
-                self.seq_tokens as f64,
-            ],
-        )?;
-        let slowest = coll
-            .all_gather_f64(&[self.seconds])?
-            .iter()
-            .map(|s| s[0])
-            .fold(0.0, f64::max);
-        Ok(Self {
-            pg_loss: counts[0],
-            tokens: counts[1] as usize,
-            clipped: counts[2] as usize,
-            entropy: counts[3],
-            num_buffers: counts[4] as usize,
-            seq_tokens: counts[5] as usize,
-            seconds: slowest,
-        })
-    }
-}
 
 /// Trainable f32 master weights, the model reading them, the optimizer, and (when the KL
 /// term is on) a frozen copy of the initial policy as reference. With several ranks, each
@@ -500,73 +422,6 @@ impl Learner {
         }
         Ok(m)
     }
-}
-
-/// All-reduces one bucket of gradients (flattened into one tensor) and puts each back into
-/// `grads` in its own shape and storage.
-fn reduce_bucket(
-    coll: &dyn Collective,
-    bucket: Vec<(String, Tensor)>,
-    grads: &mut BTreeMap<String, Tensor>,
-) -> Result<(), TrainError> {
-    let flat: Vec<Tensor> = bucket
-        .iter()
-        .map(|(_, g)| g.flatten_all())
-        .collect::<candle_core::Result<_>>()?;
-    let summed = coll.all_reduce_sum_tensor(&Tensor::cat(&flat, 0)?)?;
-    let mut offset = 0;
-    for (name, g) in bucket {
-        let n = g.elem_count();
-        let reduced = summed.narrow(0, offset, n)?.reshape(g.shape())?.copy()?;
-        grads.insert(name, reduced);
-        offset += n;
-    }
-    Ok(())
-}
-
-/// Adds the gradients in `store` of every var to `grads`.
-fn accumulate(
-    grads: &mut BTreeMap<String, Tensor>,
-    vars: &BTreeMap<String, Var>,
-    store: &candle_core::backprop::GradStore,
-) -> Result<(), TrainError> {
-    for (name, var) in vars {
-        if let Some(g) = store.get(var) {
-            add_grad(grads, name, g.clone())?;
-        }
-    }
-    Ok(())
-}
-
-/// Moves the gradients the training layers summed in `layer_grads` into `grads`. Every
-/// one must belong to a var: one that does not would be a gradient silently lost.
-fn take_layer_grads(
-    grads: &mut BTreeMap<String, Tensor>,
-    vars: &BTreeMap<String, Var>,
-    layer_grads: &LayerGrads,
-) -> Result<(), TrainError> {
-    for (name, var) in vars {
-        if let Some(g) = layer_grads.take(var.as_tensor())? {
-            add_grad(grads, name, g)?;
-        }
-    }
-    match layer_grads.len() {
-        0 => Ok(()),
-        n => Err(candle_core::Error::Msg(format!(
-            "the training layers computed {n} gradients of tensors that are not parameters"
-        ))
-        .into()),
-    }
-}
-
-/// `grads[name] += g` (or `= g` where there is none yet).
-fn add_grad(grads: &mut BTreeMap<String, Tensor>, name: &str, g: Tensor) -> Result<(), TrainError> {
-    let sum = match grads.remove(name) {
-        Some(acc) => (acc + g)?,
-        None => g,
-    };
-    grads.insert(name.to_string(), sum);
-    Ok(())
 }
 
 #[cfg(test)]

@@ -1,0 +1,72 @@
+//! What the forward/backward passes of a step add up, and the step's metrics from it.
+
+use crate::dist::{sum_f64, Collective};
+use crate::TrainError;
+
+use super::StepMetrics;
+
+/// What one rank's forward/backward passes add up, before any division: summed over ranks
+/// for the global batch's metrics.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Sums {
+    pub pg_loss: f64,
+    pub tokens: usize,
+    pub clipped: usize,
+    pub entropy: f64,
+    pub num_buffers: usize,
+    /// Tokens of every packed sequence (prompt and completion).
+    pub seq_tokens: usize,
+    /// Seconds of forward/backward (ranks run at once: their maximum).
+    pub seconds: f64,
+}
+
+impl Sums {
+    /// The step's metrics from these sums (`grad_norm` and `lr` are set later).
+    pub fn metrics(&self, pack_tokens: usize) -> StepMetrics {
+        StepMetrics {
+            pg_loss: self.pg_loss,
+            num_buffers: self.num_buffers,
+            pack_density: if self.num_buffers == 0 {
+                1.0
+            } else {
+                self.seq_tokens as f64 / (self.num_buffers * pack_tokens) as f64
+            },
+            clipfrac: self.clipped as f64 / self.tokens.max(1) as f64,
+            entropy: self.entropy / self.tokens.max(1) as f64,
+            train_tokens_per_s: self.seq_tokens as f64 / self.seconds,
+            ..StepMetrics::default()
+        }
+    }
+
+    /// The sums over every rank (in rank order, so every rank gets the same bits).
+    pub fn over_ranks(&self, coll: &dyn Collective) -> Result<Self, TrainError> {
+        if coll.world_size() == 1 {
+            return Ok(*self);
+        }
+        let counts = sum_f64(
+            coll,
+            &[
+                self.pg_loss,
+                self.tokens as f64,
+                self.clipped as f64,
+                self.entropy,
+                self.num_buffers as f64,
+                self.seq_tokens as f64,
+            ],
+        )?;
+        let slowest = coll
+            .all_gather_f64(&[self.seconds])?
+            .iter()
+            .map(|s| s[0])
+            .fold(0.0, f64::max);
+        Ok(Self {
+            pg_loss: counts[0],
+            tokens: counts[1] as usize,
+            clipped: counts[2] as usize,
+            entropy: counts[3],
+            num_buffers: counts[4] as usize,
+            seq_tokens: counts[5] as usize,
+            seconds: slowest,
+        })
+    }
+}
