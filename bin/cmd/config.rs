@@ -3,8 +3,8 @@
 
 use std::path::PathBuf;
 
+use dppo_trainer::config::keys;
 use dppo_trainer::config::RunConfig;
-use dppo_trainer::config_keys;
 
 /// The configuration flags of `dppo run` and `dppo config`.
 #[derive(Debug, clap::Args)]
@@ -37,10 +37,10 @@ pub struct Args {
 /// Prints the annotated configuration; invalid configs fail as `dppo run` fails on them.
 pub fn run(args: Args) -> anyhow::Result<()> {
     if args.markdown {
-        print!("{}", config_keys::reference_markdown());
+        print!("{}", keys::reference_markdown());
         return Ok(());
     }
     let cfg = args.given.load()?;
-    print!("{}", config_keys::annotated_toml(&cfg).trim_start());
+    print!("{}", keys::annotated_toml(&cfg).trim_start());
     Ok(())
 }

@@ -5,8 +5,6 @@
 pub mod advantages;
 pub mod checkpoint;
 pub mod config;
-pub mod config_check;
-pub mod config_keys;
 pub mod data;
 pub mod dist;
 pub mod eval;

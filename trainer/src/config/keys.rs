@@ -6,8 +6,87 @@ use std::fmt;
 
 use dppo_model::DeviceSpec;
 
-use crate::config::RunConfig;
-use crate::config_check::RULES;
+use super::RunConfig;
+use crate::report::metrics_log::Logger;
+
+/// A requirement that no single key's constraint states: it relates keys, or a list's items.
+pub struct Rule {
+    /// The key an error names.
+    pub key: &'static str,
+    /// What it requires, printed after the key's allowed values.
+    pub says: &'static str,
+    /// Why `cfg` breaks it, if it does.
+    pub broken: fn(&RunConfig) -> Option<String>,
+}
+
+/// Every rule, checked in order once the keys' own constraints hold.
+pub const RULES: &[Rule] = &[
+    Rule {
+        key: "logger",
+        says: "including \"jsonl\" (the plot, dppo compare and resume read metrics.jsonl)",
+        broken: |cfg| {
+            (!cfg.logger.contains(&Logger::Jsonl)).then(|| {
+                format!(
+                    "must include \"jsonl\" (the plot, dppo compare and resume read \
+                     metrics.jsonl), got {:?}",
+                    cfg.logger
+                )
+            })
+        },
+    },
+    Rule {
+        key: "devices",
+        says: "all cpu or all GPUs (NCCL), each GPU once",
+        broken: |cfg| {
+            let gpus: Vec<_> = cfg
+                .devices
+                .iter()
+                .filter(|d| **d != DeviceSpec::Cpu)
+                .collect();
+            if !gpus.is_empty() && gpus.len() != cfg.devices.len() {
+                return Some(
+                    "mixes cpu and cuda ranks: every rank must be a GPU (NCCL) or every rank \
+                     the CPU"
+                        .into(),
+                );
+            }
+            let listed: Vec<_> = cfg.devices.iter().map(ToString::to_string).collect();
+            (1..gpus.len())
+                .any(|i| gpus[..i].contains(&gpus[i]))
+                .then(|| {
+                    format!(
+                        "lists a GPU twice ({}): one rank per GPU (CPU ranks may repeat `cpu`)",
+                        listed.join(", ")
+                    )
+                })
+        },
+    },
+    Rule {
+        key: "actor.weight_decay",
+        says: "with actor.lr * weight_decay < 1 and warmup.lr * weight_decay < 1",
+        broken: |cfg| {
+            let wd = cfg.actor.weight_decay;
+            (cfg.actor.lr * wd >= 1.0 || cfg.warmup.lr * wd >= 1.0).then(|| {
+                format!(
+                    "must have actor.lr * weight_decay < 1 and warmup.lr * weight_decay < 1 \
+                     (decoupled decay would flip the weights' sign), got {wd} with actor.lr {} \
+                     and warmup.lr {}",
+                    cfg.actor.lr, cfg.warmup.lr
+                )
+            })
+        },
+    },
+    Rule {
+        key: "reward.overlong_buffer",
+        says: "less than rollout.max_response_len",
+        broken: |cfg| {
+            let (buffer, max_len) = (cfg.reward.overlong_buffer, cfg.rollout.max_response_len);
+            (buffer >= max_len).then(|| {
+                format!("must be less than rollout.max_response_len ({max_len}), got {buffer}")
+            })
+        },
+    },
+];
 
 /// One key of the configuration.
 pub struct KeyDoc {

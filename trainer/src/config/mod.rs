@@ -1,5 +1,5 @@
 //! The run configuration: TOML in the verl/TRL vocabulary, `--set key=value` overrides,
-//! checked once against the key table ([`crate::config_keys::KEYS`]) into a [`RunConfig`]
+//! checked once against the key table ([`keys::KEYS`]) into a [`RunConfig`]
 //! the loop trusts.
 
 use candle_core::{DType, Device};
@@ -8,16 +8,19 @@ use dppo_model::DeviceSpec;
 use serde::{Deserialize, Serialize};
 
 use crate::advantages::ScaleRewards;
-use crate::config_check::{check_keys, check_rules, Origins};
+mod check;
+pub mod keys;
+
 use crate::loss::{LossAgg, LossConfig, RatioLevel};
 use crate::prune::{
     Algorithm, CandidateRule, CompletionScope, LevelConfig, PromptPredictor, PruneMode,
 };
 use crate::report::metrics_log::Logger;
+use check::{check_keys, check_rules, Origins};
 use dppo_rewards::RewardConfig;
 
 /// The configuration compiled into the binary (`dppo run` with no arguments).
-pub const DEFAULT_TOML: &str = include_str!("../../configs/default.toml");
+pub const DEFAULT_TOML: &str = include_str!("../../../configs/default.toml");
 
 /// A configuration that cannot run, naming where the fault came from: the file (at the
 /// key's line) or the `--set` that wrote it.
@@ -60,7 +63,7 @@ pub enum ConfigError {
 }
 
 /// Everything a run needs; field names are the TOML keys, whose docs and allowed values are
-/// in [`crate::config_keys::KEYS`].
+/// in [`keys::KEYS`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RunConfig {
