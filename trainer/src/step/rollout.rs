@@ -274,13 +274,18 @@ impl Rollouts {
     /// reads); one step off-policy the engine generates while the optimizer writes, so it
     /// gets a copy.
     pub fn publish(&self, learner: &Learner) -> Result<(), TrainError> {
+        self.engine.publish(&self.engine_copy(learner)?)?;
+        Ok(())
+    }
+
+    /// The learner's weights as the engine may hold them: its own tensors when the loop is
+    /// synchronous, a copy when the engine generates while the optimizer writes.
+    fn engine_copy(&self, learner: &Learner) -> Result<dppo_model::Weights, TrainError> {
         let weights = learner.weights()?;
-        let weights = match self.settings.one_step_off_policy {
+        Ok(match self.settings.one_step_off_policy {
             true => weights.deep_copy()?,
             false => weights,
-        };
-        self.engine.publish(&weights)?;
-        Ok(())
+        })
     }
 
     /// Continues from a checkpoint's share: the learner's weights become policy
@@ -292,7 +297,8 @@ impl Rollouts {
         version: u64,
         pending: Option<StepRollout>,
     ) -> Result<(), TrainError> {
-        self.engine.restore_version(&learner.weights()?, version)?;
+        self.engine
+            .restore_version(&self.engine_copy(learner)?, version)?;
         self.pending = pending.map(Pending::Done);
         Ok(())
     }

@@ -254,3 +254,21 @@ fn a_run_restores_only_its_algorithms_share_of_an_old_checkpoint() {
     let grpo = restored("grpo");
     assert_eq!(grpo.algorithm, AlgorithmState::default());
 }
+
+#[test]
+fn a_restored_off_policy_run_gives_the_engine_a_copy() {
+    let off_policy = ["rollout.one_step_off_policy=true"];
+    let mut trainer = small_trainer(&off_policy);
+    trainer.step().unwrap();
+    let dir = std::env::temp_dir().join(format!("dppo-restore-copy-{}", std::process::id()));
+    let ckpt = trainer.save_checkpoint(&dir, 1, None).unwrap();
+    let mut resumed = small_trainer(&off_policy);
+    resumed.restore(&ckpt).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    // The engine generates the next rollout while the optimizer updates the learner's
+    // tensors in place: what it generates with must not move.
+    let published = values(&resumed.engine().published_weights());
+    let var = resumed.learner.vars.values().next().unwrap();
+    var.set(&(var.as_tensor() * 2.0).unwrap()).unwrap();
+    assert_eq!(values(&resumed.engine().published_weights()), published);
+}
