@@ -9,6 +9,7 @@ pub mod config_check;
 pub mod config_keys;
 pub mod data;
 pub mod dist;
+pub mod doctor;
 pub mod eval;
 pub mod group;
 pub mod learner;
