@@ -55,9 +55,25 @@ pub(super) fn device_checks(device: &Device, full: bool) -> Vec<Check> {
     };
     let mut checks = Vec::new();
     if let Err(e) = run_checks(device, full, &work, &mut checks) {
-        checks.push(Check::fail("device check", e.to_string(), BUG_FIX));
+        let error = e.to_string();
+        let fix = fix_for(&error);
+        checks.push(Check::fail("device check", error, fix));
     }
     checks
+}
+
+/// The likely fix of an error the device raised.
+fn fix_for(error: &str) -> &'static str {
+    if error.contains("PTX") {
+        "the kernels' PTX is newer than the driver loads: rebuild with an nvcc no newer \
+         than the driver's CUDA version, or upgrade the driver"
+    } else if error.contains("OUT_OF_MEMORY") || error.contains("out of memory") {
+        "free the GPU's memory (another process holds it: see `nvidia-smi`)"
+    } else if error.contains("NOT_FOUND") || error.contains(".so") {
+        "a CUDA library is missing: put NVIDIA's libraries on LD_LIBRARY_PATH"
+    } else {
+        BUG_FIX
+    }
 }
 
 fn run_checks(
@@ -325,4 +341,19 @@ fn timed_rollout(
         ),
         "the engine stopped early: report it with `dppo doctor --json`",
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_errors_get_the_fix_of_their_kind() {
+        let ptx = "DriverError(CUDA_ERROR_UNSUPPORTED_PTX_VERSION, \"the provided PTX was \
+                   compiled with an unsupported toolchain.\")";
+        assert!(fix_for(ptx).contains("nvcc no newer"));
+        assert!(fix_for("DriverError(CUDA_ERROR_OUT_OF_MEMORY, ..)").contains("nvidia-smi"));
+        assert!(fix_for("libcublasLt.so.13: cannot open").contains("LD_LIBRARY_PATH"));
+        assert_eq!(fix_for("shape mismatch"), BUG_FIX);
+    }
 }

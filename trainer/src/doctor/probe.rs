@@ -123,12 +123,15 @@ pub fn cuda_checks(device: Option<&Device>) -> Vec<Check> {
     const LIBRARY_FIX: &str = "put NVIDIA's libraries on LD_LIBRARY_PATH (from Python \
         wheels: the lib folders under site-packages/nvidia/)";
     let mut checks = Vec::new();
-    let mut driver = 0;
+    let mut driver: std::ffi::c_int = 0;
     // SAFETY: cuDriverGetVersion writes one int and needs no context.
     let max_isa = match unsafe { sys::cuDriverGetVersion(&mut driver) }.result() {
         Ok(()) => {
             let isa = max_ptx_isa(driver);
-            let isa_text = isa.map_or("unknown".into(), |(a, b)| format!("{a}.{b}"));
+            let isa_text = match isa {
+                Some((major, minor)) => format!("{major}.{minor}"),
+                None => "unknown".to_string(),
+            };
             checks.push(Check::ok(
                 "driver",
                 format!(
@@ -193,15 +196,20 @@ fn ptx_check(max_isa: Option<(u32, u32)>) -> Check {
 
 #[cfg(feature = "cuda")]
 fn gpu_check(device: Option<&Device>) -> Check {
-    let (Some(device), Some(Device::Cuda(cuda))) = (device, device) else {
-        return Check::skip("gpu", "the checked device is not a GPU");
+    let not_a_gpu = || Check::skip("gpu", "the checked device is not a GPU");
+    let Some(device) = device else {
+        return not_a_gpu();
+    };
+    let Device::Cuda(cuda) = device else {
+        return not_a_gpu();
     };
     let stream = cuda.cuda_stream();
     let context = stream.context();
     let name = context.name().unwrap_or_else(|e| format!("unknown ({e})"));
-    let capability = context
-        .compute_capability()
-        .map_or("unknown".into(), |(a, b)| format!("{a}.{b}"));
+    let capability = match context.compute_capability() {
+        Ok((major, minor)) => format!("{major}.{minor}"),
+        Err(e) => format!("unknown ({e})"),
+    };
     let memory = match dppo_model::device::memory_info(device) {
         Ok(Some((free, total))) => format!(
             "{:.1} GiB free of {:.1} GiB",
