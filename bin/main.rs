@@ -37,6 +37,9 @@ enum Command {
     Bench(cmd::bench::Bench),
     /// Load a model (builtin preset, HF directory or GGUF) and save it as an HF directory.
     Convert(cmd::convert::Args),
+    /// Check this build on this machine: features, CUDA libraries and driver, and the device
+    /// against the CPU on a small random model; one verdict line, exit 1 on any failure.
+    Doctor(cmd::doctor::Args),
 }
 
 /// Keeps freed memory in the process for reuse. A learner step frees and reallocates
@@ -96,6 +99,7 @@ fn main() {
         Command::Memory(args) => cmd::memory::run(args),
         Command::Bench(bench) => cmd::bench::run(bench),
         Command::Convert(args) => cmd::convert::run(args),
+        Command::Doctor(args) => cmd::doctor::run(args),
     };
     if let Err(err) = result {
         eprintln!("error: {err:#}");

@@ -27,6 +27,8 @@ mod server;
 mod soak;
 // The binary: JSON outputs and error messages.
 mod cli;
+// dppo doctor on the CPU build; bench train's compute dtype.
+mod doctor;
 // --device and the device key: CUDA asked of a CPU build or a machine without a GPU.
 mod device;
 // Whole runs in process: run directory files, resume, interruptions, non-finite stop.

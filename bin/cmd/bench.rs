@@ -1,14 +1,15 @@
 //! `dppo bench rollout`: a fixed rollout workload (P prompts x G samples x T new tokens,
 //! temperature 1) through the paged engine and through the naive baseline in the same
-//! process, plus this machine's measured f32 matmul rate as the compute limit.
-
-use std::time::Instant;
+//! process, plus this machine's measured f32 matmul rate as the compute limit. Every clock
+//! read is preceded by a device synchronisation ([`timed`]), so GPU timings are of the work.
 
 use anyhow::Context;
 use candle_core::{Device, Tensor};
 use dppo_engine::naive::generate_naive;
 use dppo_engine::{Engine, EngineConfig, GenerateRequest, SamplingParams};
+use dppo_model::device::timed;
 use dppo_model::{ChatMessage, DeviceSpec, ModelConfig, Policy};
+use dppo_trainer::config::DtypeChoice;
 use serde_json::json;
 
 /// Benchmarks.
@@ -45,6 +46,10 @@ pub struct TrainArgs {
     /// Optimizer steps to time (after one warm-up step).
     #[arg(long, default_value_t = 2)]
     steps: usize,
+    /// Dtype of the forward and backward passes: f32 or bf16 (default: f32 on the CPU, bf16
+    /// on a GPU, as `train.compute_dtype = "auto"`).
+    #[arg(long, value_parser = parse_compute_dtype)]
+    compute_dtype: Option<DtypeChoice>,
     #[arg(long)]
     json: bool,
 }
@@ -136,9 +141,8 @@ fn rollout(args: RolloutArgs) -> anyhow::Result<()> {
     for _ in 0..args.warmup_runs {
         engine.generate(reqs.clone())?;
     }
-    let start = Instant::now();
-    engine.generate(reqs.clone())?;
-    let ours_s = start.elapsed().as_secs_f64();
+    let ((), ours) = timed(&device, || engine.generate(reqs.clone()).map(drop))?;
+    let ours_s = ours.as_secs_f64();
     let stats = engine.stats();
     // In the engine's dtype (bf16 on a GPU).
     let peak_kv_mib = (stats.peak_blocks_used * stats.block_bytes) as f64 / (1 << 20) as f64;
@@ -146,9 +150,10 @@ fn rollout(args: RolloutArgs) -> anyhow::Result<()> {
         None
     } else {
         let model = policy.model()?;
-        let start = Instant::now();
-        generate_naive(&model, &reqs, policy.eos_token_ids(), &device)?;
-        Some(start.elapsed().as_secs_f64())
+        let (_, naive) = timed(&device, || {
+            generate_naive(&model, &reqs, policy.eos_token_ids(), &device)
+        })?;
+        Some(naive.as_secs_f64())
     };
     let flops_per_s = matmul_rate(&policy.config, &device)?;
     let limit_tokens_per_s = flops_per_s / (2.0 * policy.config.num_parameters() as f64);
@@ -184,16 +189,18 @@ fn matmul_rate(config: &ModelConfig, device: &Device) -> anyhow::Result<f64> {
     let (m, k, n) = (128, config.hidden_size, config.intermediate_size);
     let a = Tensor::randn(0f32, 1.0, (m, k), device)?;
     let b = Tensor::randn(0f32, 1.0, (n, k), device)?;
-    a.matmul(&b.t()?)?; // warm-up
+    timed(device, || a.matmul(&b.t()?))?; // warm-up
     let reps = (4e9 / (2.0 * (m * k * n) as f64)).clamp(3.0, 1000.0) as usize;
     // Best of five trials: the limit is what the machine can do, not an unlucky moment.
     let mut best = 0f64;
     for _ in 0..5 {
-        let start = Instant::now();
-        for _ in 0..reps {
-            a.matmul(&b.t()?)?;
-        }
-        best = best.max(2.0 * (m * k * n * reps) as f64 / start.elapsed().as_secs_f64());
+        let ((), took) = timed(device, || {
+            for _ in 0..reps {
+                a.matmul(&b.t()?)?;
+            }
+            Ok::<_, candle_core::Error>(())
+        })?;
+        best = best.max(2.0 * (m * k * n * reps) as f64 / took.as_secs_f64());
     }
     Ok(best)
 }
@@ -226,18 +233,24 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
             max_len: args.completion_len as f64,
         },
     };
-    let cfg = LearnerConfig::token_mean(1e-6, 1.0, args.pack_tokens, 64);
+    let compute_dtype = args.compute_dtype.unwrap_or_default().resolve(&device);
+    let cfg = LearnerConfig {
+        compute_dtype,
+        ..LearnerConfig::token_mean(1e-6, 1.0, args.pack_tokens, 64)
+    };
     let mut learner = Learner::new(&policy.config, &policy.weights, cfg)?;
     // The learner trains its own copy: the loaded weights are not part of what is measured.
     let config = policy.config.clone();
     drop(policy);
     learner.step(&batch)?; // warm-up
-    let start = Instant::now();
-    let mut density = 0.0;
-    for _ in 0..args.steps {
-        density = learner.step(&batch)?.pack_density;
-    }
-    let seconds = start.elapsed().as_secs_f64() / args.steps as f64;
+    let (density, took) = timed(&device, || {
+        let mut density = 0.0;
+        for _ in 0..args.steps {
+            density = learner.step(&batch)?.pack_density;
+        }
+        Ok::<_, anyhow::Error>(density)
+    })?;
+    let seconds = took.as_secs_f64() / args.steps as f64;
     let tokens = args.seqs * (args.prompt_len + args.completion_len);
     let tokens_per_s = tokens as f64 / seconds;
     let flops_per_s = matmul_rate(&config, &device)?;
@@ -246,6 +259,7 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
     let report = json!({
         "model": args.model,
         "cpu_kernel": dppo_model::cpu_kernel()?.name(),
+        "compute_dtype": compute_dtype.as_str(),
         "train_tokens_per_s": tokens_per_s,
         "step_s": seconds,
         "pack_density": density,
@@ -259,4 +273,13 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&report)?);
     }
     Ok(())
+}
+
+/// `--compute-dtype`: the two dtypes the learner computes in.
+fn parse_compute_dtype(text: &str) -> Result<DtypeChoice, String> {
+    match text {
+        "f32" => Ok(DtypeChoice::F32),
+        "bf16" => Ok(DtypeChoice::Bf16),
+        other => Err(format!("{other:?}: expected f32 or bf16")),
+    }
 }

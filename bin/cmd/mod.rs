@@ -5,6 +5,7 @@ pub mod bench_serve;
 pub mod compare;
 pub mod config;
 pub mod convert;
+pub mod doctor;
 pub mod eval;
 pub mod generate;
 pub mod memory;

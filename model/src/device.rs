@@ -5,6 +5,7 @@
 
 use std::fmt;
 use std::str::FromStr;
+use std::time::{Duration, Instant};
 
 use candle_core::Device;
 use serde::{Deserialize, Serialize};
@@ -127,6 +128,19 @@ pub fn memory_info(device: &Device) -> Result<Option<(u64, u64)>, DeviceError> {
 #[cfg(not(feature = "cuda"))]
 pub fn memory_info(_device: &Device) -> Result<Option<(u64, u64)>, DeviceError> {
     Ok(None)
+}
+
+/// Runs `f` between two synchronisations of `device` and returns its value with the time it
+/// took: a GPU queues work asynchronously, so an unsynchronised clock would time the queueing.
+pub fn timed<T, E: From<candle_core::Error>>(
+    device: &Device,
+    f: impl FnOnce() -> Result<T, E>,
+) -> Result<(T, Duration), E> {
+    device.synchronize()?;
+    let start = Instant::now();
+    let value = f()?;
+    device.synchronize()?;
+    Ok((value, start.elapsed()))
 }
 
 #[cfg(feature = "cuda")]

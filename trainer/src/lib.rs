@@ -7,6 +7,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod dist;
+pub mod doctor;
 pub mod eval;
 pub mod group;
 pub mod learner;
