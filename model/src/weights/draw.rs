@@ -1,5 +1,5 @@
-//! Seeded random weights drawn on the host, in parallel, with the same bits for a seed
-//! whatever the device, the dtype's rounding aside, and the number of threads.
+//! Seeded random weights drawn on the host in parallel: a seed gives the same bits whatever
+//! the device, the machine and the number of threads.
 
 use std::collections::BTreeMap;
 
@@ -10,15 +10,15 @@ use super::{init_of, param_specs, Init, Weights};
 use crate::config::ModelConfig;
 use crate::{ModelError, Result};
 
-/// Values drawn from one seed: each chunk has a generator of its own, seeded from the
-/// run's seed, the tensor's name and the chunk's index, so chunks can be drawn on any
-/// thread in any order.
+/// Values per generator: each chunk of a tensor has a generator of its own, seeded from the
+/// seed, the tensor's name and the chunk's index, so chunks can be drawn on any thread in
+/// any order.
 const CHUNK: usize = 1 << 16;
 
 impl Weights {
     /// Normal(0, `std`) matrices, norms at 1, biases at 0, drawn straight into `dtype` on
-    /// the host (each value rounded once from f32, as a cast of f32 weights would) and moved
-    /// to `device` one tensor at a time, so the host never holds more than one tensor there.
+    /// the host (rounded from f32 as a cast of the f32 draw would be) and moved to `device`
+    /// a tensor at a time: off the CPU, the host holds one tensor at most.
     pub fn draw(
         cfg: &ModelConfig,
         std: f64,
