@@ -62,6 +62,39 @@ fn generate_rejects_bad_input_clearly() {
     assert!(!ok && stderr.contains("/no/such/model"), "{stderr}");
 }
 
+/// A random-weight model of a real shape by spec alone: the same seed generates the same
+/// tokens, another seed others; an unknown shape is an error listing the known ones.
+#[test]
+fn generate_runs_a_random_weight_shape_from_its_spec() {
+    let greedy = |spec: &str| {
+        let (ok, stdout, stderr) = dppo(&[
+            "generate",
+            "--model",
+            spec,
+            "--prompt",
+            "What is 2+3?",
+            "--chat",
+            "--max-tokens",
+            "4",
+            "--temperature",
+            "0",
+            "--json",
+        ]);
+        assert!(ok, "{stderr}");
+        let line: Value = serde_json::from_str(stdout.trim()).unwrap();
+        assert_eq!(line["token_ids"].as_array().unwrap().len(), 4, "{line}");
+        line["token_ids"].clone()
+    };
+    let seven = greedy("random:smollm2-135m@seed=7");
+    assert_eq!(greedy("random:smollm2-135m@seed=7"), seven);
+    assert_ne!(greedy("random:smollm2-135m"), seven);
+    let (ok, _, stderr) = dppo(&["generate", "--model", "random:llama-7b", "--prompt", "hi"]);
+    assert!(
+        !ok && stderr.contains("random:llama-7b") && stderr.contains("qwen2.5-0.5b"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn bench_rollout_json_reports_both_engines() {
     let (ok, stdout, stderr) = dppo(&[

@@ -72,6 +72,18 @@ fn memory_prints_every_part_and_the_kv_cache_for_the_config() {
     assert!(!stdout.contains("master weights"), "{stdout}");
 }
 
+/// A `random:` shape is budgeted from its config alone: no 6 GB of weights drawn.
+#[test]
+fn memory_budgets_a_random_weight_shape_without_drawing_it() {
+    let (code, stdout, stderr) =
+        memory(&["--gpu-memory", "80GiB", "--model", "random:qwen2.5-1.5b"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(
+        stdout.contains("random:qwen2.5-1.5b: 1543714304 parameters on a 80.00 GiB GPU"),
+        "{stdout}"
+    );
+}
+
 #[test]
 fn memory_says_what_does_not_fit_and_rejects_bad_sizes() {
     let (code, _, stderr) = memory(&["--gpu-memory", "1MB"]);

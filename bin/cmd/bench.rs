@@ -26,6 +26,8 @@ pub enum Bench {
 /// Arguments of `dppo bench train`.
 #[derive(Debug, clap::Args)]
 pub struct TrainArgs {
+    /// Any model spec: `builtin:tiny`, `random:SHAPE[@seed=N]` (a random-weight model of a
+    /// real shape), an HF directory, a `.gguf` file...
     #[arg(long, default_value = "builtin:tiny")]
     model: String,
     /// Where the learner runs: cpu, cuda or cuda:N (cuda needs a build with `--features cuda`).
@@ -57,6 +59,8 @@ pub struct TrainArgs {
 /// Arguments of `dppo bench rollout`.
 #[derive(Debug, clap::Args)]
 pub struct RolloutArgs {
+    /// Any model spec: `builtin:tiny`, `random:SHAPE[@seed=N]` (a random-weight model of a
+    /// real shape), an HF directory, a `.gguf` file...
     #[arg(long, default_value = "builtin:tiny")]
     model: String,
     /// Where the engine runs: cpu, cuda or cuda:N (cuda needs a build with `--features cuda`).

@@ -15,8 +15,8 @@ use std::path::{Path, PathBuf};
 /// Arguments of `dppo eval`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// `builtin:tiny`, an HF directory (a checkpoint's `model/`), a `.gguf` file, or a
-    /// Hugging Face id (`Org/Name`) in the local hub cache.
+    /// `builtin:tiny`, `random:SHAPE[@seed=N]`, an HF directory (a checkpoint's `model/`), a
+    /// `.gguf` file, or a Hugging Face id (`Org/Name`) in the local hub cache.
     #[arg(long)]
     model: String,
     /// Hub revision (branch, tag or commit) when --model is a Hugging Face id; default main.

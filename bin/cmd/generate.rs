@@ -8,8 +8,9 @@ use serde_json::json;
 /// Arguments of `dppo generate`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// `builtin:tiny`, an HF directory, a `.gguf` file, or a Hugging Face id (`Org/Name`)
-    /// in the local hub cache.
+    /// `builtin:tiny`, `random:SHAPE[@seed=N]` (a random-weight model of a real shape:
+    /// smollm2-135m, qwen2.5-0.5b, qwen2.5-1.5b, qwen3-1.7b), an HF directory, a `.gguf`
+    /// file, or a Hugging Face id (`Org/Name`) in the local hub cache.
     #[arg(long, default_value = "builtin:tiny")]
     model: String,
     /// Hub revision (branch, tag or commit) when --model is a Hugging Face id; default main.

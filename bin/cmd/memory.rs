@@ -15,8 +15,8 @@ use dppo_trainer::memory_budget::{
 /// Arguments of `dppo memory` (alias `dppo plan`).
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// The model (default: the config's `model`); an HF directory is read without its
-    /// weights.
+    /// The model (default: the config's `model`); an HF directory and a `random:` shape are
+    /// read without their weights.
     #[arg(long)]
     model: Option<String>,
     /// Hub revision when --model is a Hugging Face id; default main.
@@ -121,9 +121,12 @@ fn on_gpu(choice: DtypeChoice) -> Precision {
     }
 }
 
-/// The model's config: read from `config.json` alone for an HF directory (no weights
-/// loaded), otherwise from the loaded model.
+/// The model's config: read from `config.json` alone for an HF directory or a `random:`
+/// shape (no weights loaded), otherwise from the loaded model.
 fn model_config(model: &str, revision: Option<&str>) -> anyhow::Result<ModelConfig> {
+    if let Some(spec) = model.strip_prefix(dppo_model::shapes::PREFIX) {
+        return Ok(spec.parse::<dppo_model::RandomSpec>()?.shape.config()?);
+    }
     let json = Path::new(model).join("config.json");
     if json.is_file() {
         let text = std::fs::read_to_string(&json)

@@ -11,8 +11,8 @@ use dppo_server::{ServerConfig, ServerHandle};
 /// Arguments of `dppo serve`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// `builtin:tiny`, an HF directory, a checkpoint directory, a `.gguf` file, or a
-    /// Hugging Face id (`Org/Name`) in the local hub cache.
+    /// `builtin:tiny`, `random:SHAPE[@seed=N]`, an HF directory, a checkpoint directory, a
+    /// `.gguf` file, or a Hugging Face id (`Org/Name`) in the local hub cache.
     #[arg(long)]
     model: String,
     /// Hub revision (branch, tag or commit) when --model is a Hugging Face id; default main.

@@ -1,16 +1,19 @@
-//! [`Policy::load`]: what a model spec names (a built-in preset, a GGUF file, an HF or
-//! checkpoint directory, a Hugging Face id) and where the policy is read from.
+//! [`Policy::load`]: what a model spec names (a built-in preset, a random-weight model of a
+//! real shape, a GGUF file, an HF or checkpoint directory, a Hugging Face id) and where the
+//! policy is read from.
 
 use std::path::Path;
 
 use candle_core::Device;
 
 use crate::policy::Policy;
+use crate::shapes::{RandomSpec, PREFIX as RANDOM};
 use crate::{hub, presets, ModelError, Result};
 
 impl Policy {
-    /// Loads `spec`: `builtin:<name>`, a `.gguf` file, an HF directory, a dppo checkpoint
-    /// directory (its `model/`), or a Hugging Face id (`Org/Name`) from the local hub cache.
+    /// Loads `spec`: `builtin:<name>`, `random:<shape>[@seed=N]` (see [`crate::shapes`]), a
+    /// `.gguf` file, an HF directory, a dppo checkpoint directory (its `model/`), or a
+    /// Hugging Face id (`Org/Name`) from the local hub cache.
     pub fn load(spec: &str, device: &Device) -> Result<Self> {
         Self::load_revision(spec, None, device)
     }
@@ -37,6 +40,9 @@ impl Policy {
         if let Some(name) = spec.strip_prefix("builtin:") {
             return presets::load_preset(name, device);
         }
+        if let Some(shape) = spec.strip_prefix(RANDOM) {
+            return shape.parse::<RandomSpec>()?.load(device);
+        }
         let checkpoint_model = path.join("model");
         if path.is_dir()
             && !path.join("config.json").exists()
@@ -58,7 +64,7 @@ impl Policy {
         } else {
             Err(ModelError::weights(
                 spec,
-                "no such file or directory (expected builtin:tiny, an HF directory, a .gguf file or a Hugging Face id Org/Name)",
+                "no such file or directory (expected builtin:tiny, random:SHAPE, an HF directory, a .gguf file or a Hugging Face id Org/Name)",
             ))
         }
     }

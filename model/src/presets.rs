@@ -37,7 +37,7 @@ const WORDS: [&str; 16] = [
     "Compute",
 ];
 /// ChatML, as SmolLM2 and Qwen use it.
-const CHATML: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+pub(crate) const CHATML: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
 /// Names accepted after `builtin:`.
 pub const PRESETS: [&str; 1] = ["tiny"];

@@ -264,11 +264,11 @@ pub(crate) fn from_gguf_metadata(
 }
 
 /// GGUF token types: control (3) and user-defined (4) tokens become added tokens.
-const CONTROL: i32 = 3;
+pub(crate) const CONTROL: i32 = 3;
 const USER_DEFINED: i32 = 4;
 
 /// The tokenizer.json of a byte-level BPE with the given vocab, merges and token types.
-fn gpt2_tokenizer_json(tokens: &[String], merges: &[String], types: &[i32]) -> Value {
+pub(crate) fn gpt2_tokenizer_json(tokens: &[String], merges: &[String], types: &[i32]) -> Value {
     let vocab: serde_json::Map<String, Value> = tokens
         .iter()
         .enumerate()

@@ -1,5 +1,6 @@
 //! Named parameter tensors, and the files they come from and go to.
 
+mod draw;
 mod gguf;
 mod safetensors;
 mod save;
@@ -108,12 +109,10 @@ impl Weights {
         let mut tensors = BTreeMap::new();
         for (name, shape) in param_specs(cfg) {
             let n: usize = shape.iter().product();
-            let data: Vec<f32> = if name.contains("norm") {
-                vec![1.0; n]
-            } else if name.ends_with(".bias") {
-                vec![0.0; n]
-            } else {
-                (0..n).map(|_| std * standard_normal(&mut rng)).collect()
+            let data: Vec<f32> = match init_of(&name) {
+                Init::Ones => vec![1.0; n],
+                Init::Zeros => vec![0.0; n],
+                Init::Normal => (0..n).map(|_| std * standard_normal(&mut rng)).collect(),
             };
             tensors.insert(name, Tensor::from_vec(data, shape, device)?);
         }
@@ -190,6 +189,27 @@ impl Weights {
             origin: self.origin.clone(),
         };
         Ok((vars, weights))
+    }
+}
+
+/// How a fresh parameter starts.
+enum Init {
+    /// RMSNorm scales.
+    Ones,
+    /// Biases.
+    Zeros,
+    /// Matrices: normal(0, std).
+    Normal,
+}
+
+/// The start of parameter `name`, as HF initialises it.
+fn init_of(name: &str) -> Init {
+    if name.contains("norm") {
+        Init::Ones
+    } else if name.ends_with(".bias") {
+        Init::Zeros
+    } else {
+        Init::Normal
     }
 }
 

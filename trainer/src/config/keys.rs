@@ -270,7 +270,7 @@ const NON_NEGATIVE: Allowed = float(Bound::Closed(0.0), Bound::None);
 /// Every key, in the order `dppo config` prints them (top-level keys, then each table).
 #[rustfmt::skip]
 pub const KEYS: &[KeyDoc] = &[
-    key("model", "the policy: a built-in preset, an HF model directory, a .gguf file, a dppo checkpoint directory or a Hugging Face id in the local hub cache", Allowed::Text("builtin:tiny | an HF model directory | a .gguf file | a checkpoint directory | Org/Name"), Some("verl actor_rollout_ref.model.path; TRL model")),
+    key("model", "the policy: a built-in preset, a random-weight model of a real shape, an HF model directory, a .gguf file, a dppo checkpoint directory or a Hugging Face id in the local hub cache", Allowed::Text("builtin:tiny | random:SHAPE[@seed=N] | an HF model directory | a .gguf file | a checkpoint directory | Org/Name"), Some("verl actor_rollout_ref.model.path; TRL model")),
     key("algorithm", "what trains: GRPO, DPPO (unbiased pruning) or the biased baselines CPPO and GRESO", Allowed::OneOf(&["grpo", "dppo", "cppo", "greso"]), Some("verl algorithm.adv_estimator")),
     key("seed", "seed of every random draw (data split, prompts, sampling, pruning); a run is a function of it", int(0), Some("TRL seed")),
     key("steps", "RL optimizer steps", int(0), Some("verl trainer.total_training_steps; TRL max_steps")),

@@ -67,8 +67,9 @@ pub enum ConfigError {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RunConfig {
-    /// The policy: a built-in preset, an HF directory, a `.gguf` file, a checkpoint or a
-    /// Hugging Face id.
+    /// The policy: a built-in preset, a random-weight model of a real shape
+    /// (`random:qwen2.5-0.5b`), an HF directory, a `.gguf` file, a checkpoint or a Hugging
+    /// Face id.
     pub model: String,
     pub algorithm: Algorithm,
     pub seed: u64,
