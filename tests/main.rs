@@ -47,3 +47,5 @@ mod configs;
 mod hub;
 // The repository itself: self-contained, nothing outside the checkout.
 mod repo;
+// The GPU kit: packing, and gpu-check --dry-run on the CPU.
+mod gpu_kit;

@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""`scripts/gpu-check`'s Python half: the CPU-vs-device greedy agreement, and the summary
+(`summary.json` plus the table printed last) of the steps recorded in OUTDIR/steps.tsv.
+
+    gpu_check.py agree DPPO DEVICE OUTDIR --shapes A,B --max-tokens N --budget SECONDS
+    gpu_check.py summary OUTDIR
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+PROMPTS = ["What is 2+3?", "Tom has 17 apples and buys 5 more. How many apples does he have now?"]
+
+
+def greedy(dppo, shape, device, prompt, max_tokens, timeout):
+    """`dppo generate` greedy on `random:SHAPE`: (token ids, logprobs)."""
+    out = subprocess.run(
+        [dppo, "generate", "--model", f"random:{shape}", "--device", device, "--prompt", prompt,
+         "--max-tokens", str(max_tokens), "--temperature", "0", "--json"],
+        capture_output=True, text=True, timeout=timeout, check=True)
+    line = json.loads(out.stdout.strip().splitlines()[-1])
+    return line["token_ids"], line["logprobs"]
+
+
+def agree(args):
+    """Greedy tokens and logprobs on the CPU against DEVICE for each shape, within the budget.
+
+    The random models are near-uniform, so a near-tie may flip a greedy pick in bf16: the
+    report counts the tokens that agree up to the first divergence, and fails only on a
+    logprob of an agreeing token further off than the tolerance, or on a failed run. Shapes
+    left when the budget runs out are reported as `timeout`."""
+    deadline = time.monotonic() + args.budget
+    tol = 1e-4 if args.device == "cpu" else args.tolerance
+    shapes, ok = {}, True
+    for shape in args.shapes.split(","):
+        agreed = total = 0
+        worst = 0.0
+        try:
+            for prompt in PROMPTS:
+                # The device first: when it fails, the CPU's run would be time lost.
+                dev = greedy(args.dppo, shape, args.device, prompt, args.max_tokens,
+                             deadline - time.monotonic())
+                cpu = greedy(args.dppo, shape, "cpu", prompt, args.max_tokens,
+                             deadline - time.monotonic())
+                total += len(cpu[0])
+                for a, b, la, lb in zip(cpu[0], dev[0], cpu[1], dev[1]):
+                    if a != b:
+                        break
+                    agreed += 1
+                    worst = max(worst, abs(la - lb))
+            report = {"status": "ok" if worst <= tol else "failed", "agreed_tokens": agreed,
+                      "tokens": total, "max_logprob_diff": worst, "tolerance": tol}
+        except subprocess.TimeoutExpired as err:
+            # Out of the step's time box: the larger shapes are left out, not failed.
+            report = {"status": "timeout", "agreed_tokens": agreed, "tokens": total,
+                      "error": str(err)[:200]}
+        except (subprocess.CalledProcessError, ValueError, KeyError, IndexError) as err:
+            stderr = getattr(err, "stderr", None) or ""
+            report = {"status": "failed", "agreed_tokens": agreed, "tokens": total,
+                      "error": f"{err} {stderr.strip()[-400:]}".strip()}
+        shapes[shape] = report
+        ok &= report["status"] != "failed"
+        print(f"{shape}: {json.dumps(report)}", file=sys.stderr)
+    print(json.dumps({"device": args.device, "shapes": shapes}))
+    return 0 if ok else 1
+
+
+def key_numbers(name, text, outdir):
+    """The numbers worth a glance from a step's stdout (its last JSON object, else its last
+    line) or, for `dppo run`, from the run directory's summary.json."""
+    run_summary = os.path.join(outdir, "run", "summary.json")
+    if name == "run" and os.path.exists(run_summary):
+        return json.load(open(run_summary))
+    data = None
+    for line in reversed(text.strip().splitlines()):
+        try:
+            data = json.loads(line)
+            break
+        except ValueError:
+            continue
+    if not isinstance(data, dict):
+        last = text.strip().splitlines()[-1:]
+        return {"last_line": last[0][:200]} if last else {}
+    if name.startswith("doctor"):
+        return {"verdict": data.get("verdict")}
+    if name == "agree":
+        return {"shapes": data.get("shapes", {})}
+    keys = ["tokens_per_s", "fraction_of_compute_limit", "train_tokens_per_s", "step_s",
+            "rollout_s", "prompts", "samples", "new_tokens", "compute_dtype", "gpu", "steps",
+            "seconds"]
+    return {k: data[k] for k in keys if data.get(k) is not None}
+
+
+def brief(numbers):
+    """One short cell for the table."""
+    if "shapes" in numbers:
+        # "agreeing tokens/tokens (worst logprob difference)" per shape.
+        return "; ".join(
+            f"{shape} {v['agreed_tokens']}/{v['tokens']}" +
+            (f" ({v['max_logprob_diff']:.2g})" if "max_logprob_diff" in v else "") +
+            ("" if v["status"] == "ok" else f" {v['status']}")
+            for shape, v in numbers["shapes"].items())
+    for key in ["verdict", "last_line"]:
+        if key in numbers:
+            return str(numbers[key])[:70]
+    if "wall_s" in numbers:
+        return (f"{numbers.get('steps')} steps in {numbers['wall_s']:.1f} s, held-out "
+                f"{numbers.get('eval_before')} -> {numbers.get('eval_after')}")
+    parts = []
+    for key, unit in [("tokens_per_s", "tok/s"), ("train_tokens_per_s", "train tok/s")]:
+        if key in numbers:
+            parts.append(f"{numbers[key]:,.0f} {unit}")
+    if "fraction_of_compute_limit" in numbers:
+        parts.append(f"{100 * numbers['fraction_of_compute_limit']:.1f}% of limit")
+    if not parts:
+        parts = [f"{k}: {v}" for k, v in numbers.items()]
+    return "; ".join(parts)[:90]
+
+
+def summary(args):
+    """Writes OUTDIR/summary.json from steps.tsv and the steps' outputs; prints the table."""
+    steps = []
+    with open(os.path.join(args.outdir, "steps.tsv")) as f:
+        for row in f:
+            name, status, seconds, note = (row.rstrip("\n").split("\t") + [""] * 4)[:4]
+            path = os.path.join(args.outdir, f"{name}.out")
+            text = open(path, errors="replace").read() if os.path.exists(path) else ""
+            steps.append({"name": name, "status": status, "seconds": float(seconds or 0),
+                          "note": note, "numbers": key_numbers(name, text, args.outdir),
+                          "log": f"{name}.log"})
+    meta_path = os.path.join(args.outdir, "meta.json")
+    meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
+    report = dict(meta, steps=steps, passed=all(s["status"] in ("ok", "skipped") for s in steps))
+    with open(os.path.join(args.outdir, "summary.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    width = max([len(s["name"]) for s in steps] + [4])
+    print(f"{'step':<{width}}  {'status':<8} {'secs':>6}  result")
+    for s in steps:
+        numbers = s["numbers"]
+        # A failed step's note (exit code, last log line) unless its output says more.
+        useful = numbers and (s["status"] == "ok" or "last_line" not in numbers)
+        cell = brief(numbers) if useful else s["note"]
+        print(f"{s['name']:<{width}}  {s['status']:<8} {s['seconds']:>6.1f}  {cell}")
+    print(f"gpu-check: {'all steps passed' if report['passed'] else 'some steps FAILED'}; "
+          f"logs and summary.json in {args.outdir}")
+    return 0 if report["passed"] else 1
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("agree")
+    a.add_argument("dppo")
+    a.add_argument("device")
+    a.add_argument("--shapes", required=True)
+    a.add_argument("--max-tokens", type=int, default=16)
+    a.add_argument("--budget", type=float, default=40)
+    a.add_argument("--tolerance", type=float, default=0.1)
+    s = sub.add_parser("summary")
+    s.add_argument("outdir")
+    args = parser.parse_args()
+    sys.exit(agree(args) if args.command == "agree" else summary(args))
+
+
+if __name__ == "__main__":
+    main()
