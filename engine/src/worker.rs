@@ -175,7 +175,8 @@ impl Worker {
     /// Swaps in the held model unless a pinned request is running: every token of a pinned
     /// request comes from one policy version (a step's rollout).
     fn apply_held(&mut self) {
-        if self.requests.values().any(|r| r.req.pin_policy_version) {
+        // Runs after every iteration: look at the requests only when a model waits.
+        if self.held.is_none() || self.requests.values().any(|r| r.req.pin_policy_version) {
             return;
         }
         if let Some((model, version)) = self.held.take() {
