@@ -71,8 +71,8 @@ def agree(args):
 def key_numbers(name, text, outdir):
     """The numbers worth a glance from a step's stdout (its last JSON object, else its last
     line) or, for `dppo run`, from the run directory's summary.json."""
-    run_summary = os.path.join(outdir, "run", "summary.json")
-    if name == "run" and os.path.exists(run_summary):
+    run_summary = os.path.join(outdir, name, "summary.json")
+    if name.startswith("run") and os.path.exists(run_summary):
         return json.load(open(run_summary))
     data = None
     for line in reversed(text.strip().splitlines()):

@@ -169,7 +169,13 @@ impl Engine {
         };
         let scheduler = Scheduler::new(sched_cfg, KvPool::new(num_blocks, cfg.block_size));
         let capacity = scheduler.capacity();
-        let runner = Runner::new(model, num_blocks, cfg.block_size, cfg.attention, device)?;
+        let runner = Runner::new(
+            model,
+            num_blocks,
+            cfg.block_size,
+            cfg.attention,
+            device.clone(),
+        )?;
         let stats = Arc::new(Mutex::new(EngineStats {
             num_blocks,
             block_size: cfg.block_size,
@@ -180,7 +186,10 @@ impl Engine {
         let worker = Worker::new(scheduler, runner, policy, stats.clone());
         let handle = std::thread::Builder::new()
             .name("dppo-engine".into())
-            .spawn(move || worker.run(rx))
+            .spawn(move || match dppo_model::streams::enter(&device) {
+                Ok(()) => worker.run(rx),
+                Err(e) => tracing::error!("the engine thread cannot use {device:?}: {e}"),
+            })
             .map_err(|e| {
                 EngineError::InvalidConfig(format!("cannot start the engine thread: {e}"))
             })?;

@@ -5,9 +5,12 @@
 //! publisher must not write them while an iteration reads them: the step loop publishes a
 //! copy when it trains while the engine generates). Otherwise each tensor is cast into
 //! persistent buffers, in place: two sets allocated once and used in turn, so no step
-//! allocates and buffer addresses stay fixed.
+//! allocates and buffer addresses stay fixed. On a GPU the copies and casts run on a
+//! stream of their own, so they queue no work on the engine's stream (see
+//! `dppo_model::streams` and docs/design.md, "Streams").
 
 use candle_core::{DType, Device};
+use dppo_model::streams::{copy_into, own_stream, wait_for};
 use dppo_model::Weights;
 use parking_lot::Mutex;
 
@@ -16,6 +19,8 @@ use crate::EngineError;
 /// The newest published weights and the buffers the next cast publication is written into.
 pub(crate) struct Publication {
     device: Device,
+    /// Where casts run: a stream of its own on the engine's GPU (the CPU on the CPU).
+    staging: Device,
     dtype: DType,
     latest: Mutex<Latest>,
 }
@@ -37,6 +42,7 @@ impl Publication {
     ) -> Result<(Self, Weights), EngineError> {
         let weights = transfer(initial, &device, dtype)?;
         let publication = Self {
+            staging: own_stream(&device)?,
             device,
             dtype,
             latest: Mutex::new(Latest {
@@ -75,12 +81,10 @@ impl Publication {
         } else {
             let reusable = latest.spare.take().filter(|_| applied == latest.version);
             let buffers = match reusable {
-                Some(buffers) => {
-                    write_into(&buffers, weights, &self.device)?;
-                    buffers
-                }
-                None => transfer(weights, &self.device, self.dtype)?,
+                Some(buffers) => buffers,
+                None => latest.weights.zeros_like()?,
             };
+            write_into(&buffers, weights, &self.staging)?;
             latest.spare = Some(std::mem::replace(&mut latest.weights, buffers.clone()));
             buffers
         };
@@ -107,9 +111,12 @@ fn is_in(weights: &Weights, device: &Device, dtype: DType) -> bool {
         .all(|t| t.device().same_device(device) && t.dtype() == dtype)
 }
 
-/// Writes `weights`, moved to `device` and cast, into `buffers` in place (same names and
-/// shapes: the buffers were made from an earlier version of the same model).
-fn write_into(buffers: &Weights, weights: &Weights, device: &Device) -> Result<(), EngineError> {
+/// Writes `weights`, moved to `staging` and cast there, into `buffers` in place (same
+/// names and shapes: the buffers were made from an earlier version of the same model).
+/// Then the publisher's stream waits for the staging stream, so that its next write of
+/// `weights` (the optimizer's, in place) cannot overtake the copies read here.
+fn write_into(buffers: &Weights, weights: &Weights, staging: &Device) -> Result<(), EngineError> {
+    let mut source = None;
     for (name, dst) in buffers.tensors() {
         let src = weights.tensors().get(name).ok_or_else(|| {
             EngineError::Model(dppo_model::ModelError::Weights {
@@ -117,7 +124,11 @@ fn write_into(buffers: &Weights, weights: &Weights, device: &Device) -> Result<(
                 reason: format!("published weights lack {name}"),
             })
         })?;
-        dst.slice_set(&src.to_device(device)?.to_dtype(dst.dtype())?, 0, 0)?;
+        copy_into(dst, &src.to_device(staging)?.to_dtype(dst.dtype())?)?;
+        source = Some(src.device().clone());
+    }
+    if let Some(source) = source {
+        wait_for(&source, staging)?;
     }
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! Where tensors live: `cpu` (default), `cuda` or `cuda:N`, as the `device` config key and
-//! every command's `--device` spell it. Parsed here once; [`DeviceSpec::open`] makes the one
-//! candle [`Device`] a process shares between its engine and its learner (two
-//! `Device::new_cuda(0)` calls would be two devices to candle).
+//! every command's `--device` spell it. Parsed here once; [`DeviceSpec::open`] makes the
+//! candle [`Device`] a process starts from: on a GPU, one with a stream of its own (the
+//! other roles take theirs with [`crate::streams::own_stream`]).
 
 use std::fmt;
 use std::str::FromStr;
@@ -94,10 +94,10 @@ impl fmt::Display for DeviceSpec {
 }
 
 impl DeviceSpec {
-    /// Opens the device: call once per process and share the handle. A CUDA device fails at
-    /// once on a build without the `cuda` feature, and on a CUDA build when the GPU does not
-    /// open (probed with `Device::new_cuda`, which asks the driver; candle's
-    /// `cuda_is_available` only says how the binary was built).
+    /// Opens the device. A CUDA device gets a stream of its own, not candle's default
+    /// per-thread stream, on which work queued by two threads would be unordered. It fails
+    /// at once on a build without the `cuda` feature, and on a CUDA build when the GPU does
+    /// not open (candle's `cuda_is_available` only says how the binary was built).
     pub fn open(self) -> Result<Device, DeviceError> {
         match self {
             Self::Cpu => Ok(Device::Cpu),
@@ -145,7 +145,7 @@ pub fn timed<T, E: From<candle_core::Error>>(
 
 #[cfg(feature = "cuda")]
 fn open_cuda(spec: DeviceSpec, index: usize) -> Result<Device, DeviceError> {
-    Device::new_cuda(index).map_err(|e| DeviceError::Unavailable {
+    Device::new_cuda_with_stream(index).map_err(|e| DeviceError::Unavailable {
         spec,
         reason: e.to_string(),
     })

@@ -21,6 +21,7 @@ pub mod policy;
 pub mod presets;
 pub mod rope;
 pub mod shapes;
+pub mod streams;
 pub mod template;
 pub mod tokenizer;
 pub mod train_layer;

@@ -162,6 +162,11 @@ impl Weights {
         self.map(|t| Ok(t.copy()?.detach()))
     }
 
+    /// Zeros of the same names, shapes, dtypes and devices: buffers to write into.
+    pub fn zeros_like(&self) -> Result<Self> {
+        self.map(|t| t.zeros_like())
+    }
+
     fn map(&self, f: impl Fn(&Tensor) -> candle_core::Result<Tensor>) -> Result<Self> {
         let tensors = self
             .tensors

@@ -1,6 +1,6 @@
 //! The device check: a small random-weight model on the device against the CPU in the same
-//! process (greedy tokens and logprobs in f32 and bf16, one learner step, KV blocks freed)
-//! and one timed rollout on the device. On the CPU the f32 results must be equal.
+//! process (greedy tokens and logprobs in f32 and bf16, one learner step, KV blocks freed),
+//! the hand-offs between streams, and one timed rollout on the device. On the CPU the f32 results must be equal.
 
 use std::time::{Duration, Instant};
 
@@ -115,6 +115,9 @@ fn run_checks(
         let got = learner_step(&policy.config, &on_device.weights, dtype, &batch)?;
         checks.push(compare_learner(cpu, got, dtype, exact));
     }
+    checks.push(super::handoff::hand_offs(
+        &on_device, device, &reqs, &batch,
+    )?);
     checks.push(timed_rollout(&on_device, device, work.rollout)?);
     Ok(())
 }

@@ -7,6 +7,7 @@
 //! rollout). `full` makes the device check's model and workload larger.
 
 mod agree;
+mod handoff;
 pub mod probe;
 
 use std::fmt;

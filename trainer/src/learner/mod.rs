@@ -259,11 +259,24 @@ impl Learner {
         &self,
         batch: &TrainBatch,
     ) -> Result<(BTreeMap<String, Tensor>, Sums), TrainError> {
+        self.on_backward_thread(|| self.accumulate(batch))
+    }
+
+    /// Runs `f` on a thread with a stack deep enough for candle's recursive backward pass,
+    /// the learner's device entered there (see `dppo_model::streams`).
+    fn on_backward_thread<T: Send>(
+        &self,
+        f: impl FnOnce() -> Result<T, TrainError> + Send,
+    ) -> Result<T, TrainError> {
+        let device = self.model.device().clone();
         std::thread::scope(|scope| {
             std::thread::Builder::new()
                 .name("dppo-backward".into())
                 .stack_size(BACKWARD_STACK)
-                .spawn_scoped(scope, || self.accumulate(batch))
+                .spawn_scoped(scope, move || {
+                    dppo_model::streams::enter(&device)?;
+                    f()
+                })
                 .map_err(|e| TrainError::Thread(e.to_string()))?
                 .join()
                 .map_err(|_| TrainError::Thread("the backward thread panicked".into()))?
@@ -368,14 +381,7 @@ impl Learner {
             take_layer_grads(&mut grads, &self.vars, &layer_grads)?;
             Ok((grads, total))
         };
-        let (mut grads, loss) = std::thread::scope(|scope| {
-            std::thread::Builder::new()
-                .stack_size(BACKWARD_STACK)
-                .spawn_scoped(scope, run)
-                .map_err(|e| TrainError::Thread(e.to_string()))?
-                .join()
-                .map_err(|_| TrainError::Thread("the backward thread panicked".into()))?
-        })?;
+        let (mut grads, loss) = self.on_backward_thread(run)?;
         self.all_reduce(&mut grads)?;
         let [loss, num_buffers] = sum_f64(coll.as_ref(), &[loss, buffers.len() as f64])?[..] else {
             unreachable!("two sums")

@@ -152,7 +152,10 @@ impl Trainer {
         };
         let mut learner = Learner::new(&policy.config, &policy.weights, learner_cfg)?;
         learner.set_collective(collective);
-        let engine = Arc::new(Engine::new(policy, engine_cfg, device.clone())?);
+        // The engine generates on a stream of its own while the learner trains on
+        // `device`'s (see `dppo_model::streams`).
+        let engine_device = dppo_model::streams::own_stream(device)?;
+        let engine = Arc::new(Engine::new(policy, engine_cfg, engine_device)?);
         let rollouts = Rollouts::new(&cfg, engine, policy.tokenizer.clone());
         let mode = rollouts.reward_spec().mode;
         Ok(Self {
