@@ -15,6 +15,7 @@ Prints one JSON object: `tokens_per_s`, `train_tokens_per_s` and their seconds.
 """
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -104,7 +105,9 @@ def main():
         seconds = train(model, args, device)
         tokens = args.seqs * (args.train_prompt_len + args.completion_len)
         report.update(step_s=seconds, train_tokens_per_s=tokens / seconds)
-    print(json.dumps(report))
+    print(json.dumps(report), flush=True)
+    # torch.compile's worker processes can keep the interpreter from exiting for a minute.
+    os._exit(0)
 
 
 if __name__ == "__main__":
