@@ -33,6 +33,27 @@ fn doctor_on_the_cpu_build_says_it_has_no_cuda_and_passes() {
     assert!(last.starts_with("doctor: OK ("), "{last}");
 }
 
+/// `--full` adds the GPU tests' checks (tests/gpu.rs runs them on a GPU): preemption with
+/// small blocks, every gradient, AdamW's state; on the CPU each is exact and passes.
+#[test]
+fn doctor_full_adds_the_gpu_tests_checks_and_passes_on_the_cpu() {
+    let (code, stdout, stderr) = dppo(&["doctor", "--full"]);
+    assert_eq!(code, Some(0), "{stdout}\n{stderr}");
+    for line in [
+        "preemption f32: block size 4",
+        "gradients f32",
+        "adamw f32",
+        "adamw bf16",
+        "hand-offs",
+    ] {
+        assert!(
+            stdout.contains(&format!("device  ok   {line}")),
+            "{line}:\n{stdout}"
+        );
+    }
+    assert!(!stdout.contains(" 0 preemptions"), "{stdout}");
+}
+
 /// A GPU asked of the CPU build fails, naming the device and the build command.
 #[cfg(not(feature = "cuda"))]
 #[test]

@@ -58,6 +58,7 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
         "train",
         "baseline",
         "run",
+        "run-sync",
     ];
     assert_eq!(names, expected, "{text}");
     for step in steps {

@@ -6,7 +6,7 @@
 use anyhow::Context;
 use candle_core::{Device, Tensor};
 use dppo_engine::naive::generate_naive;
-use dppo_engine::{Engine, EngineConfig, GenerateRequest, SamplingParams};
+use dppo_engine::{Engine, EngineConfig, GenerateRequest, IterationCost, SamplingParams};
 use dppo_model::device::timed;
 use dppo_model::{ChatMessage, DeviceSpec, ModelConfig, Policy};
 use dppo_trainer::config::DtypeChoice;
@@ -145,9 +145,12 @@ fn rollout(args: RolloutArgs) -> anyhow::Result<()> {
     for _ in 0..args.warmup_runs {
         engine.generate(reqs.clone())?;
     }
+    let before = engine.stats();
     let ((), ours) = timed(&device, || engine.generate(reqs.clone()).map(drop))?;
     let ours_s = ours.as_secs_f64();
     let stats = engine.stats();
+    let iterations = stats.num_iterations - before.num_iterations;
+    let cost = stats.cost.since(&before.cost);
     // In the engine's dtype (bf16 on a GPU).
     let peak_kv_mib = (stats.peak_blocks_used * stats.block_bytes) as f64 / (1 << 20) as f64;
     let naive_s = if args.skip_naive {
@@ -178,6 +181,7 @@ fn rollout(args: RolloutArgs) -> anyhow::Result<()> {
         "matmul_gflops": flops_per_s / 1e9,
         "compute_limit_tokens_per_s": limit_tokens_per_s,
         "fraction_of_compute_limit": tokens_per_s / limit_tokens_per_s,
+        "iteration": iteration_cost(iterations, &cost),
     });
     if args.json {
         println!("{report}");
@@ -185,6 +189,21 @@ fn rollout(args: RolloutArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&report)?);
     }
     Ok(())
+}
+
+/// The timed run's mean iteration, broken down (milliseconds; KiB moved by the engine).
+fn iteration_cost(iterations: usize, cost: &IterationCost) -> serde_json::Value {
+    let per = |x: u64| x as f64 / iterations.max(1) as f64;
+    json!({
+        "count": iterations,
+        "schedule_ms": per(cost.schedule_ns) * 1e-6,
+        "forward_ms": per(cost.forward_ns) * 1e-6,
+        "fetch_ms": per(cost.fetch_ns) * 1e-6,
+        "sample_ms": per(cost.sample_ns) * 1e-6,
+        "emit_ms": per(cost.emit_ns) * 1e-6,
+        "h2d_kib": per(cost.h2d_bytes) / 1024.0,
+        "d2h_kib": per(cost.d2h_bytes) / 1024.0,
+    })
 }
 
 /// Measured f32 matmul FLOP/s (best of five) at the shape of a decode batch through the

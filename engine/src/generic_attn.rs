@@ -136,6 +136,19 @@ impl BatchIndex {
     }
 }
 
+impl BatchIndex {
+    /// Bytes of the index tensors and masks, uploaded once per iteration.
+    pub fn bytes(&self) -> usize {
+        let size = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        let groups: usize = self
+            .groups
+            .iter()
+            .map(|g| size(&g.q_rows) + size(&g.kv_slots) + size(&g.mask))
+            .sum();
+        size(&self.write) + size(&self.out_rows) + groups
+    }
+}
+
 impl Group {
     fn new(seqs: &[&SeqAttnMeta], block_size: usize, device: &Device) -> Result<Self> {
         let q_len = seqs.iter().map(|m| m.num_new_tokens).max().unwrap_or(1);

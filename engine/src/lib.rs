@@ -2,6 +2,7 @@
 //! read in place by [`paged_attn`] on the CPU, by [`generic_attn`] on any device), a
 //! continuous-batching [`Scheduler`], a per-sequence [`sampler`], and an [`Engine`] handle that takes requests from any thread.
 
+mod cost;
 pub mod engine;
 mod fast_exp;
 pub mod generic_attn;
@@ -17,6 +18,7 @@ pub mod scheduler;
 pub mod sequence;
 mod worker;
 
+pub use cost::IterationCost;
 pub use engine::{Engine, EngineConfig, RequestHandle};
 pub use kv_pool::{BlockCopy, BlockId, KvPool};
 pub use plan::{Plan, ScheduledSeq};

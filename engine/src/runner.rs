@@ -1,10 +1,13 @@
 //! The only place where a plan becomes tensors: input ids, positions, slot mapping and
 //! block tables in; one forward pass; the logits rows to sample from out.
 
+use std::time::Instant;
+
 use candle_core::{CpuStorage, DType, Device, Result, Storage, Tensor};
 use dppo_model::CausalLm;
 use serde::{Deserialize, Serialize};
 
+use crate::cost::{nanos, IterationCost};
 use crate::generic_attn::{BatchIndex, GenericPagedAttention, TensorKvCache};
 use crate::paged_attn::{CacheShape, KvCache, PagedAttention, SeqAttnMeta};
 use crate::plan::Plan;
@@ -98,7 +101,15 @@ impl Runner {
 
     /// Runs `plan`. Returns the logits of the last new token of every scheduled sequence
     /// that samples; prefill chunks that sample nothing have none.
-    pub fn run(&mut self, plan: &Plan, scheduler: &Scheduler) -> Result<Logits> {
+    /// Runs `plan`'s forward pass and fetches its logits rows, adding the time and the bytes
+    /// moved to `cost`.
+    pub fn run(
+        &mut self,
+        plan: &Plan,
+        scheduler: &Scheduler,
+        cost: &mut IterationCost,
+    ) -> Result<Logits> {
+        let started = Instant::now();
         let bs = match &self.cache {
             Cache::Cpu(c) => c.shape().block_size,
             Cache::Tensor(c) => c.shape().block_size,
@@ -129,6 +140,8 @@ impl Runner {
             }
         }
         let n = input_ids.len();
+        // Ids, positions and the sampled rows' indices, 4 bytes each.
+        cost.h2d_bytes += 4 * (2 * n + sample_rows.len()) as u64;
         let input_ids = Tensor::from_vec(input_ids, n, &self.device)?;
         let positions = Tensor::from_vec(positions, n, &self.device)?;
         let hidden = match &mut self.cache {
@@ -144,6 +157,7 @@ impl Runner {
             Cache::Tensor(cache) => {
                 cache.copy_blocks(&plan.block_copies)?;
                 let index = BatchIndex::new(&metas, &slot_mapping, cache.shape(), &self.device)?;
+                cost.h2d_bytes += index.bytes() as u64;
                 let mut backend = GenericPagedAttention {
                     cache,
                     index: &index,
@@ -158,13 +172,17 @@ impl Runner {
         } else {
             let idx = Tensor::new(sample_rows.as_slice(), &self.device)?;
             let logits = self.model.logits(&hidden.index_select(&idx, 0)?)?;
-            Some(
-                logits
-                    .to_dtype(DType::F32)?
-                    .to_device(&Device::Cpu)?
-                    .contiguous()?,
-            )
+            let logits = logits.to_dtype(DType::F32)?;
+            cost.forward_ns += nanos(started);
+            let fetching = Instant::now();
+            let rows = logits.to_device(&Device::Cpu)?.contiguous()?;
+            cost.fetch_ns += nanos(fetching);
+            cost.d2h_bytes += (4 * rows.elem_count()) as u64;
+            Some(rows)
         };
+        if rows.is_none() {
+            cost.forward_ns += nanos(started);
+        }
         let mut next = 0..;
         let row_of = plan
             .seqs

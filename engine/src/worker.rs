@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
+use std::time::Instant;
 
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -12,6 +13,7 @@ use dppo_model::{CausalLm, Policy, TextTokenizer};
 use parking_lot::Mutex;
 use rayon::prelude::*;
 
+use crate::cost::{nanos, IterationCost};
 use crate::plan::Plan;
 use crate::request::{find_stop, Event, GenerateRequest};
 use crate::runner::Runner;
@@ -43,6 +45,8 @@ pub struct EngineStats {
     pub num_running: usize,
     /// KV blocks held by live sequences now.
     pub blocks_used: usize,
+    /// Where the iterations' time went and what they moved, summed over iterations.
+    pub cost: IterationCost,
 }
 
 /// A request on its way to the worker.
@@ -245,7 +249,8 @@ impl Worker {
     }
 
     fn step(&mut self) -> Result<(), EngineError> {
-        let started = std::time::Instant::now();
+        let started = Instant::now();
+        let mut cost = IterationCost::default();
         let plan = self.scheduler.schedule();
         if plan.is_empty() {
             return Err(EngineError::InvalidConfig(
@@ -253,14 +258,19 @@ impl Worker {
                     .into(),
             ));
         }
-        let logits = self.runner.run(&plan, &self.scheduler)?;
+        cost.schedule_ns = nanos(started);
+        let logits = self.runner.run(&plan, &self.scheduler, &mut cost)?;
+        let sampling = Instant::now();
         let sampled = logits.with_rows(|rows| self.draw_all(&plan, rows))?;
+        cost.sample_ns = nanos(sampling);
+        let emitting = Instant::now();
         let ids: Vec<Vec<u32>> = sampled
             .iter()
             .map(|draws| draws.iter().map(|d| d.token_id).collect())
             .collect();
         let appended = self.scheduler.postprocess(&plan, &ids);
-        self.update_stats(&plan, appended.len(), started.elapsed());
+        cost.emit_ns = nanos(emitting);
+        self.update_stats(&plan, appended.len(), started.elapsed(), &cost);
         for a in appended {
             self.emit(a, &sampled[a.plan_idx][a.sample_idx]);
         }
@@ -344,9 +354,16 @@ impl Worker {
         sampled
     }
 
-    fn update_stats(&self, plan: &Plan, num_new: usize, busy: std::time::Duration) {
+    fn update_stats(
+        &self,
+        plan: &Plan,
+        num_new: usize,
+        busy: std::time::Duration,
+        cost: &IterationCost,
+    ) {
         let pool = self.scheduler.pool();
         let mut stats = self.stats.lock();
+        stats.cost.add(cost);
         stats.num_iterations += 1;
         stats.busy_ns += busy.as_nanos() as u64;
         stats.num_preemptions += plan.preempted.len();

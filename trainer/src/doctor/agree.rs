@@ -9,6 +9,7 @@ use dppo_engine::{Completion, Engine, EngineConfig, GenerateRequest, SamplingPar
 use dppo_model::device::timed;
 use dppo_model::{Policy, Weights};
 
+use super::compare::{compare_greedy, generate_with, BUG_FIX};
 use super::Check;
 use crate::learner::{Learner, LearnerConfig};
 use crate::loss::{Normalisers, TrainSeq};
@@ -19,16 +20,9 @@ use crate::TrainError;
 const SEED: u64 = 7;
 /// Standard deviation of the random weights: large enough that greedy choices are clear.
 const WEIGHT_STD: f32 = 0.3;
-/// Largest |logprob| difference from the CPU's f32 allowed for f32 on a GPU.
-const LOGPROB_TOL_F32: f32 = 1e-3;
-/// Largest mean |logprob| difference from the CPU's f32 allowed for bf16, whose single
-/// tokens can be off by a rounding step of a large logit.
-const LOGPROB_TOL_BF16: f32 = 5e-2;
 /// Largest relative difference of the learner's loss and gradient norm, per dtype.
 const LEARNER_TOL_F32: f64 = 1e-3;
 const LEARNER_TOL_BF16: f64 = 5e-2;
-const BUG_FIX: &str = "the device computes differently from the CPU: report it with the \
-    output of `dppo doctor --json`";
 
 /// The sizes of one device check.
 struct Workload {
@@ -115,6 +109,10 @@ fn run_checks(
         let got = learner_step(&policy.config, &on_device.weights, dtype, &batch)?;
         checks.push(compare_learner(cpu, got, dtype, exact));
     }
+    if full {
+        checks.push(super::full::preemption(&on_device, device, &reqs, &want)?);
+        checks.extend(super::full::learner_checks(&policy, device, &batch)?);
+    }
     checks.push(super::handoff::hand_offs(
         &on_device, device, &reqs, &batch,
     )?);
@@ -168,9 +166,8 @@ fn generate(
         dtype: Some(dtype),
         ..EngineConfig::default()
     };
-    let engine = Engine::new(policy, cfg, device.clone())?;
-    let out = engine.generate(reqs.to_vec())?;
-    Ok((out.into_iter().flatten().collect(), blocks_held(&engine)))
+    let (out, engine) = generate_with(policy, device, cfg, reqs)?;
+    Ok((out, blocks_held(&engine)))
 }
 
 /// KV blocks the engine holds once it has published its occupancy after the last
@@ -184,52 +181,6 @@ fn blocks_held(engine: &Engine) -> usize {
         }
         std::thread::sleep(Duration::from_millis(5));
     }
-}
-
-/// Greedy tokens and logprobs of `got` against the CPU's f32 `want`: in f32 the same
-/// tokens and the largest logprob difference within tolerance (none on the CPU), in bf16
-/// the mean difference where the tokens still agree.
-fn compare_greedy(want: &[Completion], got: &[Completion], dtype: DType, exact: bool) -> Check {
-    let f32 = dtype == DType::F32;
-    let (mut agreed, mut total, mut max_diff, mut sum_diff) = (0, 0, 0f32, 0f32);
-    for (w, g) in want.iter().zip(got) {
-        let prefix = w
-            .token_ids
-            .iter()
-            .zip(&g.token_ids)
-            .take_while(|(a, b)| a == b)
-            .count();
-        agreed += prefix;
-        total += w.token_ids.len();
-        for (a, b) in w.logprobs.iter().zip(&g.logprobs).take(prefix) {
-            max_diff = max_diff.max((a - b).abs());
-            sum_diff += (a - b).abs();
-        }
-    }
-    let mean_diff = sum_diff / agreed.max(1) as f32;
-    // bf16 may pick another token where two logits are within its rounding, and a random
-    // model's continuations then part; a broken device agrees on next to none.
-    let (passed, rule) = match (f32, exact) {
-        (true, true) => (agreed == total && max_diff == 0.0, "equal".to_string()),
-        (true, false) => (
-            agreed == total && max_diff <= LOGPROB_TOL_F32,
-            format!("max <= {LOGPROB_TOL_F32:.0e}"),
-        ),
-        (false, _) => (
-            4 * agreed >= total && mean_diff <= LOGPROB_TOL_BF16,
-            format!("mean <= {LOGPROB_TOL_BF16:.0e} over the tokens agreeing, at least 1/4"),
-        ),
-    };
-    let detail = format!(
-        "{agreed}/{total} greedy tokens as the CPU's f32; |logprob diff| max {max_diff:.1e}, \
-         mean {mean_diff:.1e} ({rule})"
-    );
-    Check::expect(
-        passed,
-        format!("greedy {}", dtype.as_str()),
-        detail,
-        BUG_FIX,
-    )
 }
 
 /// A training batch of the greedy completions: advantages of both signs and unequal sizes,

@@ -35,7 +35,7 @@ pub(super) fn hand_offs(
         &policy.weights,
         LearnerConfig::token_mean(1e-2, 1.0, 256, 8),
     )?;
-    let engine = Engine::new(policy, cfg.clone(), own_stream(device)?)?;
+    let engine = Engine::new(policy, cfg, own_stream(device)?)?;
     let mut problems = Vec::new();
     for step in 1..=STEPS {
         let in_flight = std::thread::scope(|scope| {
@@ -63,7 +63,7 @@ pub(super) fn hand_offs(
             weights: weights.deep_copy()?,
             ..policy.clone()
         };
-        let fresh = Engine::new(&fresh_policy, cfg.clone(), own_stream(device)?)?;
+        let fresh = Engine::new(&fresh_policy, cfg, own_stream(device)?)?;
         let want = flat(fresh.generate(reqs.to_vec())?);
         let got = flat(engine.generate(reqs.to_vec())?);
         if want != got {

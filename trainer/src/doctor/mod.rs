@@ -7,6 +7,8 @@
 //! rollout). `full` makes the device check's model and workload larger.
 
 mod agree;
+mod compare;
+mod full;
 mod handoff;
 pub mod probe;
 

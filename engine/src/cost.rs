@@ -1,0 +1,56 @@
+//! Where an engine's iterations spend their time and what they move between host and
+//! device, counted by the worker and the runner and read through `EngineStats::cost`.
+
+use std::time::Instant;
+
+/// An engine's iterations broken down, summed: the shape of a step on a device. On a GPU
+/// the forward pass is queued asynchronously, so `forward_ns` is the host's cost of queueing
+/// it (launches, uploads) and `fetch_ns` the wait for the device plus the logits' copy.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IterationCost {
+    /// Scheduling: the plan, preemptions, block tables.
+    pub schedule_ns: u64,
+    /// Building the inputs and queueing the forward pass and the logits.
+    pub forward_ns: u64,
+    /// Waiting for the device and copying the sampled rows' logits to the host.
+    pub fetch_ns: u64,
+    /// Sampling on the host.
+    pub sample_ns: u64,
+    /// Appending tokens, stop strings and streaming them out.
+    pub emit_ns: u64,
+    /// Bytes the engine uploads (ids, positions, attention indices and masks).
+    pub h2d_bytes: u64,
+    /// Bytes the engine downloads (the logits rows).
+    pub d2h_bytes: u64,
+}
+
+impl IterationCost {
+    /// What was added since `earlier` (a snapshot of the same engine's counters).
+    pub fn since(&self, earlier: &Self) -> Self {
+        Self {
+            schedule_ns: self.schedule_ns - earlier.schedule_ns,
+            forward_ns: self.forward_ns - earlier.forward_ns,
+            fetch_ns: self.fetch_ns - earlier.fetch_ns,
+            sample_ns: self.sample_ns - earlier.sample_ns,
+            emit_ns: self.emit_ns - earlier.emit_ns,
+            h2d_bytes: self.h2d_bytes - earlier.h2d_bytes,
+            d2h_bytes: self.d2h_bytes - earlier.d2h_bytes,
+        }
+    }
+
+    /// Adds `other` (one iteration) to the sums.
+    pub(crate) fn add(&mut self, other: &Self) {
+        self.schedule_ns += other.schedule_ns;
+        self.forward_ns += other.forward_ns;
+        self.fetch_ns += other.fetch_ns;
+        self.sample_ns += other.sample_ns;
+        self.emit_ns += other.emit_ns;
+        self.h2d_bytes += other.h2d_bytes;
+        self.d2h_bytes += other.d2h_bytes;
+    }
+}
+
+/// Nanoseconds since `start`.
+pub(crate) fn nanos(start: Instant) -> u64 {
+    start.elapsed().as_nanos() as u64
+}
