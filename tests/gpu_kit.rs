@@ -54,6 +54,7 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
         "doctor-plain",
         "agree",
         "rollout-qwen2.5-0.5b",
+        "rollout-qwen2.5-0.5b-device",
         "rollout-smollm2-135m",
         "train",
         "baseline",

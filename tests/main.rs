@@ -12,6 +12,8 @@ mod model_files;
 // Truncated, bit-flipped and lying model files: errors, never crashes.
 mod hostile_files;
 // The generation engine against the contiguous-cache reference.
+// engine.sampling = "device" through the engine, the kernel's host reference drawing.
+mod device_sampling;
 mod engine;
 // bf16 engine and learner on the CPU: a short run learns.
 mod bf16;

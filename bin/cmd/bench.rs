@@ -6,7 +6,9 @@
 use anyhow::Context;
 use candle_core::{Device, Tensor};
 use dppo_engine::naive::generate_naive;
-use dppo_engine::{Engine, EngineConfig, GenerateRequest, IterationCost, SamplingParams};
+use dppo_engine::{
+    Engine, EngineConfig, GenerateRequest, IterationCost, SamplingParams, SamplingPlace,
+};
 use dppo_model::device::timed;
 use dppo_model::{ChatMessage, DeviceSpec, ModelConfig, Policy};
 use dppo_trainer::config::DtypeChoice;
@@ -77,6 +79,10 @@ pub struct RolloutArgs {
     new_tokens: usize,
     #[arg(long, default_value_t = 16)]
     block_size: usize,
+    /// Where tokens are drawn: host, or device (one GPU kernel for every row; the host on
+    /// the CPU), as `engine.sampling`.
+    #[arg(long, default_value = "host", value_parser = parse_sampling)]
+    sampling: SamplingPlace,
     /// Untimed runs of the whole workload first, as a training run's later steps find the
     /// engine: KV pages and buffers already faulted in, caches warm.
     #[arg(long, default_value_t = 1)]
@@ -138,6 +144,7 @@ fn rollout(args: RolloutArgs) -> anyhow::Result<()> {
     let num_tokens = args.prompts * args.samples * args.new_tokens;
     let cfg = EngineConfig {
         block_size: args.block_size,
+        sampling: args.sampling,
         max_num_seqs: (args.prompts * args.samples).max(1),
         ..EngineConfig::default()
     };
@@ -181,6 +188,7 @@ fn rollout(args: RolloutArgs) -> anyhow::Result<()> {
         "matmul_gflops": flops_per_s / 1e9,
         "compute_limit_tokens_per_s": limit_tokens_per_s,
         "fraction_of_compute_limit": tokens_per_s / limit_tokens_per_s,
+        "sampling": args.sampling,
         "iteration": iteration_cost(iterations, &cost),
     });
     if args.json {
@@ -189,6 +197,14 @@ fn rollout(args: RolloutArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&report)?);
     }
     Ok(())
+}
+
+fn parse_sampling(s: &str) -> Result<SamplingPlace, String> {
+    match s {
+        "host" => Ok(SamplingPlace::Host),
+        "device" => Ok(SamplingPlace::Device),
+        _ => Err(format!("{s:?}: expected host or device")),
+    }
 }
 
 /// The timed run's mean iteration, broken down (milliseconds; KiB moved by the engine).

@@ -14,6 +14,7 @@ use candle_core::{DType, Device};
 use dppo_model::{CausalLm, Policy, Weights};
 use parking_lot::Mutex;
 
+use crate::device_sample::SamplingPlace;
 use crate::kv_pool::KvPool;
 use crate::paged_attn::CacheShape;
 use crate::publish::Publication;
@@ -41,6 +42,8 @@ pub struct EngineConfig {
     pub attention: AttentionMode,
     /// Dtype of the engine's weights and KV cache; `None`: [`default_dtype`] of the device.
     pub dtype: Option<DType>,
+    /// Where tokens are drawn (`engine.sampling`).
+    pub sampling: SamplingPlace,
 }
 
 /// The engine's dtype when none is configured: f32 on the CPU, bf16 on a GPU.
@@ -63,6 +66,7 @@ impl Default for EngineConfig {
             isolate_high_priority: false,
             attention: AttentionMode::Auto,
             dtype: None,
+            sampling: SamplingPlace::Host,
         }
     }
 }
@@ -183,7 +187,8 @@ impl Engine {
             ..EngineStats::default()
         }));
         let (tx, rx) = mpsc::channel();
-        let worker = Worker::new(scheduler, runner, policy, stats.clone());
+        let device_sampling = cfg.sampling == SamplingPlace::Device;
+        let worker = Worker::new(scheduler, runner, policy, stats.clone(), device_sampling);
         let handle = std::thread::Builder::new()
             .name("dppo-engine".into())
             .spawn(move || match dppo_model::streams::enter(&device) {

@@ -3,9 +3,11 @@
 //! continuous-batching [`Scheduler`], a per-sequence [`sampler`], and an [`Engine`] handle that takes requests from any thread.
 
 mod cost;
+pub mod device_sample;
 pub mod engine;
 mod fast_exp;
 pub mod generic_attn;
+pub mod gumbel;
 pub mod kv_pool;
 pub mod naive;
 pub mod paged_attn;
@@ -19,6 +21,7 @@ pub mod sequence;
 mod worker;
 
 pub use cost::IterationCost;
+pub use device_sample::SamplingPlace;
 pub use engine::{Engine, EngineConfig, RequestHandle};
 pub use kv_pool::{BlockCopy, BlockId, KvPool};
 pub use plan::{Plan, ScheduledSeq};

@@ -7,8 +7,10 @@ use candle_core::{Device, Result, Tensor};
 use dppo_model::attention::causal_attention;
 use dppo_model::{AttentionBackend, CausalLm};
 
+use crate::device_sample::SamplingPlace;
+use crate::gumbel::{self, DrawKey};
 use crate::request::{Completion, GenerateRequest};
-use crate::sampler::{sample, SeqRng};
+use crate::sampler::{sample, stream_seed, SeqRng};
 use crate::sequence::FinishReason;
 
 /// Per-sample contiguous caches for one static batch.
@@ -69,6 +71,19 @@ pub fn generate_naive(
     eos: &[u32],
     device: &Device,
 ) -> Result<Vec<Vec<Completion>>> {
+    generate_naive_on(model, reqs, eos, device, SamplingPlace::Host)
+}
+
+/// [`generate_naive`] drawing as the engine does with `engine.sampling = place`: with
+/// `Device`, by the Gumbel sampler keyed by each sample's seed stream, position and index
+/// (seeded requests draw what the engine draws; unseeded ones use seed 0 here).
+pub fn generate_naive_on(
+    model: &CausalLm,
+    reqs: &[GenerateRequest],
+    eos: &[u32],
+    device: &Device,
+    place: SamplingPlace,
+) -> Result<Vec<Vec<Completion>>> {
     // One row per sample: (request index, sample index).
     let samples: Vec<(usize, usize)> = reqs
         .iter()
@@ -122,9 +137,20 @@ pub fn generate_naive(
             .logits(&hidden.index_select(&idx, 0)?)?
             .to_vec2::<f32>()?;
         let mut next = Vec::with_capacity(samples.len());
-        for (s, &(r, _)) in samples.iter().enumerate() {
+        for (s, &(r, i)) in samples.iter().enumerate() {
             let req = &reqs[r];
-            let drawn = sample(&logits[s], &req.sampling, &mut rngs[s]);
+            let drawn = match place {
+                SamplingPlace::Device if gumbel::handles(&req.sampling) => {
+                    let key = DrawKey {
+                        key: stream_seed(req.sampling.seed.unwrap_or(0), i as u64),
+                        position: (req.prompt_ids.len() + step) as u32,
+                        sample_index: i as u32,
+                    };
+                    let inv_t = gumbel::inverse_temperature(&req.sampling);
+                    gumbel::sampled(gumbel::draw(&logits[s], inv_t, &key), false)
+                }
+                _ => sample(&logits[s], &req.sampling, &mut rngs[s]),
+            };
             let out = &mut outputs[s];
             if !done[s] {
                 out.token_ids.push(drawn.token_id);

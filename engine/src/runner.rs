@@ -103,11 +103,13 @@ impl Runner {
     /// that samples; prefill chunks that sample nothing have none.
     /// Runs `plan`'s forward pass and fetches its logits rows, adding the time and the bytes
     /// moved to `cost`.
+    /// With `on_device` the rows stay on the device for [`crate::device_sample`].
     pub fn run(
         &mut self,
         plan: &Plan,
         scheduler: &Scheduler,
         cost: &mut IterationCost,
+        on_device: bool,
     ) -> Result<Logits> {
         let started = Instant::now();
         let bs = match &self.cache {
@@ -174,11 +176,15 @@ impl Runner {
             let logits = self.model.logits(&hidden.index_select(&idx, 0)?)?;
             let logits = logits.to_dtype(DType::F32)?;
             cost.forward_ns += nanos(started);
-            let fetching = Instant::now();
-            let rows = logits.to_device(&Device::Cpu)?.contiguous()?;
-            cost.fetch_ns += nanos(fetching);
-            cost.d2h_bytes += (4 * rows.elem_count()) as u64;
-            Some(rows)
+            if on_device {
+                Some(logits)
+            } else {
+                let fetching = Instant::now();
+                let rows = logits.to_device(&Device::Cpu)?.contiguous()?;
+                cost.fetch_ns += nanos(fetching);
+                cost.d2h_bytes += (4 * rows.elem_count()) as u64;
+                Some(rows)
+            }
         };
         if rows.is_none() {
             cost.forward_ns += nanos(started);
@@ -193,8 +199,8 @@ impl Runner {
     }
 }
 
-/// An iteration's logits: (rows, vocab) f32 on the host, one row per sampling sequence,
-/// read in place (a copy of a batch's rows would be 25 MB a step for SmolLM2).
+/// An iteration's logits: (rows, vocab) f32 on the host (on the device when sampled
+/// there), one row per sampling sequence, read in place (a copy of a batch's rows would be 25 MB a step for SmolLM2).
 pub struct Logits {
     rows: Option<Tensor>,
     /// For each sequence of the plan, its row (`None` where it samples nothing).
@@ -202,6 +208,16 @@ pub struct Logits {
 }
 
 impl Logits {
+    /// The row of plan sequence `p`, if it samples.
+    pub fn row(&self, p: usize) -> Option<u32> {
+        self.row_of[p].map(|r| r as u32)
+    }
+
+    /// The rows as computed, (rows, vocab) f32, on the device when kept there.
+    pub fn rows(&self) -> Option<&Tensor> {
+        self.rows.as_ref()
+    }
+
     /// `f` of each plan sequence's logits row, in plan order.
     pub fn with_rows<T>(&self, f: impl FnOnce(&[Option<&[f32]>]) -> T) -> Result<T> {
         let Some(rows) = &self.rows else {

@@ -76,6 +76,12 @@ pub struct Sampled {
     pub top_logprobs: Vec<(u32, f32)>,
 }
 
+/// The seed of sample `index`'s stream in a request seeded with `seed` (the host RNG's
+/// and the device sampler's noise key).
+pub fn stream_seed(seed: u64, index: u64) -> u64 {
+    seed ^ index.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
 /// A sample's random stream.
 #[derive(Debug, Clone)]
 pub struct SeqRng(StdRng);
@@ -84,8 +90,7 @@ impl SeqRng {
     /// The stream of sample `index` of a request seeded with `seed`: reproducible, and
     /// different for the different samples of one request.
     pub fn new(seed: u64, index: u64) -> Self {
-        let mixed = seed ^ index.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        Self(StdRng::seed_from_u64(mixed))
+        Self(StdRng::seed_from_u64(stream_seed(seed, index)))
     }
 
     /// An unseeded stream.

@@ -14,10 +14,12 @@ use parking_lot::Mutex;
 use rayon::prelude::*;
 
 use crate::cost::{nanos, IterationCost};
+use crate::device_sample::{self, DeviceDraw};
+use crate::gumbel::{self, DrawKey};
 use crate::plan::Plan;
 use crate::request::{find_stop, Event, GenerateRequest};
-use crate::runner::Runner;
-use crate::sampler::{sample, Sampled, SamplingParams, SeqRng};
+use crate::runner::{Logits, Runner};
+use crate::sampler::{sample, stream_seed, Sampled, SamplingParams, SeqRng};
 use crate::scheduler::{Appended, Scheduler, SeqRequest};
 use crate::sequence::{FinishReason, RequestId};
 use crate::EngineError;
@@ -77,6 +79,8 @@ struct RequestState {
     /// One RNG per sample; lent out while a draw is under way.
     rngs: Vec<Option<SeqRng>>,
     events: UnboundedSender<Event>,
+    /// Each sample's noise key for device sampling (from the seed when there is one).
+    keys: Vec<u64>,
     /// Output tokens per sample (for stop strings).
     outputs: Vec<Vec<u32>>,
     /// Which samples have finished.
@@ -97,6 +101,8 @@ pub(crate) struct Worker {
     held: Option<(Box<CausalLm>, u64)>,
     /// Set by `Command::Shutdown`: return once no work is left.
     stopping: bool,
+    /// Draw on the GPU where the iteration's requests allow it.
+    device_sampling: bool,
 }
 
 impl Worker {
@@ -106,6 +112,7 @@ impl Worker {
         runner: Runner,
         policy: &Policy,
         stats: Arc<Mutex<EngineStats>>,
+        device_sampling: bool,
     ) -> Self {
         Self {
             scheduler,
@@ -117,6 +124,7 @@ impl Worker {
             policy_version: 0,
             held: None,
             stopping: false,
+            device_sampling,
         }
     }
 
@@ -225,7 +233,14 @@ impl Worker {
                 None => Some(SeqRng::from_entropy()),
             })
             .collect();
+        let keys = (0..req.n)
+            .map(|i| match req.sampling.seed {
+                Some(seed) => stream_seed(seed, i as u64),
+                None => rand::random(),
+            })
+            .collect();
         let state = RequestState {
+            keys,
             outputs: vec![Vec::new(); req.n],
             done: vec![false; req.n],
             req,
@@ -259,9 +274,16 @@ impl Worker {
             ));
         }
         cost.schedule_ns = nanos(started);
-        let logits = self.runner.run(&plan, &self.scheduler, &mut cost)?;
+        let on_device = self.device_sampling && self.device_handles(&plan);
+        let logits = self
+            .runner
+            .run(&plan, &self.scheduler, &mut cost, on_device)?;
         let sampling = Instant::now();
-        let sampled = logits.with_rows(|rows| self.draw_all(&plan, rows))?;
+        let sampled = if on_device {
+            self.draw_on_device(&plan, &logits, &mut cost)?
+        } else {
+            logits.with_rows(|rows| self.draw_all(&plan, rows))?
+        };
         cost.sample_ns = nanos(sampling);
         let emitting = Instant::now();
         let ids: Vec<Vec<u32>> = sampled
@@ -275,6 +297,58 @@ impl Worker {
             self.emit(a, &sampled[a.plan_idx][a.sample_idx]);
         }
         Ok(())
+    }
+
+    /// Whether every sampling sequence of `plan` asks only what the device sampler does.
+    fn device_handles(&self, plan: &Plan) -> bool {
+        plan.seqs.iter().filter(|s| s.num_samples > 0).all(|s| {
+            let seq = self.scheduler.seq(s.seq_id).expect("live");
+            gumbel::handles(&self.requests[&seq.request_id].req.sampling)
+        })
+    }
+
+    /// Draws every sample of the iteration on the device (one kernel launch), in the shape
+    /// [`Worker::draw_all`] returns: per plan sequence, its draws in sample order.
+    fn draw_on_device(
+        &self,
+        plan: &Plan,
+        logits: &Logits,
+        cost: &mut IterationCost,
+    ) -> Result<Vec<Vec<Sampled>>, EngineError> {
+        let mut draws = Vec::new();
+        let mut owners = Vec::new();
+        for (p, s) in plan.seqs.iter().enumerate() {
+            let Some(row) = logits.row(p) else { continue };
+            let seq = self.scheduler.seq(s.seq_id).expect("live");
+            let state = &self.requests[&seq.request_id];
+            let params = &state.req.sampling;
+            let first = if s.num_samples > 1 {
+                0
+            } else {
+                seq.sample_index
+            };
+            for i in first..first + s.num_samples {
+                draws.push(DeviceDraw {
+                    row,
+                    key: DrawKey {
+                        key: state.keys[i],
+                        position: (s.num_computed_tokens + s.num_new_tokens) as u32,
+                        sample_index: i as u32,
+                    },
+                    inv_temperature: gumbel::inverse_temperature(params),
+                });
+                owners.push((p, params.model_logprobs));
+            }
+        }
+        let rows = logits.rows().expect("a plan with draws has logits");
+        let drawn = device_sample::sample(rows, &draws)?;
+        cost.h2d_bytes += (20 * draws.len()) as u64;
+        cost.d2h_bytes += (12 * draws.len()) as u64;
+        let mut sampled = vec![Vec::new(); plan.seqs.len()];
+        for ((p, model_logprobs), d) in owners.into_iter().zip(drawn) {
+            sampled[p].push(gumbel::sampled(d, model_logprobs));
+        }
+        Ok(sampled)
     }
 
     /// Samples every row of the iteration, in parallel when rayon has several threads. Each

@@ -3,7 +3,7 @@
 //! the loop trusts.
 
 use candle_core::{DType, Device};
-use dppo_engine::AttentionMode;
+use dppo_engine::{AttentionMode, SamplingPlace};
 use dppo_model::DeviceSpec;
 use serde::{Deserialize, Serialize};
 
@@ -387,6 +387,9 @@ pub struct EngineSettings {
     pub attention: AttentionMode,
     /// Dtype of the engine's weights and KV cache (`auto`: f32 on the CPU, bf16 on a GPU).
     pub dtype: DtypeChoice,
+    /// Where tokens are drawn: `host`, or `device` (a GPU kernel where the sampling options
+    /// allow; the host on the CPU).
+    pub sampling: SamplingPlace,
 }
 
 impl Default for EngineSettings {
@@ -395,6 +398,7 @@ impl Default for EngineSettings {
             gpu_memory_utilization: 0.5,
             attention: AttentionMode::Auto,
             dtype: DtypeChoice::Auto,
+            sampling: SamplingPlace::Host,
         }
     }
 }

@@ -116,6 +116,7 @@ fn run_checks(
     checks.push(super::handoff::hand_offs(
         &on_device, device, &reqs, &batch,
     )?);
+    checks.push(super::sampling::device_sampling(device)?);
     checks.push(timed_rollout(&on_device, device, work.rollout)?);
     Ok(())
 }

@@ -11,6 +11,7 @@ mod compare;
 mod full;
 mod handoff;
 pub mod probe;
+mod sampling;
 
 use std::fmt;
 

@@ -161,9 +161,6 @@ pub fn cuda_checks(device: Option<&Device>) -> Vec<Check> {
             None if name == "libnccl.so" && !cfg!(feature = "nccl") => {
                 Check::skip(name, "not in this build (build with --features nccl)")
             }
-            None if name == "libnvrtc.so" => {
-                Check::skip(name, "not loaded: nothing compiles kernels at run time yet")
-            }
             None => Check::fail(name, "not loaded", LIBRARY_FIX),
         };
         checks.push(check);

@@ -49,6 +49,7 @@ pub(super) fn engine_config(
         isolate_high_priority: cfg.deterministic,
         attention: cfg.engine.attention,
         dtype: Some(cfg.engine.dtype.resolve(device)),
+        sampling: cfg.engine.sampling,
         ..EngineConfig::default()
     };
     if let Some((free, total)) = dppo_model::device::memory_info(device)? {

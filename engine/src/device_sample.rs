@@ -1,0 +1,155 @@
+//! Sampling on the GPU (`engine.sampling = "device"`): the iteration's f32 logits stay on
+//! the device and one kernel launch (kernels/sample.cu, compiled once per process by NVRTC)
+//! draws every sample by the Gumbel-max trick; 12 bytes per draw come back instead of a
+//! vocabulary-sized row. [`crate::gumbel`] is the kernel's reference; requests it does not
+//! handle (top-k, top-p, top logprobs) keep the iteration on the host sampler.
+
+use candle_core::{Result, Tensor};
+use serde::{Deserialize, Serialize};
+
+use crate::gumbel::{self, DrawKey};
+
+/// The kernel's CUDA source, compiled by NVRTC at run time (and in CI by
+/// `scripts/check-kernels`).
+pub const SOURCE: &str = include_str!("../kernels/sample.cu");
+
+/// Where the engine samples (`engine.sampling`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SamplingPlace {
+    /// On the host, from the logits rows copied there: every sampling option.
+    #[default]
+    Host,
+    /// On a GPU, by one kernel, where the iteration's requests allow it (temperature or
+    /// greedy, no top-k, top-p or top logprobs), on the host otherwise. On the CPU the
+    /// kernel's host reference draws instead (the same tokens; for tests).
+    Device,
+}
+
+/// One draw: the logits row it reads, its noise and its inverse temperature (0 for greedy).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DeviceDraw {
+    pub row: u32,
+    pub key: DrawKey,
+    pub inv_temperature: f32,
+}
+
+/// Draws `draws` from `logits` ((rows, vocab) f32): (token, logprob, untempered logprob)
+/// each. On a GPU by the kernel; on the CPU by its reference, [`crate::gumbel::draw`], so
+/// that the CPU tests run every other step of this path.
+pub fn sample(logits: &Tensor, draws: &[DeviceDraw]) -> Result<Vec<(u32, f32, f32)>> {
+    if draws.is_empty() {
+        return Ok(Vec::new());
+    }
+    if logits.device().is_cpu() {
+        let rows = logits.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
+        return Ok(draws
+            .iter()
+            .map(|d| gumbel::draw(&rows[d.row as usize], d.inv_temperature, &d.key))
+            .collect());
+    }
+    on_gpu(logits, draws)
+}
+
+/// [`sample`] by the kernel.
+#[cfg(feature = "cuda")]
+fn on_gpu(logits: &Tensor, draws: &[DeviceDraw]) -> Result<Vec<(u32, f32, f32)>> {
+    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::{bail, DType, Storage};
+
+    let candle_core::Device::Cuda(device) = logits.device() else {
+        bail!("device sampling: the logits are on neither the CPU nor a GPU");
+    };
+    if logits.dtype() != DType::F32 || logits.rank() != 2 {
+        bail!("device sampling: expected (rows, vocab) f32 logits");
+    }
+    let logits = logits.contiguous()?;
+    let vocab = logits.dim(1)? as u32;
+    let (storage, layout) = logits.storage_and_layout();
+    let (Storage::Cuda(storage), Some((start, end))) = (&*storage, layout.contiguous_offsets())
+    else {
+        bail!("device sampling: the logits are not contiguous on a GPU");
+    };
+    let slice = storage.as_cuda_slice::<f32>()?.slice(start..end);
+    let func = device.get_or_load_custom_func("gumbel_sample", "dppo_sample", &ptx(device)?)?;
+    let stream = device.cuda_stream();
+    let w = candle_core::Error::wrap;
+    let rows: Vec<u32> = draws.iter().map(|d| d.row).collect();
+    let keys: Vec<u32> = draws.iter().flat_map(|d| d.key.key_words()).collect();
+    let counters: Vec<u32> = draws
+        .iter()
+        .flat_map(|d| [d.key.position, d.key.sample_index])
+        .collect();
+    let inv_temps: Vec<f32> = draws.iter().map(|d| d.inv_temperature).collect();
+    let rows = stream.clone_htod(&rows).map_err(w)?;
+    let keys = stream.clone_htod(&keys).map_err(w)?;
+    let counters = stream.clone_htod(&counters).map_err(w)?;
+    let inv_temps = stream.clone_htod(&inv_temps).map_err(w)?;
+    let n = draws.len();
+    let mut tokens = stream.alloc_zeros::<u32>(n).map_err(w)?;
+    let mut logprobs = stream.alloc_zeros::<f32>(n).map_err(w)?;
+    let mut model = stream.alloc_zeros::<f32>(n).map_err(w)?;
+    let cfg = LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = func.builder();
+    launch
+        .arg(&slice)
+        .arg(&vocab)
+        .arg(&rows)
+        .arg(&keys)
+        .arg(&counters)
+        .arg(&inv_temps)
+        .arg(&mut tokens)
+        .arg(&mut logprobs)
+        .arg(&mut model);
+    // SAFETY: the arguments match the kernel's signature in kernels/sample.cu, every
+    // buffer holds `n` draws (rows: `rows * vocab` floats), and each block writes only its
+    // own draw's outputs.
+    unsafe { launch.launch(cfg) }.map_err(w)?;
+    let tokens = stream.clone_dtoh(&tokens).map_err(w)?;
+    let logprobs = stream.clone_dtoh(&logprobs).map_err(w)?;
+    let model = stream.clone_dtoh(&model).map_err(w)?;
+    Ok((0..n).map(|i| (tokens[i], logprobs[i], model[i])).collect())
+}
+
+/// Threads per block: the kernel's `THREADS`.
+#[cfg(feature = "cuda")]
+const THREADS: u32 = 256;
+
+/// The kernel's PTX for `device`'s compute capability, compiled once per process.
+#[cfg(feature = "cuda")]
+fn ptx(device: &candle_core::CudaDevice) -> Result<String> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
+    use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+    use std::sync::OnceLock;
+
+    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
+    let context = device.cuda_stream().context().clone();
+    PTX.get_or_init(|| {
+        let cap = |a| context.attribute(a).map_err(|e| e.to_string());
+        let major = cap(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+        let minor = cap(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        let arch: &'static str = Box::leak(format!("compute_{major}{minor}").into_boxed_str());
+        let opts = CompileOptions {
+            arch: Some(arch),
+            ..CompileOptions::default()
+        };
+        compile_ptx_with_opts(SOURCE, opts)
+            .map(|ptx| ptx.to_src())
+            .map_err(|e| format!("compiling kernels/sample.cu with NVRTC: {e}"))
+    })
+    .clone()
+    .map_err(candle_core::Error::msg)
+}
+
+/// Without CUDA the only device is the CPU, which [`sample`] serves itself.
+#[cfg(not(feature = "cuda"))]
+fn on_gpu(logits: &Tensor, _draws: &[DeviceDraw]) -> Result<Vec<(u32, f32, f32)>> {
+    candle_core::bail!(
+        "device sampling: no kernel for {:?} in this build",
+        logits.device()
+    )
+}
