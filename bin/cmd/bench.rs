@@ -79,8 +79,8 @@ pub struct RolloutArgs {
     new_tokens: usize,
     #[arg(long, default_value_t = 16)]
     block_size: usize,
-    /// Where tokens are drawn: host, or device (one GPU kernel for every row; the host on
-    /// the CPU), as `engine.sampling`.
+    /// Where tokens are drawn: host, or device (one GPU kernel for every row; on the CPU
+    /// its host reference), as `engine.sampling`.
     #[arg(long, default_value = "host", value_parser = parse_sampling)]
     sampling: SamplingPlace,
     /// Untimed runs of the whole workload first, as a training run's later steps find the

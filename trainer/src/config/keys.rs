@@ -320,7 +320,7 @@ pub const KEYS: &[KeyDoc] = &[
     key("pack.window", "sequences per first-fit-decreasing packing window", int(1), None),
     key("engine.gpu_memory_utilization", "fraction of the GPU's memory the run may use; the KV cache gets what weights, learner state and activations leave (dppo memory)", FRACTION, Some("verl actor_rollout_ref.rollout.gpu_memory_utilization")),
     key("engine.attention", "the engine's attention backend: the CPU kernel (f32 on the CPU only), the device-generic tensor-op path, or auto (the kernel where it runs)", Allowed::OneOf(&["auto", "cpu", "generic"]), Some("vLLM attention_backend")),
-    key("engine.sampling", "where tokens are drawn: host (every option), or device (one GPU kernel for every row, where the requests ask only temperature or greedy; the host otherwise and on the CPU)", Allowed::OneOf(&["host", "device"]), None),
+    key("engine.sampling", "where tokens are drawn: host (every option), or device (one GPU kernel for every row where the requests ask only temperature or greedy, the host otherwise; on the CPU the kernel's host reference; off by default until checked on a GPU)", Allowed::OneOf(&["host", "device"]), None),
     key("engine.dtype", "dtype of the engine's weights and KV cache (auto: f32 on the CPU, bf16 on a GPU)", Allowed::OneOf(&["auto", "f32", "bf16", "f16"]), Some("verl actor_rollout_ref.rollout.dtype")),
     key("eval.every", "held-out evaluation every this many steps (0: before and after only)", int(0), Some("verl trainer.test_freq; TRL eval_steps")),
     key("eval.grad_variance_draws", "pruning draws measuring the pruned gradient's scatter at evaluation steps (0: off)", int(0), None),

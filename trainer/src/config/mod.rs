@@ -388,7 +388,7 @@ pub struct EngineSettings {
     /// Dtype of the engine's weights and KV cache (`auto`: f32 on the CPU, bf16 on a GPU).
     pub dtype: DtypeChoice,
     /// Where tokens are drawn: `host`, or `device` (a GPU kernel where the sampling options
-    /// allow; the host on the CPU).
+    /// allow; on the CPU its host reference).
     pub sampling: SamplingPlace,
 }
 
