@@ -39,6 +39,8 @@ mod run;
 mod memory;
 // The learner: GRPO equivalence, unbiasedness, packing, progress.
 mod trainer;
+// The learner against the rollout: temperature and the mismatch metrics.
+mod mismatch;
 // Checkpoints of earlier versions resume bit for bit.
 mod resume;
 // Data parallelism on CPU ranks: W ranks train as one; the --devices launcher.

@@ -48,7 +48,12 @@ fn a_checkpoint_of_commit_5c72f55_resumes_to_that_runs_metrics() {
             .map(|l| serde_json::from_str(l).unwrap())
             .collect();
     for want in want {
-        let got = untimed(trainer.step().unwrap());
+        // Metrics added since (`mismatch/*`, `response_length/*`) are not in the fixture;
+        // every metric it has must come back bit for bit.
+        let got: Map<String, Value> = untimed(trainer.step().unwrap())
+            .into_iter()
+            .filter(|(k, _)| want.contains_key(k))
+            .collect();
         assert_eq!(got, want, "step {}", trainer.step);
     }
 }

@@ -13,6 +13,7 @@ pub mod group;
 pub mod learner;
 pub mod loss;
 pub mod memory_budget;
+pub mod mismatch;
 pub mod optim;
 pub mod pack;
 pub mod prune;

@@ -6,6 +6,8 @@ use dppo_model::lm_head::TokenStats;
 use dppo_model::{CausalLm, PackedRow};
 use serde::{Deserialize, Serialize};
 
+use crate::mismatch::Mismatch;
+
 /// How token losses are summed into the batch loss (`loss_agg`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -36,6 +38,14 @@ pub struct LossConfig {
     pub ratio_level: RatioLevel,
     /// Weight of the k3 KL penalty against the reference policy (0: none, no reference).
     pub beta: f64,
+    /// The rollout's sampling temperature: the learner's logprobs are those of
+    /// `softmax(logits / temperature)`, the distribution the engine sampled from.
+    #[serde(default = "unit_temperature")]
+    pub temperature: f64,
+}
+
+fn unit_temperature() -> f64 {
+    1.0
 }
 
 /// The full-batch denominators, computed before packing (never from a buffer).
@@ -78,6 +88,8 @@ pub struct BufferLoss {
     pub num_tokens: usize,
     pub num_clipped: usize,
     pub entropy_sum: f64,
+    /// The learner's logprobs against the rollout's.
+    pub mismatch: Mismatch,
 }
 
 /// Forward of one packed buffer through `model` (and through the frozen `reference`
@@ -90,9 +102,9 @@ pub fn buffer_loss(
     norm: &Normalisers,
 ) -> Result<BufferLoss> {
     let row = CompletionRows::new(seqs, model.device())?;
-    let stats = row.token_stats(model)?;
+    let stats = row.token_stats(model, cfg.temperature)?;
     let ref_logprobs = match reference {
-        Some(r) if cfg.beta > 0.0 => Some(row.token_stats(r)?.logprobs.detach()),
+        Some(r) if cfg.beta > 0.0 => Some(row.token_stats(r, cfg.temperature)?.logprobs.detach()),
         _ => None,
     };
     let entropy_sum = stats
@@ -109,7 +121,7 @@ pub fn buffer_loss(
 /// (supervised warm-up on demonstrations).
 pub fn buffer_nll(model: &CausalLm, seqs: &[&TrainSeq]) -> Result<Tensor> {
     let row = CompletionRows::new(seqs, model.device())?;
-    row.token_stats(model)?.logprobs.sum_all()?.neg()
+    row.token_stats(model, 1.0)?.logprobs.sum_all()?.neg()
 }
 
 /// A packed row and the rows of it whose next token is a completion token.
@@ -141,12 +153,19 @@ impl CompletionRows {
         })
     }
 
-    /// Logprobs of the targets and entropies (M,) under `model` at the completion rows;
-    /// the lm-head runs on those rows only.
-    fn token_stats(&self, model: &CausalLm) -> Result<TokenStats> {
+    /// Logprobs of the targets and entropies (M,) under `model` at the completion rows, of
+    /// `softmax(logits / temperature)`; the lm-head runs on those rows only. The lm-head is
+    /// linear without a bias, so dividing its input divides the logits.
+    fn token_stats(&self, model: &CausalLm, temperature: f64) -> Result<TokenStats> {
         let r = &self.row;
         let hidden = model.forward(&r.input_ids, &r.positions, &mut r.attention())?;
-        model.token_stats(&hidden.index_select(&self.rows, 0)?, &self.targets)
+        let rows = hidden.index_select(&self.rows, 0)?;
+        let rows = if temperature == 1.0 {
+            rows
+        } else {
+            (rows / temperature)?
+        };
+        model.token_stats(&rows, &self.targets)
     }
 }
 
@@ -170,6 +189,7 @@ pub fn token_loss(
         Tensor::new(v, device)?.to_dtype(dtype)
     };
     let old = per_token(&|s, t| s.rollout_logprobs[t] as f64)?;
+    let mismatch = Mismatch::of(logprobs, &old)?;
     let adv = per_token(&|s, _| s.advantage)?;
     let coef =
         per_token(&|s, _| s.weight * agg_factor(cfg.loss_agg, norm, s.num_completion_tokens()))?;
@@ -207,6 +227,7 @@ pub fn token_loss(
         num_tokens,
         num_clipped: num_tokens - num_clipped as usize,
         entropy_sum: 0.0,
+        mismatch,
     })
 }
 
@@ -330,6 +351,7 @@ mod tests {
                         loss_agg,
                         ratio_level,
                         beta,
+                        temperature: 1.0,
                     };
                     let lp: Vec<f64> = (0..5).map(|t| OLD[t] as f64 + LOG_RATIOS[t]).collect();
                     let lp = Var::new(lp, &Device::Cpu).unwrap();

@@ -439,6 +439,14 @@ fn default_num_eval() -> usize {
 }
 
 impl RunConfig {
+    /// The learner's objective: `[actor]`'s, over logprobs at the rollout's temperature.
+    pub fn loss(&self) -> LossConfig {
+        LossConfig {
+            temperature: f64::from(self.rollout.temperature),
+            ..self.actor.loss()
+        }
+    }
+
     /// Parses `text` (from `origin`), applies `overrides` (`a.b=value`, values in TOML
     /// syntax, bare words taken as strings) and validates; an error names the file (at
     /// the key's line) or the `--set` that wrote the bad value.
@@ -491,7 +499,8 @@ impl RunConfig {
 }
 
 impl ActorConfig {
-    /// The clipped objective these settings define.
+    /// The clipped objective these settings define, over untempered logprobs (the run's
+    /// learner takes `rollout.temperature` too: `RunConfig::loss`).
     pub fn loss(&self) -> LossConfig {
         LossConfig {
             eps_low: self.eps_low,
@@ -499,6 +508,7 @@ impl ActorConfig {
             loss_agg: self.loss_agg,
             ratio_level: self.ratio_level,
             beta: self.beta,
+            temperature: 1.0,
         }
     }
 }

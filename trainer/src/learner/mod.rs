@@ -82,6 +82,8 @@ pub struct StepMetrics {
     pub train_tokens_per_s: f64,
     /// The loss or the gradient norm was NaN or infinite: the step changed nothing.
     pub is_nonfinite: bool,
+    /// The learner's logprobs of the sampled tokens against the rollout's (`mismatch/*`).
+    pub mismatch: crate::mismatch::Mismatch,
 }
 
 /// Stack for the backward pass: candle's graph walk recurses once per op.
@@ -309,6 +311,7 @@ impl Learner {
             m.tokens += out.num_tokens;
             m.clipped += out.num_clipped;
             m.entropy += out.entropy_sum;
+            m.mismatch.add(&out.mismatch);
             accumulate(&mut grads, &self.vars, &out.loss.backward()?)?;
         }
         take_layer_grads(&mut grads, &self.vars, &layer_grads)?;

@@ -1,6 +1,7 @@
 //! What the forward/backward passes of a step add up, and the step's metrics from it.
 
 use crate::dist::{sum_f64, Collective};
+use crate::mismatch::Mismatch;
 use crate::TrainError;
 
 use super::StepMetrics;
@@ -18,6 +19,8 @@ pub(super) struct Sums {
     pub seq_tokens: usize,
     /// Seconds of forward/backward (ranks run at once: their maximum).
     pub seconds: f64,
+    /// The learner's logprobs against the rollout's.
+    pub mismatch: Mismatch,
 }
 
 impl Sums {
@@ -34,6 +37,7 @@ impl Sums {
             clipfrac: self.clipped as f64 / self.tokens.max(1) as f64,
             entropy: self.entropy / self.tokens.max(1) as f64,
             train_tokens_per_s: self.seq_tokens as f64 / self.seconds,
+            mismatch: self.mismatch,
             ..StepMetrics::default()
         }
     }
@@ -52,13 +56,14 @@ impl Sums {
                 self.entropy,
                 self.num_buffers as f64,
                 self.seq_tokens as f64,
+                self.mismatch.tokens as f64,
+                self.mismatch.abs_sum,
+                self.mismatch.k3_sum,
+                self.mismatch.outside as f64,
             ],
         )?;
-        let slowest = coll
-            .all_gather_f64(&[self.seconds])?
-            .iter()
-            .map(|s| s[0])
-            .fold(0.0, f64::max);
+        let maxima = coll.all_gather_f64(&[self.seconds, self.mismatch.abs_max])?;
+        let max_of = |i: usize| maxima.iter().map(|s| s[i]).fold(0.0, f64::max);
         Ok(Self {
             pg_loss: counts[0],
             tokens: counts[1] as usize,
@@ -66,7 +71,14 @@ impl Sums {
             entropy: counts[3],
             num_buffers: counts[4] as usize,
             seq_tokens: counts[5] as usize,
-            seconds: slowest,
+            seconds: max_of(0),
+            mismatch: Mismatch {
+                tokens: counts[6] as usize,
+                abs_sum: counts[7],
+                abs_max: max_of(1),
+                k3_sum: counts[8],
+                outside: counts[9] as usize,
+            },
         })
     }
 }

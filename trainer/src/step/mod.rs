@@ -332,6 +332,7 @@ impl Trainer {
             num_drawn,
             num_trained,
             samples_per_prompt: self.cfg.rollout.n,
+            max_response_len: self.cfg.rollout.max_response_len,
             num_correct,
             extracted_by,
             gen_tokens,

@@ -23,6 +23,8 @@ pub(super) struct StepReport<'a> {
     pub num_trained: usize,
     /// G.
     pub samples_per_prompt: usize,
+    /// `rollout.max_response_len`: a completion this long was cut.
+    pub max_response_len: usize,
     pub num_correct: usize,
     /// Completions whose answer each extraction rule found.
     pub extracted_by: BTreeMap<String, usize>,
@@ -99,6 +101,31 @@ impl StepReport<'_> {
         put("actor/clipfrac", json!(self.learner.clipfrac));
         put("actor/entropy", json!(self.learner.entropy));
         put("actor/lr", json!(self.learner.lr));
+        if self.learner.mismatch.tokens > 0 {
+            for (name, value) in self.learner.mismatch.metrics() {
+                put(name, json!(value));
+            }
+        }
+        let lengths: Vec<usize> = self
+            .groups
+            .iter()
+            .flat_map(|g| g.samples.iter().map(|s| s.completion_ids.len()))
+            .collect();
+        let n = lengths.len().max(1) as f64;
+        put(
+            "response_length/mean",
+            json!(lengths.iter().sum::<usize>() as f64 / n),
+        );
+        put(
+            "response_length/max",
+            json!(lengths.iter().copied().max().unwrap_or(0)),
+        );
+        // verl's name: the share of completions cut at the length limit.
+        let cut = lengths
+            .iter()
+            .filter(|&&l| l >= self.max_response_len)
+            .count();
+        put("response_length/clip_ratio", json!(cut as f64 / n));
         put("train/nonfinite_steps", json!(self.num_nonfinite_steps));
         if let Some(v) = self.grad_rel_mse {
             put("prune/grad_rel_mse", json!(v));
@@ -131,6 +158,7 @@ mod tests {
             num_drawn: 5,
             num_trained: 5,
             samples_per_prompt: 3,
+            max_response_len: 8,
             num_correct: 4,
             extracted_by: BTreeMap::new(),
             gen_tokens: 12,

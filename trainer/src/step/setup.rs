@@ -16,7 +16,7 @@ use crate::TrainError;
 /// The learner's settings (`[actor]`, `[pack]`, `[train]`) on `device`.
 pub(super) fn learner_config(cfg: &RunConfig, device: &Device) -> LearnerConfig {
     LearnerConfig {
-        loss: cfg.actor.loss(),
+        loss: cfg.loss(),
         adamw: AdamWConfig {
             weight_decay: cfg.actor.weight_decay,
             ..AdamWConfig::default()
