@@ -176,12 +176,16 @@ fn assert_same_training(what: &str, one: &Outcome, many: &Outcome) {
             }
             // Sums over ranks in another order: equal up to rounding. The mismatch is itself
             // rounding (about 1e-6 in logprob), which other packings change by as much.
-            let summed = (key.starts_with("actor/") && key != "actor/lr")
-                || key == "prune/grad_rel_mse";
+            let summed =
+                (key.starts_with("actor/") && key != "actor/lr") || key == "prune/grad_rel_mse";
             let rounding = key.starts_with("mismatch/");
             if summed || rounding {
                 let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
-                let tol = if rounding { 1e-5 } else { 1e-4 * x.abs().max(1e-3) };
+                let tol = if rounding {
+                    1e-5
+                } else {
+                    1e-4 * x.abs().max(1e-3)
+                };
                 assert!(
                     (x - y).abs() <= tol,
                     "{what}: step {} {key}: one rank {x}, several {y}",
