@@ -116,3 +116,119 @@ fn a_run_logs_the_mismatch_and_response_lengths() {
     assert!(max < 1e-4, "{first}");
     assert_eq!(first["mismatch/ratio_outside_frac"].as_f64().unwrap(), 0.0);
 }
+
+/// With the old logprobs recomputed, the ratio is 1 in value at the update, and the
+/// correction weighs each token's policy gradient by its capped learner-rollout ratio, or
+/// masks it: loss and gradient against a hand computation.
+#[test]
+fn corrections_weigh_the_gradient_as_computed_by_hand() {
+    use candle_core::Var;
+    use dppo_trainer::correction::{IsLevel, RolloutCorrection, RsLevel};
+    use dppo_trainer::loss::{token_loss, LossAgg, LossConfig, RatioLevel};
+
+    // Learner minus rollout logprob per token: two sequences of 2 and 3 tokens. The rollout
+    // logprobs are f32, so the weights carry its rounding (hence the 1e-6 tolerances).
+    let d = [0.1f64, 0.9, -0.8, 0.05, 0.0];
+    let learner = [-1.0f64, -2.0, -0.5, -3.0, -1.5];
+    let (adv, weight) = ([1.0f64, -0.5], [2.0f64, 1.0]);
+    let make = |range: std::ops::Range<usize>, s: usize| TrainSeq {
+        tokens: vec![0; 1 + range.len()],
+        num_prompt_tokens: 1,
+        advantage: adv[s],
+        weight: weight[s],
+        rollout_logprobs: range.map(|t| (learner[t] - d[t]) as f32).collect(),
+    };
+    let seqs = [make(0..2, 0), make(2..5, 1)];
+    let refs: Vec<&TrainSeq> = seqs.iter().collect();
+    let norm = Normalisers {
+        num_seqs: 2.0,
+        num_tokens: 10.0,
+        max_len: 3.0,
+    };
+    let owner = [0usize, 0, 1, 1, 1];
+    for (is, rs, w) in [
+        (
+            IsLevel::Token,
+            RsLevel::None,
+            [0.1f64.exp(), 2.0, (-0.8f64).exp(), 0.05f64.exp(), 1.0],
+        ),
+        (IsLevel::None, RsLevel::Token, [1.0, 0.0, 0.0, 1.0, 1.0]),
+        (IsLevel::Sequence, RsLevel::Geometric, {
+            let b = (-0.75f64).exp();
+            [2.0, 2.0, b, b, b]
+        }),
+    ] {
+        let cfg = LossConfig {
+            eps_low: 0.2,
+            eps_high: 0.28,
+            loss_agg: LossAgg::TokenMean,
+            ratio_level: RatioLevel::Token,
+            beta: 0.0,
+            temperature: 1.0,
+            recompute_old_logprobs: true,
+            correction: RolloutCorrection {
+                rollout_is: is,
+                rollout_rs: rs,
+                ..RolloutCorrection::default()
+            },
+        };
+        let lp = Var::new(&learner, &Device::Cpu).unwrap();
+        let out = token_loss(lp.as_tensor(), None, &refs, &cfg, &norm).unwrap();
+        // Ratio 1: l_t = -A w_t; token-mean coefficient weight / N_tok.
+        let coef = |t: usize| weight[owner[t]] / norm.num_tokens;
+        let want: f64 = (0..5).map(|t| -coef(t) * adv[owner[t]] * w[t]).sum();
+        let got = out.loss.to_scalar::<f64>().unwrap();
+        assert!((got - want).abs() < 1e-6, "{is:?} {rs:?}: {got} vs {want}");
+        let grad = out.loss.backward().unwrap();
+        let grad = grad.get(&lp).unwrap().to_vec1::<f64>().unwrap();
+        for t in 0..5 {
+            let want = -coef(t) * adv[owner[t]] * w[t];
+            assert!(
+                (grad[t] - want).abs() < 1e-6,
+                "{is:?} {rs:?}: grad {grad:?}"
+            );
+        }
+        assert_eq!(out.num_clipped, 0, "a ratio of 1 is never clipped");
+    }
+}
+
+/// A run with token TIS and masking on the recomputed old logprobs logs what the correction
+/// did: one step off-policy the weights carry the last update's change, within 1% of 1 here,
+/// so nothing is truncated or masked.
+#[test]
+fn a_corrected_run_logs_its_weights() {
+    let out = tempfile::tempdir().unwrap();
+    let dir = out.path().join("run");
+    let (code, stdout, stderr) = run_dppo(&[
+        "run",
+        "--set",
+        "steps=2",
+        "--set",
+        "warmup.steps=100",
+        "--set",
+        "data.num_eval=20",
+        "--set",
+        "actor.recompute_old_logprobs=true",
+        "--set",
+        "rollout_correction.rollout_is=token",
+        "--set",
+        "rollout_correction.rollout_rs=token",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    assert_eq!(code, Some(0), "{stdout}\n{stderr}");
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    let trained: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|v: &Value| v.get("rollout_corr/is_weight_mean").is_some())
+        .collect();
+    assert!(!trained.is_empty(), "{text}");
+    for step in &trained {
+        // One step off-policy the learner is one update ahead of the rollout.
+        let mean = step["rollout_corr/is_weight_mean"].as_f64().unwrap();
+        assert!((mean - 1.0).abs() < 1e-2, "{step}");
+        assert_eq!(step["rollout_corr/is_truncated_frac"].as_f64(), Some(0.0));
+        assert_eq!(step["rollout_corr/rs_masked_frac"].as_f64(), Some(0.0));
+    }
+}

@@ -5,6 +5,7 @@
 pub mod advantages;
 pub mod checkpoint;
 pub mod config;
+pub mod correction;
 pub mod data;
 pub mod dist;
 pub mod doctor;

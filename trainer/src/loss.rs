@@ -6,7 +6,8 @@ use dppo_model::lm_head::TokenStats;
 use dppo_model::{CausalLm, PackedRow};
 use serde::{Deserialize, Serialize};
 
-use crate::mismatch::Mismatch;
+use crate::correction::RolloutCorrection;
+use crate::mismatch::{diffs, Mismatch};
 
 /// How token losses are summed into the batch loss (`loss_agg`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -42,6 +43,13 @@ pub struct LossConfig {
     /// `softmax(logits / temperature)`, the distribution the engine sampled from.
     #[serde(default = "unit_temperature")]
     pub temperature: f64,
+    /// The ratio's denominator: the learner's own logprobs before the update (verl's
+    /// recomputed `old_log_prob`) instead of the rollout's.
+    #[serde(default)]
+    pub recompute_old_logprobs: bool,
+    /// Importance weights and masks from the learner-rollout ratio.
+    #[serde(default)]
+    pub correction: RolloutCorrection,
 }
 
 fn unit_temperature() -> f64 {
@@ -188,8 +196,15 @@ pub fn token_loss(
             .collect();
         Tensor::new(v, device)?.to_dtype(dtype)
     };
-    let old = per_token(&|s, t| s.rollout_logprobs[t] as f64)?;
-    let mismatch = Mismatch::of(logprobs, &old)?;
+    let rollout = per_token(&|s, t| s.rollout_logprobs[t] as f64)?;
+    let d = diffs(logprobs, &rollout)?;
+    let mut mismatch = Mismatch::from_diffs(&d);
+    // One update per rollout: before it, the learner's logprobs are the old policy's.
+    let old = if cfg.recompute_old_logprobs {
+        logprobs.detach()
+    } else {
+        rollout
+    };
     let adv = per_token(&|s, _| s.advantage)?;
     let coef =
         per_token(&|s, _| s.weight * agg_factor(cfg.loss_agg, norm, s.num_completion_tokens()))?;
@@ -207,6 +222,13 @@ pub fn token_loss(
     let surr2 = (&clipped * &adv)?;
     let use_unclipped = surr1.le(&surr2)?;
     let mut token_losses = use_unclipped.where_cond(&surr1, &surr2)?.neg()?;
+    // 2b. Rollout correction: weights from the learner-rollout ratio, no gradient.
+    if cfg.correction.is_on() {
+        let lengths: Vec<usize> = seqs.iter().map(|s| s.num_completion_tokens()).collect();
+        let (weights, sums) = cfg.correction.weights(&d, &lengths);
+        mismatch.correction = sums;
+        token_losses = (token_losses * Tensor::new(weights, device)?.to_dtype(dtype)?)?;
+    }
     // 3. k3 KL to the reference: exp(ref - lp) - (ref - lp) - 1.
     if cfg.beta > 0.0 {
         let Some(reference) = reference else {
@@ -352,6 +374,8 @@ mod tests {
                         ratio_level,
                         beta,
                         temperature: 1.0,
+                        recompute_old_logprobs: false,
+                        correction: RolloutCorrection::default(),
                     };
                     let lp: Vec<f64> = (0..5).map(|t| OLD[t] as f64 + LOG_RATIOS[t]).collect();
                     let lp = Var::new(lp, &Device::Cpu).unwrap();

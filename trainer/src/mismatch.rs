@@ -5,6 +5,8 @@
 
 use candle_core::{DType, Result, Tensor};
 
+use crate::correction::CorrectionSums;
+
 /// A ratio `exp(learner - rollout)` outside `[1/OUTSIDE, OUTSIDE]` counts as far off.
 pub const OUTSIDE: f64 = 2.0;
 
@@ -21,25 +23,29 @@ pub struct Mismatch {
     pub k3_sum: f64,
     /// Tokens whose ratio is outside `[1/OUTSIDE, OUTSIDE]`.
     pub outside: usize,
+    /// What the rollout correction did (zeros when it is off).
+    pub correction: CorrectionSums,
 }
 
 impl Mismatch {
     /// The sums over `learner` and `rollout` (M,) logprobs; no gradient flows.
     pub fn of(learner: &Tensor, rollout: &Tensor) -> Result<Self> {
-        let d: Vec<f64> = (learner.detach() - rollout)?
-            .to_dtype(DType::F64)?
-            .to_vec1::<f64>()?;
+        Ok(Self::from_diffs(&diffs(learner, rollout)?))
+    }
+
+    /// The sums over `d`, the per-token differences learner minus rollout.
+    pub fn from_diffs(d: &[f64]) -> Self {
         let mut m = Self {
             tokens: d.len(),
             ..Self::default()
         };
-        for &x in &d {
+        for &x in d {
             m.abs_sum += x.abs();
             m.abs_max = m.abs_max.max(x.abs());
             m.k3_sum += x.exp() - 1.0 - x;
             m.outside += usize::from(x.abs() > OUTSIDE.ln());
         }
-        Ok(m)
+        m
     }
 
     /// Both sums together.
@@ -49,6 +55,29 @@ impl Mismatch {
         self.abs_max = self.abs_max.max(other.abs_max);
         self.k3_sum += other.k3_sum;
         self.outside += other.outside;
+        self.correction.weight_sum += other.correction.weight_sum;
+        self.correction.truncated += other.correction.truncated;
+        self.correction.masked += other.correction.masked;
+    }
+
+    /// `rollout_corr/{is_weight_mean,is_truncated_frac,rs_masked_frac}`, for the metrics line
+    /// of a run with the correction on.
+    pub fn correction_metrics(&self) -> [(&'static str, f64); 3] {
+        let n = self.tokens.max(1) as f64;
+        [
+            (
+                "rollout_corr/is_weight_mean",
+                self.correction.weight_sum / n,
+            ),
+            (
+                "rollout_corr/is_truncated_frac",
+                self.correction.truncated as f64 / n,
+            ),
+            (
+                "rollout_corr/rs_masked_frac",
+                self.correction.masked as f64 / n,
+            ),
+        ]
     }
 
     /// `(mismatch/logprob_abs_diff_mean, mismatch/logprob_abs_diff_max, mismatch/k3_kl,
@@ -62,6 +91,13 @@ impl Mismatch {
             ("mismatch/ratio_outside_frac", self.outside as f64 / n),
         ]
     }
+}
+
+/// `learner - rollout` per token, in f64, without gradient.
+pub fn diffs(learner: &Tensor, rollout: &Tensor) -> Result<Vec<f64>> {
+    (learner.detach() - rollout)?
+        .to_dtype(DType::F64)?
+        .to_vec1::<f64>()
 }
 
 #[cfg(test)]

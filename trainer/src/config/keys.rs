@@ -62,6 +62,19 @@ pub const RULES: &[Rule] = &[
         },
     },
     Rule {
+        key: "rollout_correction.rollout_rs_threshold_lower",
+        says: "below rollout_rs_threshold",
+        broken: |cfg| {
+            let c = &cfg.rollout_correction;
+            (c.rollout_rs_threshold_lower >= c.rollout_rs_threshold).then(|| {
+                format!(
+                    "must be below rollout_correction.rollout_rs_threshold ({}), got {}",
+                    c.rollout_rs_threshold, c.rollout_rs_threshold_lower
+                )
+            })
+        },
+    },
+    Rule {
         key: "actor.weight_decay",
         says: "with actor.lr * weight_decay < 1 and warmup.lr * weight_decay < 1",
         broken: |cfg| {
@@ -307,6 +320,7 @@ pub const KEYS: &[KeyDoc] = &[
     key("actor.ratio_level", "importance ratio per token, or per sequence (GSPO)", Allowed::OneOf(&["token", "sequence"]), Some("TRL importance_sampling_level")),
     key("actor.warmup_steps", "linear learning-rate warm-up steps", int(0), Some("verl actor.optim.lr_warmup_steps; TRL warmup_steps")),
     key("actor.weight_decay", "AdamW weight decay", NON_NEGATIVE, Some("verl actor.optim.weight_decay; TRL weight_decay")),
+    key("actor.recompute_old_logprobs", "the ratio's denominator is the learner's logprobs before the update (decoupled PPO), the rollout's only weigh the correction; false: the rollout's (bypass)", Allowed::Bool, Some("verl algorithm.rollout_correction.bypass_mode (inverted)")),
     key("dppo.r_q", "prompt-level pruning rate (DPPO); GRESO's skip rate", RATE, None),
     key("dppo.r_o", "completion-level pruning rate (DPPO); CPPO's batch-wide rate", RATE, None),
     key("dppo.scope", "where completions compete for pruning: within a group or across the batch", Allowed::OneOf(&["group", "batch"]), None),
@@ -327,6 +341,11 @@ pub const KEYS: &[KeyDoc] = &[
     optional("reward.extract", "how the final answer is extracted (unset: strict for JSONL data, answer for built-in tasks)", Allowed::OneOf(&["boxed", "strict", "flexible", "answer"]), Some("verl's GSM8K reward modes")),
     key("reward.overlong_buffer", "DAPO soft overlong penalty over the last this many tokens before max_response_len (0: off)", int(0), Some("verl reward_model.overlong_buffer.len")),
     key("reward.overlong_penalty", "the penalty at the token limit, reached linearly over the buffer", NON_NEGATIVE, Some("verl reward_model.overlong_buffer.penalty_factor")),
+    key("rollout_correction.rollout_is", "importance weights from the learner-rollout ratio: none, per token, or per sequence (the product of its ratios), capped at rollout_is_threshold (TIS)", Allowed::OneOf(&["none", "token", "sequence"]), Some("verl algorithm.rollout_correction.rollout_is; TRL vllm_importance_sampling_correction")),
+    key("rollout_correction.rollout_is_threshold", "the importance weight's cap", POSITIVE, Some("verl algorithm.rollout_correction.rollout_is_threshold; TRL vllm_importance_sampling_cap")),
+    key("rollout_correction.rollout_rs", "rejection: mask tokens (token), sequences (sequence: the product of ratios; geometric: their geometric mean) whose ratio leaves [rollout_rs_threshold_lower, rollout_rs_threshold]", Allowed::OneOf(&["none", "token", "sequence", "geometric"]), Some("verl algorithm.rollout_correction.rollout_rs")),
+    key("rollout_correction.rollout_rs_threshold", "upper end of the kept band of ratios", POSITIVE, Some("verl algorithm.rollout_correction.rollout_rs_threshold")),
+    key("rollout_correction.rollout_rs_threshold_lower", "lower end of the kept band of ratios", POSITIVE, Some("verl algorithm.rollout_correction.rollout_rs_threshold_lower")),
     key("train.compute_dtype", "dtype of the learner's forward and backward (auto: f32 on the CPU, bf16 on a GPU; f16's range overflows in the backward pass); master weights and AdamW state stay f32", Allowed::OneOf(&["auto", "f32", "bf16"]), Some("verl actor.fsdp_config.mixed_precision.param_dtype")),
     key("train.max_nonfinite_steps", "NaN/inf steps in a row (each skipped, changing nothing) before the run checkpoints its last good state and stops (0: never stop)", int(0), None),
     key("checkpoint.every", "save every this many RL steps (0: at the end only)", int(0), Some("verl trainer.save_freq; TRL save_steps")),

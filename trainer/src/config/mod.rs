@@ -4,6 +4,8 @@
 
 use candle_core::{DType, Device};
 use dppo_engine::{AttentionMode, SamplingPlace};
+
+use crate::correction::RolloutCorrection;
 use dppo_model::DeviceSpec;
 use serde::{Deserialize, Serialize};
 
@@ -124,6 +126,9 @@ pub struct RunConfig {
     /// `[reward]`: extraction mode and overlong penalty (see [`RewardConfig`]).
     #[serde(default)]
     pub reward: RewardConfig,
+    /// Importance weights and masks for the learner-rollout mismatch (verl's names).
+    #[serde(default)]
+    pub rollout_correction: RolloutCorrection,
 }
 
 /// `[train]`: what the run does when things go wrong, and how it starts.
@@ -274,6 +279,10 @@ pub struct ActorConfig {
     pub ratio_level: RatioLevel,
     pub warmup_steps: u64,
     pub weight_decay: f64,
+    /// The ratio's denominator is the learner's logprobs before the update (verl's
+    /// decoupled PPO) instead of the rollout's, which then only weigh the correction.
+    #[serde(default)]
+    pub recompute_old_logprobs: bool,
 }
 
 /// `[dppo]`: pruning rates (also the CPPO rate `r_o`).
@@ -443,6 +452,7 @@ impl RunConfig {
     pub fn loss(&self) -> LossConfig {
         LossConfig {
             temperature: f64::from(self.rollout.temperature),
+            correction: self.rollout_correction,
             ..self.actor.loss()
         }
     }
@@ -509,6 +519,8 @@ impl ActorConfig {
             ratio_level: self.ratio_level,
             beta: self.beta,
             temperature: 1.0,
+            recompute_old_logprobs: self.recompute_old_logprobs,
+            correction: RolloutCorrection::default(),
         }
     }
 }

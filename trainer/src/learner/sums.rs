@@ -1,5 +1,6 @@
 //! What the forward/backward passes of a step add up, and the step's metrics from it.
 
+use crate::correction::CorrectionSums;
 use crate::dist::{sum_f64, Collective};
 use crate::mismatch::Mismatch;
 use crate::TrainError;
@@ -60,6 +61,9 @@ impl Sums {
                 self.mismatch.abs_sum,
                 self.mismatch.k3_sum,
                 self.mismatch.outside as f64,
+                self.mismatch.correction.weight_sum,
+                self.mismatch.correction.truncated as f64,
+                self.mismatch.correction.masked as f64,
             ],
         )?;
         let maxima = coll.all_gather_f64(&[self.seconds, self.mismatch.abs_max])?;
@@ -78,6 +82,11 @@ impl Sums {
                 abs_max: max_of(1),
                 k3_sum: counts[8],
                 outside: counts[9] as usize,
+                correction: CorrectionSums {
+                    weight_sum: counts[10],
+                    truncated: counts[11] as usize,
+                    masked: counts[12] as usize,
+                },
             },
         })
     }

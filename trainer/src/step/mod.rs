@@ -333,6 +333,7 @@ impl Trainer {
             num_trained,
             samples_per_prompt: self.cfg.rollout.n,
             max_response_len: self.cfg.rollout.max_response_len,
+            correction_on: self.cfg.rollout_correction.is_on(),
             num_correct,
             extracted_by,
             gen_tokens,

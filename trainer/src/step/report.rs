@@ -25,6 +25,8 @@ pub(super) struct StepReport<'a> {
     pub samples_per_prompt: usize,
     /// `rollout.max_response_len`: a completion this long was cut.
     pub max_response_len: usize,
+    /// Whether `[rollout_correction]` is on (its metrics are logged then).
+    pub correction_on: bool,
     pub num_correct: usize,
     /// Completions whose answer each extraction rule found.
     pub extracted_by: BTreeMap<String, usize>,
@@ -105,6 +107,11 @@ impl StepReport<'_> {
             for (name, value) in self.learner.mismatch.metrics() {
                 put(name, json!(value));
             }
+            if self.correction_on {
+                for (name, value) in self.learner.mismatch.correction_metrics() {
+                    put(name, json!(value));
+                }
+            }
         }
         let lengths: Vec<usize> = self
             .groups
@@ -159,6 +166,7 @@ mod tests {
             num_trained: 5,
             samples_per_prompt: 3,
             max_response_len: 8,
+            correction_on: false,
             num_correct: 4,
             extracted_by: BTreeMap::new(),
             gen_tokens: 12,
