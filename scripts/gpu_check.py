@@ -73,7 +73,9 @@ def key_numbers(name, text, outdir):
     line) or, for `dppo run`, from the run directory's summary.json."""
     run_summary = os.path.join(outdir, name, "summary.json")
     if name.startswith("run") and os.path.exists(run_summary):
-        return json.load(open(run_summary))
+        numbers = json.load(open(run_summary))
+        numbers.update(mismatch(os.path.join(outdir, name, "metrics.jsonl")))
+        return numbers
     data = None
     for line in reversed(text.strip().splitlines()):
         try:
@@ -94,6 +96,19 @@ def key_numbers(name, text, outdir):
     return {k: data[k] for k in keys if data.get(k) is not None}
 
 
+def mismatch(path):
+    """The learner-engine mismatch over a run's trained steps: the largest logprob
+    difference and the mean k3 KL."""
+    if not os.path.exists(path):
+        return {}
+    steps = [json.loads(line) for line in open(path)]
+    steps = [s for s in steps if "mismatch/k3_kl" in s]
+    if not steps:
+        return {}
+    return {"mismatch_max": max(s["mismatch/logprob_abs_diff_max"] for s in steps),
+            "mismatch_k3": sum(s["mismatch/k3_kl"] for s in steps) / len(steps)}
+
+
 def brief(numbers):
     """One short cell for the table."""
     if "shapes" in numbers:
@@ -107,8 +122,11 @@ def brief(numbers):
         if key in numbers:
             return str(numbers[key])[:70]
     if "wall_s" in numbers:
-        return (f"{numbers.get('steps')} steps in {numbers['wall_s']:.1f} s, held-out "
+        cell = (f"{numbers.get('steps')} steps in {numbers['wall_s']:.1f} s, held-out "
                 f"{numbers.get('eval_before')} -> {numbers.get('eval_after')}")
+        if "mismatch_max" in numbers:
+            cell += f", mismatch max {numbers['mismatch_max']:.1e}"
+        return cell
     parts = []
     for key, unit in [("tokens_per_s", "tok/s"), ("train_tokens_per_s", "train tok/s")]:
         if key in numbers:
