@@ -308,7 +308,18 @@ impl CausalLm {
     /// CPU (see [`crate::lm_head`]): what training needs of the lm-head.
     /// The hidden states are cast to the lm-head's dtype (f32 under bf16 compute).
     pub fn token_stats(&self, hidden: &Tensor, targets: &Tensor) -> Result<TokenStats> {
+        self.nucleus_token_stats(hidden, targets, 1.0)
+    }
+
+    /// [`CausalLm::token_stats`] under the softmax renormalised over each row's top-`top_p`
+    /// nucleus, as the engine samples with `top_p < 1`.
+    pub fn nucleus_token_stats(
+        &self,
+        hidden: &Tensor,
+        targets: &Tensor,
+        top_p: f64,
+    ) -> Result<TokenStats> {
         let hidden = hidden.to_dtype(self.lm_head.dtype())?;
-        lm_head_token_stats(&hidden, &self.lm_head, targets)
+        lm_head_token_stats(&hidden, &self.lm_head, targets, top_p)
     }
 }

@@ -21,20 +21,67 @@ pub struct TokenStats {
     pub entropy: Tensor,
 }
 
+/// A logit outside the nucleus: its exp is 0 and 0 times it is 0 (an infinity would make
+/// the entropy's `p * log p` NaN).
+const DROPPED: f64 = -1e30;
+
 /// Log-probabilities of `targets` (rows,) u32 under `hidden` (rows, hidden) `@ weight^T`
-/// (weight: (vocab, hidden)), and the entropies. On the CPU it is one fused, chunked op;
-/// elsewhere the composite of differentiable ops (same values, all logits held).
+/// (weight: (vocab, hidden)), and the entropies, of the full softmax when `top_p >= 1`,
+/// else of the softmax renormalised over each row's nucleus ([`nucleus_mask`]). On the CPU
+/// it is one fused, chunked op; elsewhere the composite of differentiable ops (same values,
+/// all logits held).
 pub fn lm_head_token_stats(
     hidden: &Tensor,
     weight: &Tensor,
     targets: &Tensor,
+    top_p: f64,
 ) -> Result<TokenStats> {
     if hidden.device().is_cpu() {
         let rows = (CHUNK_ELEMS / weight.dim(0)?.max(1)).max(1);
-        fused(hidden, weight, targets, rows)
+        fused(hidden, weight, targets, rows, top_p)
     } else {
-        composite(hidden, weight, targets)
+        composite(hidden, weight, targets, top_p)
     }
+}
+
+/// An additive (rows, vocab) mask over `logits`: 0 on each row's nucleus, [`DROPPED`]
+/// elsewhere. The nucleus is the engine's top-p set: the most likely tokens (lower id first
+/// on ties) up to the first whose cumulative probability reaches `top_p`, and the row's
+/// target always (the engine drew it, so it was in the engine's nucleus; rounding may
+/// place it just outside the learner's). Computed on the host from detached logits.
+pub fn nucleus_mask(logits: &Tensor, targets: &Tensor, top_p: f64) -> Result<Tensor> {
+    let (rows, vocab) = logits.dims2()?;
+    let values = logits
+        .detach()
+        .to_dtype(candle_core::DType::F64)?
+        .to_vec2::<f64>()?;
+    let targets = targets.to_vec1::<u32>()?;
+    let mut mask = vec![DROPPED; rows * vocab];
+    for (r, row) in values.iter().enumerate() {
+        let mut order: Vec<usize> = (0..vocab).collect();
+        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+        let max = row[order[0]];
+        let z: f64 = row.iter().map(|l| (l - max).exp()).sum();
+        let mut mass = 0.0;
+        for &i in &order {
+            mask[r * vocab + i] = 0.0;
+            mass += (row[i] - max).exp() / z;
+            if mass >= top_p {
+                break;
+            }
+        }
+        mask[r * vocab + targets[r] as usize] = 0.0;
+    }
+    Tensor::from_vec(mask, (rows, vocab), logits.device())?.to_dtype(logits.dtype())
+}
+
+/// `logits` restricted to the nucleus when `top_p < 1`.
+fn truncated(logits: Tensor, targets: &Tensor, top_p: f64) -> Result<Tensor> {
+    if top_p >= 1.0 {
+        return Ok(logits);
+    }
+    let mask = nucleus_mask(&logits, targets, top_p)?;
+    logits + mask
 }
 
 /// The fused op with `chunk_rows` rows of logits per chunk.
@@ -43,12 +90,14 @@ fn fused(
     weight: &Tensor,
     targets: &Tensor,
     chunk_rows: usize,
+    top_p: f64,
 ) -> Result<TokenStats> {
     let op = FusedLmHead {
         hidden: hidden.detach(),
         weight: weight.detach(),
         targets: targets.clone(),
         chunk_rows,
+        top_p,
     };
     // (rows, 2): column 0 the logprobs, column 1 the entropies.
     let out = hidden.apply_op2(weight, op)?;
@@ -59,8 +108,13 @@ fn fused(
 }
 
 /// The same results from differentiable primitive ops, holding the whole logits.
-fn composite(hidden: &Tensor, weight: &Tensor, targets: &Tensor) -> Result<TokenStats> {
-    let logp = log_softmax_last_dim(&at_least_f32(&linear(hidden, weight, None)?)?)?;
+fn composite(hidden: &Tensor, weight: &Tensor, targets: &Tensor, top_p: f64) -> Result<TokenStats> {
+    let logits = truncated(
+        at_least_f32(&linear(hidden, weight, None)?)?,
+        targets,
+        top_p,
+    )?;
+    let logp = log_softmax_last_dim(&logits)?;
     let logprobs = logp.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)?;
     let p_logp = (logp.detach().exp()? * logp.detach())?;
     Ok(TokenStats {
@@ -77,6 +131,8 @@ struct FusedLmHead {
     weight: Tensor,
     targets: Tensor,
     chunk_rows: usize,
+    /// Nucleus of the logits (1: the full softmax).
+    top_p: f64,
 }
 
 impl FusedLmHead {
@@ -92,8 +148,10 @@ impl FusedLmHead {
         let rows = self.hidden.dim(0)?;
         let mut outs = Vec::new();
         for (start, len) in self.chunks(rows) {
+            let chunk_targets = self.targets.narrow(0, start, len)?;
             let logits = linear(&self.hidden.narrow(0, start, len)?, &self.weight, None)?;
-            let targets = self.targets.narrow(0, start, len)?.unsqueeze(1)?;
+            let logits = truncated(logits, &chunk_targets, self.top_p)?;
+            let targets = chunk_targets.unsqueeze(1)?;
             // The same arithmetic as the composite log-softmax, for the target column only.
             let shifted = logits.broadcast_sub(&logits.max_keepdim(D::Minus1)?)?;
             let e = shifted.exp()?;
@@ -152,9 +210,11 @@ impl CustomOp2 for FusedLmHead {
         for (start, len) in self.chunks(hidden.dim(0)?) {
             let h = hidden.narrow(0, start, len)?;
             let g = grad.narrow(0, start, len)?.contiguous()?;
-            let targets = self.targets.narrow(0, start, len)?.unsqueeze(1)?;
-            // d logprob / d logits = onehot(target) - softmax(logits).
-            let probs = candle_nn::ops::softmax_last_dim(&linear(&h, &weight, None)?)?;
+            let chunk_targets = self.targets.narrow(0, start, len)?;
+            let targets = chunk_targets.unsqueeze(1)?;
+            // d logprob / d logits = onehot(target) - softmax(logits), 0 off the nucleus.
+            let logits = truncated(linear(&h, &weight, None)?, &chunk_targets, self.top_p)?;
+            let probs = candle_nn::ops::softmax_last_dim(&logits)?;
             let grad_logits = probs
                 .broadcast_mul(&g.neg()?)?
                 .scatter_add(&targets, &g, 1)?;
@@ -235,9 +295,9 @@ mod tests {
     fn fused_matches_the_composite_path_in_value_and_gradient() {
         // Chunks of 4, 4 and 3 rows; one chunk of all rows; f32 and f64.
         for dtype in [DType::F32, DType::F64] {
-            let want = run(composite, dtype);
+            let want = run(|h, w, t| composite(h, w, t, 1.0), dtype);
             for chunk_rows in [4, ROWS, 64] {
-                let got = run(|h, w, t| fused(h, w, t, chunk_rows), dtype);
+                let got = run(|h, w, t| fused(h, w, t, chunk_rows, 1.0), dtype);
                 let what = ["logprobs", "entropy", "loss", "grad hidden", "grad weight"];
                 for ((g, w), what) in got.iter().zip(&want).zip(what) {
                     assert_eq!(g.len(), w.len(), "{what}");
@@ -247,11 +307,56 @@ mod tests {
         }
     }
 
+    /// With a nucleus, the fused op still matches the composite in value and gradient, and
+    /// each logprob is the target's under the softmax renormalised over the tokens whose
+    /// cumulative probability (most likely first) first reaches top_p, plus the target.
+    #[test]
+    fn nucleus_logprobs_renormalise_over_the_top_p_set() {
+        let top_p = 0.6;
+        for dtype in [DType::F32, DType::F64] {
+            let want = run(|h, w, t| composite(h, w, t, top_p), dtype);
+            let got = run(|h, w, t| fused(h, w, t, 4, top_p), dtype);
+            for (g, w) in got.iter().zip(&want) {
+                assert_rel_close(g, w, 1e-5, &format!("{dtype:?} nucleus"));
+            }
+        }
+        let (h, w, targets, _) = inputs(DType::F64);
+        let logits = linear(h.as_tensor(), w.as_tensor(), None)
+            .unwrap()
+            .to_vec2::<f64>()
+            .unwrap();
+        let got = fused(h.as_tensor(), w.as_tensor(), &targets, 4, top_p).unwrap();
+        let got = values(&got.logprobs);
+        let targets = targets.to_vec1::<u32>().unwrap();
+        let mut truncated = 0;
+        for (r, row) in logits.iter().enumerate() {
+            let mut order: Vec<usize> = (0..VOCAB).collect();
+            order.sort_by(|&a, &b| row[b].partial_cmp(&row[a]).unwrap());
+            let z: f64 = row.iter().map(|l| l.exp()).sum();
+            let (mut kept, mut mass) = (Vec::new(), 0.0);
+            for &i in &order {
+                kept.push(i);
+                mass += row[i].exp() / z;
+                if mass >= top_p {
+                    break;
+                }
+            }
+            let t = targets[r] as usize;
+            if !kept.contains(&t) {
+                kept.push(t);
+            }
+            truncated += usize::from(kept.len() < VOCAB);
+            let lse = kept.iter().map(|&i| row[i].exp()).sum::<f64>().ln();
+            assert!((got[r] - (row[t] - lse)).abs() < 1e-9, "row {r}");
+        }
+        assert_eq!(truncated, ROWS, "every row's nucleus leaves tokens out");
+    }
+
     #[test]
     fn fused_gradient_matches_finite_differences() {
         let (h, w, targets, coef) = inputs(DType::F64);
         let loss_at = |h: &Tensor, w: &Tensor| {
-            let s = fused(h, w, &targets, 4).unwrap();
+            let s = fused(h, w, &targets, 4, 1.0).unwrap();
             (&s.logprobs * &coef).unwrap().sum_all().unwrap()
         };
         let grads = loss_at(h.as_tensor(), w.as_tensor()).backward().unwrap();

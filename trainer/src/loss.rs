@@ -43,6 +43,9 @@ pub struct LossConfig {
     /// `softmax(logits / temperature)`, the distribution the engine sampled from.
     #[serde(default = "unit_temperature")]
     pub temperature: f64,
+    /// The rollout's top-p: the learner's logprobs are renormalised over the same nucleus.
+    #[serde(default = "unit_top_p")]
+    pub top_p: f64,
     /// The ratio's denominator: the learner's own logprobs before the update (verl's
     /// recomputed `old_log_prob`) instead of the rollout's.
     #[serde(default)]
@@ -53,6 +56,10 @@ pub struct LossConfig {
 }
 
 fn unit_temperature() -> f64 {
+    1.0
+}
+
+fn unit_top_p() -> f64 {
     1.0
 }
 
@@ -110,9 +117,13 @@ pub fn buffer_loss(
     norm: &Normalisers,
 ) -> Result<BufferLoss> {
     let row = CompletionRows::new(seqs, model.device())?;
-    let stats = row.token_stats(model, cfg.temperature)?;
+    let stats = row.token_stats(model, cfg.temperature, cfg.top_p)?;
     let ref_logprobs = match reference {
-        Some(r) if cfg.beta > 0.0 => Some(row.token_stats(r, cfg.temperature)?.logprobs.detach()),
+        Some(r) if cfg.beta > 0.0 => Some(
+            row.token_stats(r, cfg.temperature, cfg.top_p)?
+                .logprobs
+                .detach(),
+        ),
         _ => None,
     };
     let entropy_sum = stats
@@ -129,7 +140,7 @@ pub fn buffer_loss(
 /// (supervised warm-up on demonstrations).
 pub fn buffer_nll(model: &CausalLm, seqs: &[&TrainSeq]) -> Result<Tensor> {
     let row = CompletionRows::new(seqs, model.device())?;
-    row.token_stats(model, 1.0)?.logprobs.sum_all()?.neg()
+    row.token_stats(model, 1.0, 1.0)?.logprobs.sum_all()?.neg()
 }
 
 /// A packed row and the rows of it whose next token is a completion token.
@@ -162,9 +173,10 @@ impl CompletionRows {
     }
 
     /// Logprobs of the targets and entropies (M,) under `model` at the completion rows, of
-    /// `softmax(logits / temperature)`; the lm-head runs on those rows only. The lm-head is
-    /// linear without a bias, so dividing its input divides the logits.
-    fn token_stats(&self, model: &CausalLm, temperature: f64) -> Result<TokenStats> {
+    /// `softmax(logits / temperature)` over the top-`top_p` nucleus; the lm-head runs on
+    /// those rows only. The lm-head is linear without a bias, so dividing its input divides
+    /// the logits.
+    fn token_stats(&self, model: &CausalLm, temperature: f64, top_p: f64) -> Result<TokenStats> {
         let r = &self.row;
         let hidden = model.forward(&r.input_ids, &r.positions, &mut r.attention())?;
         let rows = hidden.index_select(&self.rows, 0)?;
@@ -173,7 +185,7 @@ impl CompletionRows {
         } else {
             (rows / temperature)?
         };
-        model.token_stats(&rows, &self.targets)
+        model.nucleus_token_stats(&rows, &self.targets, top_p)
     }
 }
 
@@ -374,6 +386,7 @@ mod tests {
                         ratio_level,
                         beta,
                         temperature: 1.0,
+                        top_p: 1.0,
                         recompute_old_logprobs: false,
                         correction: RolloutCorrection::default(),
                     };

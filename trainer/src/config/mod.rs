@@ -448,10 +448,12 @@ fn default_num_eval() -> usize {
 }
 
 impl RunConfig {
-    /// The learner's objective: `[actor]`'s, over logprobs at the rollout's temperature.
+    /// The learner's objective: `[actor]`'s, over logprobs of the distribution the rollout
+    /// sampled from (its temperature and top-p).
     pub fn loss(&self) -> LossConfig {
         LossConfig {
             temperature: f64::from(self.rollout.temperature),
+            top_p: f64::from(self.rollout.top_p),
             correction: self.rollout_correction,
             ..self.actor.loss()
         }
@@ -519,6 +521,7 @@ impl ActorConfig {
             ratio_level: self.ratio_level,
             beta: self.beta,
             temperature: 1.0,
+            top_p: 1.0,
             recompute_old_logprobs: self.recompute_old_logprobs,
             correction: RolloutCorrection::default(),
         }
