@@ -55,6 +55,7 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
         "agree",
         "rollout-qwen2.5-0.5b",
         "rollout-qwen2.5-0.5b-device",
+        "rollout-qwen2.5-0.5b-fused",
         "rollout-smollm2-135m",
         "train",
         "baseline",

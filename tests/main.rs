@@ -14,7 +14,9 @@ mod hostile_files;
 // The generation engine against the contiguous-cache reference.
 // engine.sampling = "device" through the engine, the kernel's host reference drawing.
 mod device_sampling;
+// engine.fused_kernels: candle-nn's fused kernels in the engine.
 mod engine;
+mod fused_kernels;
 // bf16 engine and learner on the CPU: a short run learns.
 mod bf16;
 // The GPU path on a GPU against the CPU (skipped, saying so, without one).

@@ -83,6 +83,9 @@ pub struct RolloutArgs {
     /// its host reference), as `engine.sampling`.
     #[arg(long, default_value = "host", value_parser = parse_sampling)]
     sampling: SamplingPlace,
+    /// candle-nn's fused kernels in the engine, as `engine.fused_kernels`.
+    #[arg(long)]
+    fused_kernels: bool,
     /// Untimed runs of the whole workload first, as a training run's later steps find the
     /// engine: KV pages and buffers already faulted in, caches warm.
     #[arg(long, default_value_t = 1)]
@@ -145,6 +148,7 @@ fn rollout(args: RolloutArgs) -> anyhow::Result<()> {
     let cfg = EngineConfig {
         block_size: args.block_size,
         sampling: args.sampling,
+        fused_kernels: args.fused_kernels,
         max_num_seqs: (args.prompts * args.samples).max(1),
         ..EngineConfig::default()
     };
@@ -189,6 +193,7 @@ fn rollout(args: RolloutArgs) -> anyhow::Result<()> {
         "compute_limit_tokens_per_s": limit_tokens_per_s,
         "fraction_of_compute_limit": tokens_per_s / limit_tokens_per_s,
         "sampling": args.sampling,
+        "fused_kernels": args.fused_kernels,
         "iteration": iteration_cost(iterations, &cost),
     });
     if args.json {

@@ -44,6 +44,9 @@ pub struct EngineConfig {
     pub dtype: Option<DType>,
     /// Where tokens are drawn (`engine.sampling`).
     pub sampling: SamplingPlace,
+    /// candle-nn's fused kernels for RMSNorm, rotary embedding, SiLU and the attention
+    /// softmax, where the CPU's own fused ops do not apply (`engine.fused_kernels`).
+    pub fused_kernels: bool,
 }
 
 /// The engine's dtype when none is configured: f32 on the CPU, bf16 on a GPU.
@@ -67,6 +70,7 @@ impl Default for EngineConfig {
             attention: AttentionMode::Auto,
             dtype: None,
             sampling: SamplingPlace::Host,
+            fused_kernels: false,
         }
     }
 }
@@ -188,11 +192,15 @@ impl Engine {
         }));
         let (tx, rx) = mpsc::channel();
         let device_sampling = cfg.sampling == SamplingPlace::Device;
+        let fused_kernels = cfg.fused_kernels;
         let worker = Worker::new(scheduler, runner, policy, stats.clone(), device_sampling);
         let handle = std::thread::Builder::new()
             .name("dppo-engine".into())
             .spawn(move || match dppo_model::streams::enter(&device) {
-                Ok(()) => worker.run(rx),
+                Ok(()) => {
+                    dppo_model::fused::inference::use_on_this_thread(fused_kernels);
+                    worker.run(rx)
+                }
                 Err(e) => tracing::error!("the engine thread cannot use {device:?}: {e}"),
             })
             .map_err(|e| {

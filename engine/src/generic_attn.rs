@@ -6,7 +6,8 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 use dppo_model::attention::repeat_kv;
-use dppo_model::ops::{at_least_f32, softmax_last_dim};
+use dppo_model::fused::inference::softmax_last_dim;
+use dppo_model::ops::at_least_f32;
 use dppo_model::AttentionBackend;
 
 use crate::kv_pool::BlockCopy;

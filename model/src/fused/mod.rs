@@ -10,6 +10,7 @@
 //! so a row's result does not depend on the batch.
 
 mod add;
+pub mod inference;
 mod rope;
 mod rows;
 mod silu_mul;

@@ -18,6 +18,8 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         };
         x.contiguous()?
             .apply_op3(&cos.contiguous()?, &sin.contiguous()?, op)
+    } else if super::inference::applies(&[x, cos, sin]) {
+        super::inference::rope(x, cos, sin)
     } else {
         crate::ops::rope(x, cos, sin)
     }

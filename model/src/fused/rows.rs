@@ -10,6 +10,8 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     if applies(&[x, weight]) {
         x.contiguous()?
             .apply_op2(&weight.contiguous()?, RmsNorm { eps })
+    } else if super::inference::applies(&[x, weight]) {
+        super::inference::rms_norm(x, weight, eps)
     } else {
         crate::ops::rms_norm(x, weight, eps)
     }

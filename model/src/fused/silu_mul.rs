@@ -11,6 +11,8 @@ use crate::ops::silu;
 pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     if applies(&[gate, up]) {
         gate.contiguous()?.apply_op2(&up.contiguous()?, SiluMul)
+    } else if super::inference::applies(&[gate, up]) {
+        super::inference::silu_mul(gate, up)
     } else {
         silu(gate)? * up
     }

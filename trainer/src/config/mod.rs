@@ -399,6 +399,9 @@ pub struct EngineSettings {
     /// Where tokens are drawn: `host`, or `device` (a GPU kernel where the sampling options
     /// allow; on the CPU its host reference).
     pub sampling: SamplingPlace,
+    /// candle-nn's fused kernels for RMSNorm, rotary embedding, SiLU and the attention
+    /// softmax in the engine (off until checked on a GPU).
+    pub fused_kernels: bool,
 }
 
 impl Default for EngineSettings {
@@ -408,6 +411,7 @@ impl Default for EngineSettings {
             attention: AttentionMode::Auto,
             dtype: DtypeChoice::Auto,
             sampling: SamplingPlace::Host,
+            fused_kernels: false,
         }
     }
 }

@@ -50,6 +50,7 @@ pub(super) fn engine_config(
         attention: cfg.engine.attention,
         dtype: Some(cfg.engine.dtype.resolve(device)),
         sampling: cfg.engine.sampling,
+        fused_kernels: cfg.engine.fused_kernels,
         ..EngineConfig::default()
     };
     if let Some((free, total)) = dppo_model::device::memory_info(device)? {

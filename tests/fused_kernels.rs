@@ -1,0 +1,53 @@
+//! `engine.fused_kernels`: candle-nn's fused RMSNorm, rotary embedding, SiLU and softmax in
+//! the engine. On the CPU they run where dppo's own fused f32 ops do not (bf16, and the
+//! generic attention's softmax), with the same numbers as the composites they replace.
+
+use candle_core::{DType, Device};
+use dppo_engine::{AttentionMode, Engine, EngineConfig};
+
+use crate::engine::{
+    assert_bf16_agrees_with_f32, assert_matches_reference, config, policy, reference, run,
+    smollm2_requests, workload,
+};
+
+/// f32 through the generic attention (its softmax fused) gives the contiguous reference's
+/// tokens and logprobs within 1e-4, preemption included.
+#[test]
+fn fused_kernels_keep_the_f32_reference() {
+    let policy = policy();
+    let reqs = workload(8, 2, policy.config.vocab_size);
+    let want = reference(&policy, &reqs);
+    for (block_size, kv) in [(16, 4096), (4, 64)] {
+        let cfg = EngineConfig {
+            fused_kernels: true,
+            ..config(block_size, kv, AttentionMode::Generic)
+        };
+        let engine = Engine::new(&policy, cfg, Device::Cpu).unwrap();
+        assert_matches_reference(&run(&engine, &reqs), &want, &format!("block {block_size}"));
+    }
+}
+
+/// SmolLM2 in bf16 with every kernel fused (the GPU's path: RMSNorm, rope, SiLU and the
+/// softmax all through candle-nn) agrees with f32 as the composites do.
+#[test]
+fn smollm2_bf16_with_fused_kernels_agrees_with_f32() {
+    let (policy, reqs) = smollm2_requests(1, 16);
+    let generate = |dtype, fused_kernels| {
+        let cfg = EngineConfig {
+            dtype: Some(dtype),
+            fused_kernels,
+            ..config(16, 1024, AttentionMode::Auto)
+        };
+        run(&Engine::new(&policy, cfg, Device::Cpu).unwrap(), &reqs)
+    };
+    let fused = generate(DType::BF16, true);
+    assert_bf16_agrees_with_f32(&generate(DType::F32, false), &fused);
+    // The kernels did run: bf16 rounds differently through them (candle-nn's RMSNorm
+    // scales by its weight before rounding, the composite after).
+    let logprobs = |out: &[Vec<dppo_engine::Completion>]| -> Vec<u32> {
+        out.iter()
+            .flat_map(|c| c[0].logprobs.iter().map(|l| l.to_bits()))
+            .collect()
+    };
+    assert_ne!(logprobs(&fused), logprobs(&generate(DType::BF16, false)));
+}
