@@ -49,6 +49,8 @@ mod resume;
 mod ranks;
 // The shipped configs.
 mod configs;
+// Datasets in the formats people have: verl's schema.
+mod datasets;
 // Models named by Hugging Face id, from a local hub cache.
 mod hub;
 // The repository itself: self-contained, nothing outside the checkout.

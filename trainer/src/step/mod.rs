@@ -134,6 +134,13 @@ impl Trainer {
         collective: Arc<dyn Collective>,
     ) -> Result<Self, TrainError> {
         let learner_cfg = setup::learner_config(&cfg, device);
+        if cfg.warmup.steps > 0 && !train.iter().any(|p| p.solution.is_some()) {
+            return Err(crate::data::DataError::NoDemonstrations {
+                data: cfg.data.train.clone(),
+                steps: cfg.warmup.steps,
+            }
+            .into());
+        }
         let prompts = Prompts::new(&cfg, &policy.tokenizer, train)?;
         let eval = EvalSet::new(&policy.tokenizer, eval)?;
         let longest = prompts.longest().max(eval.longest_prompt());

@@ -8,7 +8,11 @@ use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
 use dppo_model::{ChatMessage, TextTokenizer};
 
 use crate::config::DataConfig;
-use dppo_rewards::{parse_gold, Answer, ExtractMode};
+use dppo_rewards::{Answer, ExtractMode};
+
+mod jsonl;
+
+pub use jsonl::load_jsonl;
 
 /// One prompt with its gold answer.
 #[derive(Debug, Clone, PartialEq)]
@@ -16,7 +20,11 @@ pub struct Problem {
     /// Stable id (the line number for files, the index for built-in tasks), used by the
     /// prompt history.
     pub prompt_id: u64,
+    /// The question; for a chat prompt, its last user message.
     pub question: String,
+    /// The whole prompt as chat messages (system, user, ...), when the data gives one
+    /// (verl's `prompt`); `None`: the question as one user message.
+    pub messages: Option<Vec<ChatMessage>>,
     pub answer: Answer,
     /// A worked solution, when the source has one (supervised warm-up).
     pub solution: Option<String>,
@@ -40,6 +48,13 @@ pub enum DataError {
     UnknownTask(String),
     #[error("data.eval: a held-out JSONL file is required with a JSONL train set")]
     NoEvalSet,
+    /// A supervised warm-up asked of data without worked solutions.
+    #[error(
+        "warmup.steps = {steps} trains on demonstrations, and {data} has none (no answer \
+         field holds a worked solution ending in `#### answer`): set warmup.steps = 0, or \
+         add solutions"
+    )]
+    NoDemonstrations { data: String, steps: u64 },
 }
 
 /// Which JSON fields hold the question and the answer.
@@ -65,54 +80,27 @@ pub fn prompt_ids(
     }
 }
 
-/// [`prompt_ids`] of every problem, in order: tokenized once, at start-up.
+/// [`prompt_ids`] of every problem, in order: tokenized once, at start-up. A chat prompt
+/// goes through the chat template whole; without a template its messages' contents are
+/// joined by blank lines.
 pub fn problem_prompts(
     tokenizer: &TextTokenizer,
     problems: &[Problem],
 ) -> Result<Vec<Vec<u32>>, dppo_model::ModelError> {
     problems
         .iter()
-        .map(|p| prompt_ids(tokenizer, &p.question))
-        .collect()
-}
-
-/// Reads a JSONL file; every line must be an object with both fields and a parseable answer.
-pub fn load_jsonl(path: &Path, fields: &Fields) -> Result<Vec<Problem>, DataError> {
-    let text = std::fs::read_to_string(path).map_err(|source| DataError::Io {
-        path: path.display().to_string(),
-        source,
-    })?;
-    let mut problems = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let bad = |reason: String| DataError::Line {
-            path: path.display().to_string(),
-            line: i + 1,
-            reason,
-        };
-        let row: serde_json::Value =
-            serde_json::from_str(line).map_err(|e| bad(format!("not valid JSON: {e}")))?;
-        let field = |name: &str| -> Result<String, DataError> {
-            match row.get(name) {
-                Some(serde_json::Value::String(s)) => Ok(s.clone()),
-                Some(v @ serde_json::Value::Number(_)) => Ok(v.to_string()),
-                Some(other) => Err(bad(format!("field {name:?} is not a string: {other}"))),
-                None => Err(bad(format!("missing field {name:?}"))),
+        .map(|p| match (&p.messages, tokenizer.chat_template()) {
+            (None, _) => prompt_ids(tokenizer, &p.question),
+            (Some(messages), Some(_)) => {
+                let text = tokenizer.apply_chat_template(messages, true)?;
+                tokenizer.encode(&text, false)
             }
-        };
-        let question = field(&fields.question)?;
-        let raw_answer = field(&fields.answer)?;
-        let answer = parse_gold(&raw_answer).map_err(|e| bad(e.to_string()))?;
-        problems.push(Problem {
-            prompt_id: i as u64,
-            question,
-            answer,
-            solution: raw_answer.contains("####").then_some(raw_answer),
-        });
-    }
-    Ok(problems)
+            (Some(messages), None) => {
+                let contents: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
+                tokenizer.encode(&contents.join("\n\n"), true)
+            }
+        })
+        .collect()
 }
 
 /// A run's training and held-out problems (`[data]`; a built-in task is drawn with `seed`),
@@ -192,6 +180,7 @@ fn arithmetic(num_train: usize, num_eval: usize, seed: u64) -> (Vec<Problem>, Ve
             out.push(Problem {
                 prompt_id: offset + out.len() as u64,
                 question: format!("What is {a}{op}{b}?"),
+                messages: None,
                 answer: Answer::parse(&c.to_string()),
                 solution: Some(format!("Answer: {c}")),
             });
@@ -338,63 +327,5 @@ mod tests {
         data.eval = Some(data.train.clone());
         let (train, eval) = run_problems(&data, 3).unwrap();
         assert_eq!(eval[..], train[..10], "the held-out file, cut to num_eval");
-    }
-
-    #[test]
-    fn broken_lines_name_file_and_line() {
-        let dir = std::env::temp_dir().join(format!("dppo-data-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let fields = Fields {
-            question: "question".into(),
-            answer: "answer".into(),
-        };
-        let cases = [
-            (
-                "{\"question\": \"q\", \"answer\": \"#### 4\"}\n{oops\n",
-                "bad.jsonl:2: not valid JSON",
-            ),
-            (
-                "{\"question\": \"q\"}\n",
-                "ok.jsonl:1: missing field \"answer\"",
-            ),
-            (
-                "{\"question\": \"q\", \"answer\": \"\"}\n",
-                "ok.jsonl:1: unparseable gold answer",
-            ),
-        ];
-        for (i, (content, want)) in cases.iter().enumerate() {
-            let name = if i == 0 { "bad.jsonl" } else { "ok.jsonl" };
-            let path = dir.join(name);
-            std::fs::write(&path, content).unwrap();
-            let err = load_jsonl(&path, &fields).unwrap_err().to_string();
-            assert!(err.contains(want), "{err} lacks {want}");
-        }
-        let path = dir.join("good.jsonl");
-        std::fs::write(
-            &path,
-            "{\"question\": \"2+2?\", \"answer\": \"So 4.\\n#### 4\"}\n\n",
-        )
-        .unwrap();
-        let problems = load_jsonl(&path, &fields).unwrap();
-        assert_eq!(problems.len(), 1);
-        let verdict = verify(
-            "\\boxed{4}",
-            false,
-            &problems[0].answer,
-            ExtractMode::Strict,
-        );
-        assert!(verdict.is_correct);
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn the_real_gsm8k_train_file_loads() {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/gsm8k/train.jsonl");
-        let fields = Fields {
-            question: "question".into(),
-            answer: "answer".into(),
-        };
-        let problems = load_jsonl(&path, &fields).unwrap();
-        assert_eq!(problems.len(), 7473);
     }
 }

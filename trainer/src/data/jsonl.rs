@@ -1,0 +1,186 @@
+//! JSONL prompt files. Each field is a dotted path into the row (`reward_model.ground_truth`),
+//! so verl's schema reads as it is: `data.question_field = "prompt"` (a list of chat
+//! messages) and `data.answer_field = "reward_model.ground_truth"`. A question may be a
+//! string or a list of `{role, content}` messages; an answer a string or a number.
+
+use std::path::Path;
+
+use dppo_model::ChatMessage;
+use dppo_rewards::parse_gold;
+use serde_json::Value;
+
+use super::{DataError, Fields, Problem};
+
+/// Roles a chat prompt may use.
+const ROLES: [&str; 3] = ["system", "user", "assistant"];
+
+/// Reads a JSONL file; every line must be an object with both fields and a parseable answer.
+pub fn load_jsonl(path: &Path, fields: &Fields) -> Result<Vec<Problem>, DataError> {
+    let text = std::fs::read_to_string(path).map_err(|source| DataError::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
+    let mut problems = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let bad = |reason: String| DataError::Line {
+            path: path.display().to_string(),
+            line: i + 1,
+            reason,
+        };
+        let row: Value =
+            serde_json::from_str(line).map_err(|e| bad(format!("not valid JSON: {e}")))?;
+        let (question, messages) = match at(&row, &fields.question) {
+            Some(Value::Array(items)) => {
+                let messages =
+                    chat(items).map_err(|e| bad(format!("field {:?}: {e}", fields.question)))?;
+                let last_user = messages.iter().rev().find(|m| m.role == "user");
+                let question = last_user.map(|m| m.content.clone()).ok_or_else(|| {
+                    bad(format!("field {:?} has no user message", fields.question))
+                })?;
+                (question, Some(messages))
+            }
+            other => (scalar(other, &fields.question).map_err(bad)?, None),
+        };
+        let raw_answer = scalar(at(&row, &fields.answer), &fields.answer).map_err(bad)?;
+        let answer = parse_gold(&raw_answer).map_err(|e| bad(e.to_string()))?;
+        problems.push(Problem {
+            prompt_id: i as u64,
+            question,
+            messages,
+            answer,
+            solution: raw_answer.contains("####").then_some(raw_answer),
+        });
+    }
+    Ok(problems)
+}
+
+/// The value at dotted `path` in `row`.
+fn at<'a>(row: &'a Value, path: &str) -> Option<&'a Value> {
+    path.split('.').try_fold(row, |v, key| v.get(key))
+}
+
+/// A string or a number at `name`, as text.
+fn scalar(value: Option<&Value>, name: &str) -> Result<String, String> {
+    match value {
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(v @ Value::Number(_)) => Ok(v.to_string()),
+        Some(other) => Err(format!("field {name:?} is not a string: {other}")),
+        None => Err(format!("missing field {name:?}")),
+    }
+}
+
+/// Chat messages from a JSON list of `{role, content}` objects.
+fn chat(items: &[Value]) -> Result<Vec<ChatMessage>, String> {
+    if items.is_empty() {
+        return Err("an empty list of messages".into());
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(k, item)| {
+            let text = |key: &str| match item.get(key) {
+                Some(Value::String(s)) => Ok(s.as_str()),
+                _ => Err(format!("message {k} has no string {key:?}")),
+            };
+            let role = text("role")?;
+            if !ROLES.contains(&role) {
+                return Err(format!(
+                    "message {k} has role {role:?}, not one of {ROLES:?}"
+                ));
+            }
+            Ok(ChatMessage::new(role, text("content")?))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dppo_rewards::{verify, ExtractMode};
+
+    fn fields(question: &str, answer: &str) -> Fields {
+        Fields {
+            question: question.into(),
+            answer: answer.into(),
+        }
+    }
+
+    fn write(dir: &tempfile::TempDir, name: &str, content: &str) -> std::path::PathBuf {
+        let path = dir.path().join(name);
+        std::fs::write(&path, content).unwrap();
+        path
+    }
+
+    #[test]
+    fn broken_lines_name_file_and_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let plain = fields("question", "answer");
+        let verl = fields("prompt", "reward_model.ground_truth");
+        let cases = [
+            ("{\"question\": \"q\", \"answer\": \"#### 4\"}\n{oops\n", &plain, "bad.jsonl:2: not valid JSON"),
+            ("{\"question\": \"q\"}\n", &plain, "ok.jsonl:1: missing field \"answer\""),
+            ("{\"question\": \"q\", \"answer\": \"\"}\n", &plain, "ok.jsonl:1: unparseable gold answer"),
+            ("{\"prompt\": [], \"reward_model\": {\"ground_truth\": \"4\"}}\n", &verl, "ok.jsonl:1: field \"prompt\": an empty list"),
+            ("{\"prompt\": [{\"role\": \"robot\", \"content\": \"x\"}], \"reward_model\": {\"ground_truth\": \"4\"}}\n", &verl, "message 0 has role \"robot\""),
+            ("{\"prompt\": [{\"role\": \"system\", \"content\": \"x\"}], \"reward_model\": {\"ground_truth\": \"4\"}}\n", &verl, "has no user message"),
+            ("{\"prompt\": [{\"role\": \"user\", \"content\": \"x\"}], \"reward_model\": {}}\n", &verl, "missing field \"reward_model.ground_truth\""),
+        ];
+        for (i, (content, fields, want)) in cases.iter().enumerate() {
+            let path = write(&dir, if i == 0 { "bad.jsonl" } else { "ok.jsonl" }, content);
+            let err = load_jsonl(&path, fields).unwrap_err().to_string();
+            assert!(err.contains(want), "{err} lacks {want}");
+        }
+        let path = write(
+            &dir,
+            "good.jsonl",
+            "{\"question\": \"2+2?\", \"answer\": \"So 4.\\n#### 4\"}\n\n",
+        );
+        let problems = load_jsonl(&path, &plain).unwrap();
+        assert_eq!(problems.len(), 1);
+        assert!(problems[0].messages.is_none());
+        let verdict = verify(
+            "\\boxed{4}",
+            false,
+            &problems[0].answer,
+            ExtractMode::Strict,
+        );
+        assert!(verdict.is_correct);
+    }
+
+    /// verl's schema: chat messages in `prompt`, the answer nested in `reward_model`.
+    #[test]
+    fn verl_rows_read_as_they_are() {
+        let dir = tempfile::tempdir().unwrap();
+        let row = serde_json::json!({
+            "data_source": "openai/gsm8k",
+            "prompt": [
+                {"role": "system", "content": "Think step by step."},
+                {"role": "user", "content": "What is 6*7?"}
+            ],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": 42},
+            "extra_info": {"index": 0}
+        });
+        let path = write(&dir, "verl.jsonl", &format!("{row}\n"));
+        let problems = load_jsonl(&path, &fields("prompt", "reward_model.ground_truth")).unwrap();
+        let p = &problems[0];
+        assert_eq!(p.question, "What is 6*7?");
+        let messages = p.messages.as_ref().unwrap();
+        assert_eq!(messages.len(), 2);
+        assert_eq!(
+            (messages[0].role.as_str(), messages[0].content.as_str()),
+            ("system", "Think step by step.")
+        );
+        assert!(verify("\\boxed{42}", false, &p.answer, ExtractMode::Strict).is_correct);
+    }
+
+    #[test]
+    fn the_real_gsm8k_train_file_loads() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/gsm8k/train.jsonl");
+        let problems = load_jsonl(&path, &fields("question", "answer")).unwrap();
+        assert_eq!(problems.len(), 7473);
+    }
+}
