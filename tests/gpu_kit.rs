@@ -56,6 +56,7 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
         "rollout-qwen2.5-0.5b",
         "rollout-qwen2.5-0.5b-device",
         "rollout-qwen2.5-0.5b-fused",
+        "rollout-qwen2.5-0.5b-full",
         "rollout-smollm2-135m",
         "train",
         "baseline",
