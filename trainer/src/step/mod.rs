@@ -134,7 +134,9 @@ impl Trainer {
         collective: Arc<dyn Collective>,
     ) -> Result<Self, TrainError> {
         let learner_cfg = setup::learner_config(&cfg, device);
-        if cfg.warmup.steps > 0 && !train.iter().any(|p| p.solution.is_some()) {
+        // (An empty set is Prompts::new's error.)
+        let no_demos = !train.is_empty() && !train.iter().any(|p| p.solution.is_some());
+        if cfg.warmup.steps > 0 && no_demos {
             return Err(crate::data::DataError::NoDemonstrations {
                 data: cfg.data.train.clone(),
                 steps: cfg.warmup.steps,
