@@ -3,7 +3,7 @@
 
 use serde_json::json;
 
-use crate::util::run_dppo;
+use crate::util::{metrics_lines, run_with_sets};
 
 /// Writes `n` verl rows of two-digit sums (system and user messages, the answer nested in
 /// `reward_model`) to `path`.
@@ -36,32 +36,26 @@ fn a_verl_jsonl_file_trains_and_a_warm_up_without_demonstrations_is_refused() {
     );
     verl_file(&train, 48, 0);
     verl_file(&eval, 16, 1000);
-    let data = [
+    let (train_set, eval_set) = (
         format!("data.train={}", train.display()),
         format!("data.eval={}", eval.display()),
-        "data.question_field=prompt".to_string(),
-        "data.answer_field=reward_model.ground_truth".to_string(),
-        "data.num_eval=16".to_string(),
-        "steps=2".to_string(),
-    ];
+    );
     let run = |extra: &[&str], out: &str| {
-        let mut args = vec!["run".to_string()];
-        for set in data.iter().map(String::as_str).chain(extra.iter().copied()) {
-            args.push("--set".into());
-            args.push(set.into());
-        }
-        args.extend(["--out".into(), dir.path().join(out).display().to_string()]);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        run_dppo(&args)
+        let mut sets = vec![
+            train_set.as_str(),
+            eval_set.as_str(),
+            "data.question_field=prompt",
+            "data.answer_field=reward_model.ground_truth",
+            "data.num_eval=16",
+            "steps=2",
+        ];
+        sets.extend_from_slice(extra);
+        run_with_sets(&sets, &dir.path().join(out))
     };
     let (code, stdout, stderr) = run(&["warmup.steps=0"], "ok");
     assert_eq!(code, Some(0), "{stdout}\n{stderr}");
-    let lines = std::fs::read_to_string(dir.path().join("ok/metrics.jsonl")).unwrap();
-    assert_eq!(
-        lines.lines().filter(|l| l.contains("\"step\"")).count(),
-        2,
-        "{lines}"
-    );
+    let steps = metrics_lines(&dir.path().join("ok"));
+    assert_eq!(steps.iter().filter(|l| l.get("step").is_some()).count(), 2);
     let (code, _, stderr) = run(&[], "refused");
     assert_ne!(code, Some(0));
     assert!(

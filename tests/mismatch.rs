@@ -8,7 +8,7 @@ use dppo_trainer::learner::LearnerConfig;
 use dppo_trainer::loss::{buffer_loss, Normalisers, TrainSeq};
 use serde_json::Value;
 
-use crate::util::{random_weights, run_dppo, small_config};
+use crate::util::{metrics_lines, random_weights, run_with_sets, small_config};
 
 /// Completion-token logprobs of `ids` (prompt of `p` tokens) under softmax(logits / t),
 /// the sequence run alone through the contiguous attention.
@@ -80,31 +80,23 @@ fn the_learner_computes_logprobs_at_the_rollout_temperature() {
 fn a_run_logs_the_mismatch_and_response_lengths() {
     let out = tempfile::tempdir().unwrap();
     let dir = out.path().join("run");
-    let (code, stdout, stderr) = run_dppo(&[
-        "run",
-        "--set",
-        "steps=2",
-        "--set",
-        "warmup.steps=100",
-        "--set",
-        "data.num_eval=20",
-        "--set",
-        "rollout.one_step_off_policy=false",
-        "--set",
-        "rollout.temperature=0.7",
-        "--set",
-        "rollout.top_p=0.9",
-        "--out",
-        dir.to_str().unwrap(),
-    ]);
+    let (code, stdout, stderr) = run_with_sets(
+        &[
+            "steps=2",
+            "warmup.steps=100",
+            "data.num_eval=20",
+            "rollout.one_step_off_policy=false",
+            "rollout.temperature=0.7",
+            "rollout.top_p=0.9",
+        ],
+        &dir,
+    );
     assert_eq!(code, Some(0), "{stdout}\n{stderr}");
-    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
-    let steps: Vec<Value> = text
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .filter(|v: &Value| v.get("step").is_some() && v.get("reward/mean").is_some())
+    let steps: Vec<Value> = metrics_lines(&dir)
+        .into_iter()
+        .filter(|v| v.get("step").is_some() && v.get("reward/mean").is_some())
         .collect();
-    assert_eq!(steps.len(), 2, "{text}");
+    assert_eq!(steps.len(), 2, "{steps:?}");
     let first = &steps[0];
     for key in [
         "response_length/mean",
@@ -204,31 +196,23 @@ fn corrections_weigh_the_gradient_as_computed_by_hand() {
 fn a_corrected_run_logs_its_weights() {
     let out = tempfile::tempdir().unwrap();
     let dir = out.path().join("run");
-    let (code, stdout, stderr) = run_dppo(&[
-        "run",
-        "--set",
-        "steps=2",
-        "--set",
-        "warmup.steps=100",
-        "--set",
-        "data.num_eval=20",
-        "--set",
-        "actor.recompute_old_logprobs=true",
-        "--set",
-        "rollout_correction.rollout_is=token",
-        "--set",
-        "rollout_correction.rollout_rs=token",
-        "--out",
-        dir.to_str().unwrap(),
-    ]);
+    let (code, stdout, stderr) = run_with_sets(
+        &[
+            "steps=2",
+            "warmup.steps=100",
+            "data.num_eval=20",
+            "actor.recompute_old_logprobs=true",
+            "rollout_correction.rollout_is=token",
+            "rollout_correction.rollout_rs=token",
+        ],
+        &dir,
+    );
     assert_eq!(code, Some(0), "{stdout}\n{stderr}");
-    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
-    let trained: Vec<Value> = text
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .filter(|v: &Value| v.get("rollout_corr/is_weight_mean").is_some())
+    let trained: Vec<Value> = metrics_lines(&dir)
+        .into_iter()
+        .filter(|v| v.get("rollout_corr/is_weight_mean").is_some())
         .collect();
-    assert!(!trained.is_empty(), "{text}");
+    assert!(!trained.is_empty(), "no corrected step");
     for step in &trained {
         // One step off-policy the learner is one update ahead of the rollout.
         let mean = step["rollout_corr/is_weight_mean"].as_f64().unwrap();

@@ -1,6 +1,6 @@
 //! Shared helpers: `assert_close!`, fixture paths, small random models.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 use dppo_model::{Arch, ModelConfig, Policy, Weights};
@@ -47,6 +47,26 @@ pub fn run_dppo(args: &[&str]) -> (Option<i32>, String, String) {
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// `dppo run --set S ... --out out`: the exit code, stdout and stderr.
+pub fn run_with_sets(sets: &[&str], out: &Path) -> (Option<i32>, String, String) {
+    let mut args = vec!["run".to_string()];
+    for set in sets {
+        args.extend(["--set".to_string(), set.to_string()]);
+    }
+    args.extend(["--out".to_string(), out.display().to_string()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    run_dppo(&args)
+}
+
+/// The metrics lines of the run in `out`.
+pub fn metrics_lines(out: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
 }
 
 /// A committed fixture file or directory.

@@ -342,7 +342,9 @@ impl Worker {
         }
         let rows = logits.rows().expect("a plan with draws has logits");
         let drawn = device_sample::sample(rows, &draws)?;
-        cost.h2d_bytes += (20 * draws.len()) as u64;
+        // Per draw: its row, key and counters, inverse temperature up; token and two
+        // logprobs down.
+        cost.h2d_bytes += (24 * draws.len()) as u64;
         cost.d2h_bytes += (12 * draws.len()) as u64;
         let mut sampled = vec![Vec::new(); plan.seqs.len()];
         for ((p, model_logprobs), d) in owners.into_iter().zip(drawn) {
