@@ -79,6 +79,15 @@ fn dppo_config_prints_the_effective_config_and_its_errors() {
     let cfg = RunConfig::from_toml(&printed, "dppo config", &[]).unwrap();
     assert_eq!((cfg.steps, cfg.dppo.r_o), (7, 0.7));
     assert!(printed.contains("# Samples per prompt (G)."), "{printed}");
+    // A design that is only approximately unbiased says so first, and still parses.
+    let (code, printed, stderr) =
+        crate::util::run_dppo(&["config", "--set", "actor.loss_agg=token-mean"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(
+        printed.starts_with("# Note: actor.loss_agg = \"token-mean\" with prompt pruning"),
+        "{printed}"
+    );
+    RunConfig::from_toml(&printed, "dppo config", &[]).unwrap();
     let (code, _, err) =
         crate::util::run_dppo(&["config", "--config", mine, "--set", "dppo.r_o=2"]);
     assert_eq!(code, Some(2), "{err}");

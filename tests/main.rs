@@ -12,10 +12,10 @@ mod model_files;
 // Truncated, bit-flipped and lying model files: errors, never crashes.
 mod hostile_files;
 // The generation engine against the contiguous-cache reference.
+mod engine;
 // engine.sampling = "device" through the engine, the kernel's host reference drawing.
 mod device_sampling;
 // engine.fused_kernels: candle-nn's fused kernels in the engine.
-mod engine;
 mod fused_kernels;
 // bf16 engine and learner on the CPU: a short run learns.
 mod bf16;
@@ -51,6 +51,8 @@ mod ranks;
 mod configs;
 // Datasets in the formats people have: verl's schema.
 mod datasets;
+// External rewards: the example server and script, failures, concurrency, a dying process.
+mod rewards;
 // Models named by Hugging Face id, from a local hub cache.
 mod hub;
 // The repository itself: self-contained, nothing outside the checkout.

@@ -13,6 +13,7 @@ use dppo_model::Policy;
 use dppo_trainer::checkpoint;
 use dppo_trainer::config::RunConfig;
 use dppo_trainer::data::run_problems;
+use dppo_trainer::loss::LossAgg;
 use dppo_trainer::step::Trainer;
 use serde_json::{Map, Value};
 
@@ -35,9 +36,11 @@ fn a_checkpoint_of_commit_5c72f55_resumes_to_that_runs_metrics() {
     checkpoint::verify(&ckpt).unwrap();
     let text = std::fs::read_to_string(ckpt.join(checkpoint::CONFIG)).unwrap();
     let cfg = RunConfig::from_toml(&text, "the fixture's config.toml", &[]).unwrap();
+    // Written when token-mean was the default: the checkpoint keeps its own aggregation.
+    assert_eq!(cfg.actor.loss_agg, LossAgg::TokenMean);
     let model = ckpt.join(checkpoint::MODEL_DIR);
     let policy = Policy::load(model.to_str().unwrap(), &Device::Cpu).unwrap();
-    let (train, eval) = run_problems(&cfg.data, cfg.seed).unwrap();
+    let (train, eval) = run_problems(&cfg.data, cfg.seed, true).unwrap();
     let mut trainer = Trainer::new(cfg, &policy, &Device::Cpu, train, eval).unwrap();
     let state = trainer.restore(&ckpt).unwrap();
     assert_eq!((state.step, trainer.step), (2, 2));

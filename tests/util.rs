@@ -37,9 +37,15 @@ pub fn repo_root() -> PathBuf {
 /// Runs the `dppo` binary with `args` (`RUST_LOG=warn`) to its end; returns its exit code,
 /// stdout and stderr.
 pub fn run_dppo(args: &[&str]) -> (Option<i32>, String, String) {
+    run_dppo_env(args, &[])
+}
+
+/// [`run_dppo`] with environment variables `env` set for it.
+pub fn run_dppo_env(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String, String) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_dppo"))
         .args(args)
         .env("RUST_LOG", "warn")
+        .envs(env.iter().copied())
         .output()
         .expect("run dppo");
     (

@@ -41,6 +41,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         return Ok(());
     }
     let cfg = args.given.load()?;
+    if let Some(note) = cfg.bias_note() {
+        println!("# Note: {note}.\n");
+    }
     print!("{}", keys::annotated_toml(&cfg).trim_start());
     Ok(())
 }

@@ -1,5 +1,5 @@
-//! `dppo eval`: accuracy of a model on a held-out set: avg@n and unbiased pass@k, greedy or
-//! sampled, through the paged engine.
+//! `dppo eval`: a model's score on a held-out set: avg@n and unbiased pass@k, greedy or
+//! sampled, through the paged engine, scored by the verifier or by a run config's reward.
 
 use anyhow::Context;
 use dppo_engine::{Engine, EngineConfig, SamplingParams};
@@ -9,6 +9,7 @@ use dppo_rewards::{rule_name, ExtractMode};
 use dppo_trainer::config::RunConfig;
 use dppo_trainer::data::{default_extract_mode, held_out, Fields, Problem};
 use dppo_trainer::eval::{evaluate, EvalSet, EvalSpec, Graded};
+use dppo_trainer::reward::Scorer;
 use serde_json::json;
 use std::path::{Path, PathBuf};
 
@@ -59,15 +60,31 @@ pub struct Args {
     /// for built-in tasks, strict for JSONL files).
     #[arg(long)]
     extract: Option<ExtractMode>,
+    /// Score with this run config's `[reward]` (an external reward, `reward.url` or
+    /// `reward.command`, or the verifier's settings), as training would.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Override a key of that config (or of the built-in default), e.g.
+    /// `--set 'reward.command=["python3", "my_reward.py"]'` (repeatable).
+    #[arg(long = "set")]
+    sets: Vec<String>,
 }
 
 /// Evaluates and prints one JSON object.
 pub fn run(args: Args) -> anyhow::Result<()> {
     let device = args.device.open()?;
     let policy = super::load_policy(&args.model, args.revision.as_deref(), &device)?;
+    let cfg = RunConfig::load(args.config.as_deref(), &args.sets)?;
+    let mut reward_spec = dppo_trainer::reward::spec(&cfg);
+    reward_spec.mode = args
+        .extract
+        .or(cfg.reward.verifier.extract)
+        .unwrap_or_else(|| default_extract_mode(&args.data));
+    let scorer = Scorer::new(&cfg.reward, reward_spec).map_err(anyhow::Error::msg)?;
     let fields = Fields {
         question: args.question_field.clone(),
         answer: args.answer_field.clone(),
+        verify: !scorer.is_external(),
     };
     // A built-in task's held-out split is as large as the built-in default's.
     let num_eval = RunConfig::default_with(&[])?.data.num_eval;
@@ -90,12 +107,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         n: args.n,
         k: args.k,
         max_tokens: args.max_tokens,
-        mode: args
-            .extract
-            .unwrap_or_else(|| default_extract_mode(&args.data)),
     };
     let set = EvalSet::new(&policy.tokenizer, problems)?;
-    let (r, samples) = evaluate(&engine, &policy.tokenizer, &set, &spec)?;
+    let (r, samples) = evaluate(&engine, &policy.tokenizer, &set, &spec, &scorer)?;
     if let Some(path) = &args.samples {
         write_samples(path, set.problems(), &samples)
             .with_context(|| format!("writing --samples {}", path.display()))?;
@@ -107,7 +121,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let report = json!({
         "model": args.model,
         "data": args.data,
-        "extract": spec.mode.to_string(),
+        "reward": match (&cfg.reward.url, &cfg.reward.command) {
+            (Some(url), _) => url.clone(),
+            (None, Some(argv)) => argv.join(" "),
+            (None, None) => "verifier".into(),
+        },
+        "extract": reward_spec.mode.to_string(),
         "problems": set.problems().len(),
         "extracted_by": extracted_by,
         format!("avg@{}", r.n): r.avg,
@@ -124,7 +143,10 @@ fn write_samples(path: &Path, problems: &[Problem], samples: &[Vec<Graded>]) -> 
         let line = json!({
             "prompt_id": p.prompt_id,
             "question": p.question,
-            "answer": p.answer.to_string(),
+            "data_source": p.data_source,
+            // The parsed gold answer the verifier checks (`dppo score` reads it), else the
+            // label as the data holds it.
+            "answer": p.answer.as_ref().map_or_else(|| p.label.clone(), |a| json!(a.to_string())),
             "samples": graded
                 .iter()
                 .map(|g| {

@@ -4,15 +4,17 @@ use dppo_engine::{Engine, FinishReason, GenerateRequest, Priority, SamplingParam
 use dppo_model::TextTokenizer;
 
 use crate::data::{problem_prompts, Problem};
+use crate::reward::{RewardItem, Scorer};
 use crate::TrainError;
-use dppo_rewards::{verify, ExtractMode, Rule};
+use dppo_rewards::Rule;
 
 /// Accuracy figures of one evaluation.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct EvalResult {
-    /// Mean reward over all `n` samples of all problems (avg@n; accuracy when n = 1).
+    /// Mean reward over all `n` samples of all problems (avg@n; with the verifier, the
+    /// accuracy when n = 1).
     pub avg: f64,
-    /// Unbiased pass@k averaged over problems.
+    /// Unbiased pass@k averaged over problems (a sample passes with a reward of at least 1).
     pub pass_at_k: f64,
     pub k: usize,
     pub n: usize,
@@ -39,8 +41,6 @@ pub struct EvalSpec {
     /// The k of pass@k (at most n).
     pub k: usize,
     pub max_tokens: usize,
-    /// How final answers are extracted (no overlong penalty: evaluation measures accuracy).
-    pub mode: ExtractMode,
 }
 
 /// One scored sample of an evaluation.
@@ -48,7 +48,7 @@ pub struct EvalSpec {
 pub struct Graded {
     /// The decoded completion.
     pub text: String,
-    /// 1 when correct, else 0.
+    /// The reward without the overlong penalty (the verifier's: 1 when correct, else 0).
     pub reward: f64,
     /// The rule that found the final answer (`None`: no rule found one).
     pub extracted_by: Option<Rule>,
@@ -92,13 +92,15 @@ impl EvalSet {
     }
 }
 
-/// Generates `n` samples per problem and scores them (`tokenizer` decodes the samples);
-/// also returns every problem's samples (in problem order) for inspection.
+/// Generates `n` samples per problem and scores them with `scorer` (no overlong penalty:
+/// evaluation measures the task's score; `tokenizer` decodes the samples); also returns
+/// every problem's samples (in problem order) for inspection.
 pub fn evaluate(
     engine: &Engine,
     tokenizer: &TextTokenizer,
     set: &EvalSet,
     spec: &EvalSpec,
+    scorer: &Scorer,
 ) -> Result<(EvalResult, Vec<Vec<Graded>>), TrainError> {
     let reqs = set
         .prompts
@@ -114,22 +116,36 @@ pub fn evaluate(
     let outs = engine.generate(reqs)?;
     let (mut total, mut pass) = (0.0, 0.0);
     let mut samples = Vec::with_capacity(set.problems.len());
-    for (p, completions) in set.problems.iter().zip(outs) {
-        let graded = completions
+    for ((p, ids), completions) in set.problems.iter().zip(&set.prompts).zip(outs) {
+        let prompt = match scorer.is_external() {
+            true => tokenizer.decode(ids, false)?,
+            false => String::new(),
+        };
+        let items = completions
             .iter()
             .map(|c| {
-                let text = tokenizer.decode(&c.token_ids, true)?;
-                let is_truncated = c.finish_reason == FinishReason::Length;
-                let verdict = verify(&text, is_truncated, &p.answer, spec.mode);
-                Ok(Graded {
-                    text,
-                    reward: f64::from(u8::from(verdict.is_correct)),
-                    extracted_by: verdict.extracted_by,
-                    is_truncated,
+                Ok(RewardItem {
+                    completion: tokenizer.decode(&c.token_ids, true)?,
                     num_tokens: c.token_ids.len(),
+                    is_truncated: c.finish_reason == FinishReason::Length,
+                    ..RewardItem::for_prompt(p, &prompt)
                 })
             })
             .collect::<Result<Vec<_>, TrainError>>()?;
+        let what = format!("held-out prompt {} ({})", p.prompt_id, p.data_source);
+        let scored = scorer.score(&items, p.answer.as_ref(), &what, false)?;
+        let graded: Vec<Graded> = items
+            .into_iter()
+            .zip(scored.rewards)
+            .zip(scored.extracted_by)
+            .map(|((item, reward), extracted_by)| Graded {
+                text: item.completion,
+                reward,
+                extracted_by,
+                is_truncated: item.is_truncated,
+                num_tokens: item.num_tokens,
+            })
+            .collect();
         total += graded.iter().map(|g| g.reward).sum::<f64>();
         let correct = graded.iter().filter(|g| g.reward >= 1.0).count();
         pass += pass_at_k(n, correct, k.min(n));

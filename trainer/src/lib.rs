@@ -19,6 +19,7 @@ pub mod optim;
 pub mod pack;
 pub mod prune;
 pub mod report;
+pub mod reward;
 pub mod run;
 pub mod step;
 pub mod train_batch;
@@ -60,6 +61,8 @@ pub enum TrainError {
     Rank { rank: usize, reason: String },
     #[error(transparent)]
     Reward(#[from] dppo_rewards::RewardError),
+    #[error(transparent)]
+    RewardBackend(#[from] reward::RewardFailure),
     #[error(transparent)]
     Device(#[from] dppo_model::DeviceError),
     #[error("GPU memory budget: {0}")]

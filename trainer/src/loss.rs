@@ -13,12 +13,13 @@ use crate::mismatch::{diffs, Mismatch};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum LossAgg {
-    /// DAPO: `1/N_tok * sum of token losses` (default). Under prompt pruning `N_tok` is
-    /// itself estimated, so this mode is a ratio estimator (bias O(1/B)).
+    /// DAPO: `1/N_tok * sum of token losses`. Under prompt pruning `N_tok` is itself
+    /// estimated, so this mode is a ratio estimator (bias O(1/B)).
     TokenMean,
     /// GRPO: `1/N_seq * sum_seq 1/|o| * sum_t`.
     SeqMeanTokenMean,
-    /// Dr. GRPO: `1/(N_seq * L_max) * sum_seq sum_t`.
+    /// Dr. GRPO: `1/(N_seq * L_max) * sum_seq sum_t` (the default: a normaliser fixed
+    /// before the pruning draw keeps the estimate exactly unbiased).
     SeqMeanTokenSumNorm,
 }
 

@@ -93,7 +93,10 @@ pub const RULES: &[Rule] = &[
         key: "reward.overlong_buffer",
         says: "less than rollout.max_response_len",
         broken: |cfg| {
-            let (buffer, max_len) = (cfg.reward.overlong_buffer, cfg.rollout.max_response_len);
+            let (buffer, max_len) = (
+                cfg.reward.verifier.overlong_buffer,
+                cfg.rollout.max_response_len,
+            );
             (buffer >= max_len).then(|| {
                 format!("must be less than rollout.max_response_len ({max_len}), got {buffer}")
             })
@@ -134,6 +137,8 @@ pub enum Allowed {
     Devices,
     /// A list of strings, each one of these.
     ListOf(&'static [&'static str]),
+    /// A non-empty list of any strings; the text says what they are.
+    Strings(&'static str),
 }
 
 /// One end of a float range.
@@ -164,6 +169,7 @@ impl Allowed {
             (Self::ListOf(choices), V::Array(items)) => items
                 .iter()
                 .all(|v| v.as_str().is_some_and(|s| choices.contains(&s))),
+            (Self::Strings(_), V::Array(items)) => !items.is_empty() && items.iter().all(V::is_str),
             _ => false,
         }
     }
@@ -217,6 +223,7 @@ impl fmt::Display for Allowed {
                 let quoted: Vec<String> = choices.iter().map(|c| format!("{c:?}")).collect();
                 write!(f, "a list of {}", quoted.join(", "))
             }
+            Self::Strings(what) => f.write_str(what),
         }
     }
 }
@@ -315,7 +322,7 @@ pub const KEYS: &[KeyDoc] = &[
     key("actor.eps_low", "lower clip range of the ratio: 1 - eps_low", RATE, Some("verl actor.clip_ratio_low; TRL epsilon")),
     key("actor.eps_high", "upper clip range of the ratio: 1 + eps_high", NON_NEGATIVE, Some("verl actor.clip_ratio_high; TRL epsilon_high")),
     key("actor.beta", "KL (k3) penalty against the reference policy (0: no reference model)", NON_NEGATIVE, Some("verl actor.kl_loss_coef; TRL beta")),
-    key("actor.loss_agg", "how token losses aggregate, over the full unpruned batch", Allowed::OneOf(&["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]), Some("verl actor.loss_agg_mode; TRL loss_type")),
+    key("actor.loss_agg", "how token losses aggregate, over the full unpruned batch (token-mean: DAPO, approximately unbiased under prompt pruning; seq-mean-token-mean: GRPO; seq-mean-token-sum-norm: Dr. GRPO, every token over all completions x max_response_len)", Allowed::OneOf(&["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]), Some("verl actor.loss_agg_mode; TRL loss_type")),
     key("actor.scale_rewards", "advantage scaling: group std (GRPO), batch std, or none (Dr. GRPO)", Allowed::OneOf(&["group", "batch", "none"]), Some("TRL scale_rewards; verl algorithm.norm_adv_by_std_in_grpo")),
     key("actor.ratio_level", "importance ratio per token, or per sequence (GSPO)", Allowed::OneOf(&["token", "sequence"]), Some("TRL importance_sampling_level")),
     key("actor.warmup_steps", "linear learning-rate warm-up steps", int(0), Some("verl actor.optim.lr_warmup_steps; TRL warmup_steps")),
@@ -342,6 +349,13 @@ pub const KEYS: &[KeyDoc] = &[
     optional("reward.extract", "how the final answer is extracted (unset: strict for JSONL data, answer for built-in tasks)", Allowed::OneOf(&["boxed", "strict", "flexible", "answer"]), Some("verl's GSM8K reward modes")),
     key("reward.overlong_buffer", "DAPO soft overlong penalty over the last this many tokens before max_response_len (0: off)", int(0), Some("verl reward_model.overlong_buffer.len")),
     key("reward.overlong_penalty", "the penalty at the token limit, reached linearly over the buffer", NON_NEGATIVE, Some("verl reward_model.overlong_buffer.penalty_factor")),
+    optional("reward.url", "a reward server speaking OpenRLHF's remote reward protocol, sent each prompt's group as it finishes (unset: the built-in verifier)", Allowed::Text("http://host:port/path"), Some("OpenRLHF --remote_rm_url; verl custom_reward_function")),
+    optional("reward.command", "a reward process speaking the same JSON as lines on stdin/stdout, started once per run (unset: the built-in verifier)", Allowed::Strings("[\"program\", \"arg\", ...]"), Some("verl custom_reward_function; TRL reward_funcs")),
+    optional("reward.api_key_env", "the environment variable holding reward.url's bearer token (never written to config.toml or logs)", Allowed::Text("a variable name"), None),
+    key("reward.timeout_s", "seconds one reward request may take (each attempt)", POSITIVE, None),
+    key("reward.max_retries", "retries of a reward server request that failed in a way that may pass (no connection, timeout, HTTP 429 or 5xx), with exponential backoff", int(0), None),
+    key("reward.concurrency", "reward server requests in flight at once", int(1), None),
+    key("reward.on_error", "a failed or malformed reward answer stops the run naming the prompt and reason (fail), or scores the group 0 and counts in reward/errors (zero); a reward process that exits always stops the run, after a checkpoint", Allowed::OneOf(&["fail", "zero"]), None),
     key("rollout_correction.rollout_is", "importance weights from the learner-rollout ratio: none, per token, or per sequence (the product of its ratios), capped at rollout_is_threshold (TIS)", Allowed::OneOf(&["none", "token", "sequence"]), Some("verl algorithm.rollout_correction.rollout_is; TRL vllm_importance_sampling_correction")),
     key("rollout_correction.rollout_is_threshold", "the importance weight's cap", POSITIVE, Some("verl algorithm.rollout_correction.rollout_is_threshold; TRL vllm_importance_sampling_cap")),
     key("rollout_correction.rollout_rs", "rejection: mask tokens (token), sequences (sequence: the product of ratios; geometric: their geometric mean) whose ratio leaves [rollout_rs_threshold_lower, rollout_rs_threshold]", Allowed::OneOf(&["none", "token", "sequence", "geometric"]), Some("verl algorithm.rollout_correction.rollout_rs")),

@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::advantages::ScaleRewards;
 mod check;
 pub mod keys;
+pub mod reward;
 
 use crate::loss::{LossAgg, LossConfig, RatioLevel};
 use crate::prune::{
@@ -19,7 +20,7 @@ use crate::prune::{
 };
 use crate::report::metrics_log::Logger;
 use check::{check_keys, check_rules, Origins};
-use dppo_rewards::RewardConfig;
+use reward::RewardSettings;
 
 /// The configuration compiled into the binary (`dppo run` with no arguments).
 pub const DEFAULT_TOML: &str = include_str!("../../../configs/default.toml");
@@ -123,9 +124,10 @@ pub struct RunConfig {
     pub checkpoint: CheckpointConfig,
     #[serde(default)]
     pub train: TrainConfig,
-    /// `[reward]`: extraction mode and overlong penalty (see [`RewardConfig`]).
+    /// `[reward]`: the verifier's extraction mode, the overlong penalty and an external
+    /// reward (see [`RewardSettings`]).
     #[serde(default)]
-    pub reward: RewardConfig,
+    pub reward: RewardSettings,
     /// Importance weights and masks for the learner-rollout mismatch (verl's names).
     #[serde(default)]
     pub rollout_correction: RolloutCorrection,
@@ -463,6 +465,22 @@ impl RunConfig {
         }
     }
 
+    /// Why this run's gradient estimate is only approximately unbiased, when it is: DPPO
+    /// with prompt pruning under `token-mean`, whose token count is itself estimated from
+    /// the rolled-out prompts (a ratio estimator, bias O(1/B)). `None` for the exact designs.
+    pub fn bias_note(&self) -> Option<String> {
+        let prompt_pruning = self.algorithm == Algorithm::Dppo && self.dppo.r_q > 0.0;
+        (prompt_pruning && self.actor.loss_agg == LossAgg::TokenMean).then(|| {
+            format!(
+                "actor.loss_agg = \"token-mean\" with prompt pruning (dppo.r_q = {}) is only \
+                 approximately unbiased: its token count is estimated from the rolled-out \
+                 prompts (bias O(1/batch)); \"seq-mean-token-sum-norm\" (the default) and \
+                 \"seq-mean-token-mean\" are exactly unbiased",
+                self.dppo.r_q
+            )
+        })
+    }
+
     /// Parses `text` (from `origin`), applies `overrides` (`a.b=value`, values in TOML
     /// syntax, bare words taken as strings) and validates; an error names the file (at
     /// the key's line) or the `--set` that wrote the bad value.
@@ -631,6 +649,20 @@ mod tests {
         }
         let cfg = RunConfig::default_with(&["dppo.mode=deterministic".to_string()]).unwrap();
         assert_eq!(cfg.dppo.level(0.5).mode, PruneMode::Deterministic);
+    }
+
+    #[test]
+    fn only_token_mean_under_prompt_pruning_is_noted_as_approximately_unbiased() {
+        let note = |sets: &[&str]| {
+            let sets: Vec<String> = sets.iter().map(ToString::to_string).collect();
+            RunConfig::default_with(&sets).unwrap().bias_note()
+        };
+        assert_eq!(note(&[]), None, "the default is exactly unbiased");
+        let token_mean = note(&["actor.loss_agg=token-mean"]).expect("a note");
+        assert!(token_mean.contains("dppo.r_q = 0.3"), "{token_mean}");
+        assert_eq!(note(&["actor.loss_agg=token-mean", "dppo.r_q=0"]), None);
+        assert_eq!(note(&["actor.loss_agg=token-mean", "algorithm=grpo"]), None);
+        assert_eq!(note(&["actor.loss_agg=seq-mean-token-mean"]), None);
     }
 
     #[test]

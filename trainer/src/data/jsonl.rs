@@ -14,12 +14,17 @@ use super::{DataError, Fields, Problem};
 /// Roles a chat prompt may use.
 const ROLES: [&str; 3] = ["system", "user", "assistant"];
 
-/// Reads a JSONL file; every line must be an object with both fields and a parseable answer.
+/// Reads a JSONL file; every line must be an object with both fields, and with
+/// `fields.verify` an answer the verifier can parse.
 pub fn load_jsonl(path: &Path, fields: &Fields) -> Result<Vec<Problem>, DataError> {
     let text = std::fs::read_to_string(path).map_err(|source| DataError::Io {
         path: path.display().to_string(),
         source,
     })?;
+    let file_name = path.file_stem().map_or_else(
+        || path.display().to_string(),
+        |s| s.to_string_lossy().into_owned(),
+    );
     let mut problems = Vec::new();
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
@@ -44,14 +49,34 @@ pub fn load_jsonl(path: &Path, fields: &Fields) -> Result<Vec<Problem>, DataErro
             }
             other => (scalar(other, &fields.question).map_err(bad)?, None),
         };
-        let raw_answer = scalar(at(&row, &fields.answer), &fields.answer).map_err(bad)?;
-        let answer = parse_gold(&raw_answer).map_err(|e| bad(e.to_string()))?;
+        let label = at(&row, &fields.answer)
+            .ok_or_else(|| bad(format!("missing field {:?}", fields.answer)))?;
+        // The verifier needs a math answer; an external reward takes the label as it is.
+        let text = scalar(Some(label), &fields.answer);
+        let answer = match (&text, fields.verify) {
+            (Ok(raw), true) => Some(parse_gold(raw).map_err(|e| bad(e.to_string()))?),
+            (Err(reason), true) => return Err(bad(reason.clone())),
+            (Ok(raw), false) => parse_gold(raw).ok(),
+            (Err(_), false) => None,
+        };
+        let data_source = match row.get("data_source") {
+            Some(Value::String(s)) => s.clone(),
+            None => file_name.clone(),
+            Some(other) => {
+                return Err(bad(format!(
+                    "field \"data_source\" is not a string: {other}"
+                )))
+            }
+        };
         problems.push(Problem {
             prompt_id: i as u64,
+            data_source,
             question,
             messages,
+            label: label.clone(),
             answer,
-            solution: raw_answer.contains("####").then_some(raw_answer),
+            extra_info: row.get("extra_info").cloned().unwrap_or(Value::Null),
+            solution: text.ok().filter(|raw| raw.contains("####")),
         });
     }
     Ok(problems)
@@ -105,6 +130,7 @@ mod tests {
         Fields {
             question: question.into(),
             answer: answer.into(),
+            verify: true,
         }
     }
 
@@ -144,7 +170,7 @@ mod tests {
         let verdict = verify(
             "\\boxed{4}",
             false,
-            &problems[0].answer,
+            problems[0].answer.as_ref().unwrap(),
             ExtractMode::Strict,
         );
         assert!(verdict.is_correct);
@@ -174,7 +200,36 @@ mod tests {
             (messages[0].role.as_str(), messages[0].content.as_str()),
             ("system", "Think step by step.")
         );
-        assert!(verify("\\boxed{42}", false, &p.answer, ExtractMode::Strict).is_correct);
+        assert!(
+            verify(
+                "\\boxed{42}",
+                false,
+                p.answer.as_ref().unwrap(),
+                ExtractMode::Strict
+            )
+            .is_correct
+        );
+        assert_eq!(
+            (p.data_source.as_str(), &p.label),
+            ("openai/gsm8k", &serde_json::json!(42))
+        );
+        assert_eq!(p.extra_info, serde_json::json!({"index": 0}));
+        // For an external reward any label passes through as it is, parsed or not.
+        let row = serde_json::json!({
+            "prompt": [{"role": "user", "content": "Write f."}],
+            "reward_model": {"ground_truth": {"tests": ["assert f(1) == 2"]}}
+        });
+        let path = write(&dir, "code.jsonl", &format!("{row}\n"));
+        let mut external = fields("prompt", "reward_model.ground_truth");
+        let err = load_jsonl(&path, &external).unwrap_err().to_string();
+        assert!(
+            err.contains("code.jsonl:1: field \"reward_model.ground_truth\" is not a string"),
+            "{err}"
+        );
+        external.verify = false;
+        let p = &load_jsonl(&path, &external).unwrap()[0];
+        assert_eq!((p.answer.as_ref(), p.data_source.as_str()), (None, "code"));
+        assert_eq!(p.label, serde_json::json!({"tests": ["assert f(1) == 2"]}));
     }
 
     #[test]

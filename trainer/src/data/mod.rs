@@ -14,18 +14,27 @@ mod jsonl;
 
 pub use jsonl::load_jsonl;
 
-/// One prompt with its gold answer.
+/// One prompt with its ground truth.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Problem {
     /// Stable id (the line number for files, the index for built-in tasks), used by the
     /// prompt history.
     pub prompt_id: u64,
+    /// Where the row came from (verl's `data_source`; the file's name when the row has
+    /// none), sent to external rewards.
+    pub data_source: String,
     /// The question; for a chat prompt, its last user message.
     pub question: String,
     /// The whole prompt as chat messages (system, user, ...), when the data gives one
     /// (verl's `prompt`); `None`: the question as one user message.
     pub messages: Option<Vec<ChatMessage>>,
-    pub answer: Answer,
+    /// The ground truth as the row holds it (any JSON), sent to external rewards.
+    pub label: serde_json::Value,
+    /// The ground truth parsed as a math answer, for the verifier; `None` only when an
+    /// external reward scores the run and the label is not a math answer.
+    pub answer: Option<Answer>,
+    /// The row's `extra_info` (verl), sent to external rewards; null when absent.
+    pub extra_info: serde_json::Value,
     /// A worked solution, when the source has one (supervised warm-up).
     pub solution: Option<String>,
 }
@@ -57,11 +66,14 @@ pub enum DataError {
     NoDemonstrations { data: String, steps: u64 },
 }
 
-/// Which JSON fields hold the question and the answer.
+/// Which JSON fields hold the question and the answer, and whether every answer must be
+/// a math answer the verifier can check.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fields {
     pub question: String,
     pub answer: String,
+    /// The built-in verifier scores this data: an unparseable answer is an error.
+    pub verify: bool,
 }
 
 /// Token ids of a question as the model is prompted: chat-formatted (user turn, generation
@@ -105,9 +117,12 @@ pub fn problem_prompts(
 
 /// A run's training and held-out problems (`[data]`; a built-in task is drawn with `seed`),
 /// the held-out ones cut to `num_eval`.
+///
+/// `verify`: the built-in verifier scores the run, so every answer must parse.
 pub fn run_problems(
     data: &DataConfig,
     seed: u64,
+    verify: bool,
 ) -> Result<(Vec<Problem>, Vec<Problem>), DataError> {
     if let Some(task) = data.train.strip_prefix("builtin:") {
         return builtin_task(task, data.num_train, data.num_eval, seed);
@@ -115,6 +130,7 @@ pub fn run_problems(
     let fields = Fields {
         question: data.question_field.clone(),
         answer: data.answer_field.clone(),
+        verify,
     };
     let train = load_jsonl(Path::new(&data.train), &fields)?;
     let source = data.eval.as_deref().ok_or(DataError::NoEvalSet)?;
@@ -179,9 +195,12 @@ fn arithmetic(num_train: usize, num_eval: usize, seed: u64) -> (Vec<Problem>, Ve
             let (op, c) = if minus { ('-', a - b) } else { ('+', a + b) };
             out.push(Problem {
                 prompt_id: offset + out.len() as u64,
+                data_source: "builtin:arithmetic".into(),
                 question: format!("What is {a}{op}{b}?"),
                 messages: None,
-                answer: Answer::parse(&c.to_string()),
+                label: c.to_string().into(),
+                answer: Some(Answer::parse(&c.to_string())),
+                extra_info: serde_json::Value::Null,
                 solution: Some(format!("Answer: {c}")),
             });
         }
@@ -291,7 +310,12 @@ mod tests {
             .all(|p| !questions.contains(p.question.as_str())));
         for p in train.iter().chain(&eval) {
             let mode = default_extract_mode("builtin:arithmetic");
-            let verdict = verify(p.solution.as_deref().unwrap(), false, &p.answer, mode);
+            let verdict = verify(
+                p.solution.as_deref().unwrap(),
+                false,
+                p.answer.as_ref().unwrap(),
+                mode,
+            );
             assert!(verdict.is_correct, "{p:?}");
         }
         let (_, larger) = builtin_task("arithmetic", 3000, 300, 7).unwrap();
@@ -310,7 +334,7 @@ mod tests {
     fn run_and_evaluation_data_come_from_one_loader() {
         let mut data = crate::config::RunConfig::default_with(&[]).unwrap().data;
         (data.num_train, data.num_eval) = (50, 10);
-        let (train, eval) = run_problems(&data, 3).unwrap();
+        let (train, eval) = run_problems(&data, 3, true).unwrap();
         assert_eq!(
             (train, eval.clone()),
             builtin_task("arithmetic", 50, 10, 3).unwrap()
@@ -318,14 +342,15 @@ mod tests {
         let fields = Fields {
             question: "question".into(),
             answer: "answer".into(),
+            verify: true,
         };
         assert_eq!(held_out(&data.train, &fields, 10, 3).unwrap(), eval);
         let gsm8k = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/gsm8k/test.jsonl");
         data.train = gsm8k.display().to_string();
-        let err = run_problems(&data, 3).unwrap_err();
+        let err = run_problems(&data, 3, true).unwrap_err();
         assert!(matches!(err, DataError::NoEvalSet), "{err}");
         data.eval = Some(data.train.clone());
-        let (train, eval) = run_problems(&data, 3).unwrap();
+        let (train, eval) = run_problems(&data, 3, true).unwrap();
         assert_eq!(eval[..], train[..10], "the held-out file, cut to num_eval");
     }
 }

@@ -144,7 +144,7 @@ impl Run {
             None => cfg.model.clone(),
         };
         let policy = load_policy(&model, revision, &device)?;
-        let (train, eval) = run_problems(&cfg.data, cfg.seed)?;
+        let (train, eval) = run_problems(&cfg.data, cfg.seed, !cfg.reward.is_external())?;
         let started = Instant::now();
         let trainer =
             Trainer::with_collective(cfg.clone(), &policy, &device, train, eval, collective)?;
@@ -192,7 +192,10 @@ impl Run {
     /// stop the run with an error, after a checkpoint of the last good state.
     pub fn run_to_end(&mut self, hooks: &mut dyn RunHooks) -> Result<RunSummary, TrainError> {
         let eval_before = self.eval_before(hooks)?;
-        tracing::info!(eval_before, "held-out accuracy before RL");
+        tracing::info!(
+            eval_before,
+            "held-out score before RL (the verifier's: accuracy)"
+        );
         self.rl_loop(eval_before, hooks)?;
         let eval_after = self.trainer.evaluate()?;
         if self.is_lead() {
@@ -244,7 +247,7 @@ impl Run {
             }
             let nll = self.trainer.warmup_step()?;
             if let Some(e) = self.trainer.nonfinite_limit() {
-                return Err(self.stop_nonfinite(None, e));
+                return Err(self.stop_after_checkpoint(None, e));
             }
             hooks.on_warmup_step(nll);
         }
@@ -267,15 +270,22 @@ impl Run {
                 self.save_checkpoint(eval_before)?;
                 break;
             }
-            let mut line = self.trainer.step()?;
+            let mut line = match self.trainer.step() {
+                Ok(line) => line,
+                Err(e) => return Err(self.stop_on_reward_failure(eval_before, e)),
+            };
             if self.cfg.eval.due(self.trainer.step) {
-                line.insert("eval/acc".into(), json!(self.trainer.evaluate()?));
+                let score = match self.trainer.evaluate() {
+                    Ok(score) => score,
+                    Err(e) => return Err(self.stop_on_reward_failure(eval_before, e)),
+                };
+                line.insert("eval/acc".into(), json!(score));
             }
             if let Some(metrics) = &mut metrics {
                 metrics.write(&line)?;
             }
             if let Some(e) = self.trainer.nonfinite_limit() {
-                return Err(self.stop_nonfinite(Some(eval_before), e));
+                return Err(self.stop_after_checkpoint(Some(eval_before), e));
             }
             hooks.on_step(self.trainer.step, &line);
             let every = self.cfg.checkpoint.every;
@@ -300,9 +310,23 @@ impl Run {
         }
     }
 
-    /// The error that ends the run after too many non-finite steps in a row, once the last
-    /// good weights and optimizer (untouched by the skipped steps) are checkpointed.
-    fn stop_nonfinite(&mut self, eval_before: Option<f64>, error: TrainError) -> TrainError {
+    /// `error`, after a checkpoint of the last good state when an external reward failed
+    /// (its process exited, or an answer was unusable with `on_error = "fail"`): the step
+    /// it was scoring is not taken, and `--resume latest` continues from there. On several
+    /// ranks the others are not at a checkpoint, so the error ends the run as it is.
+    fn stop_on_reward_failure(&mut self, eval_before: f64, error: TrainError) -> TrainError {
+        match error {
+            TrainError::RewardBackend(_) if self.world == 1 => {
+                self.stop_after_checkpoint(Some(eval_before), error)
+            }
+            error => error,
+        }
+    }
+
+    /// The error that ends the run once the last good weights and optimizer are
+    /// checkpointed: after too many non-finite steps in a row (the skipped steps changed
+    /// nothing), or a failed reward.
+    fn stop_after_checkpoint(&mut self, eval_before: Option<f64>, error: TrainError) -> TrainError {
         let (root, keep) = (self.out.join(CHECKPOINTS), self.cfg.checkpoint.keep);
         match self.trainer.save_checkpoint(&root, keep, eval_before) {
             Ok(dir) => TrainError::Stopped {

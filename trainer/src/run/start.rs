@@ -51,6 +51,9 @@ impl Start {
 
     /// Logs where the run in `out` starts (rank 0 only).
     pub(super) fn log(&self, out: &Path) {
+        if let Some(note) = self.cfg.bias_note() {
+            tracing::warn!("{note}");
+        }
         match &self.checkpoint {
             Some(ckpt) => tracing::info!("resuming from {}", ckpt.display()),
             None if self.asked => tracing::info!(

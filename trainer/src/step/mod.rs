@@ -12,6 +12,7 @@ mod nonfinite;
 mod prompts;
 mod report;
 mod rollout;
+mod scoring;
 mod setup;
 mod shard;
 mod variance;
@@ -36,6 +37,7 @@ use crate::dist::{broadcast_weights, Collective, Single};
 use crate::eval::EvalSet;
 use crate::learner::Learner;
 use crate::prune::{AlgorithmState, GresoState, PromptHistory};
+use crate::reward::Scorer;
 use crate::train_batch::prune_and_build;
 use crate::TrainError;
 
@@ -165,10 +167,12 @@ impl Trainer {
         // `device`'s (see `dppo_model::streams`).
         let engine_device = dppo_model::streams::own_stream(device)?;
         let engine = Arc::new(Engine::new(policy, engine_cfg, engine_device)?);
-        let rollouts = Rollouts::new(&cfg, engine, policy.tokenizer.clone());
-        let mode = rollouts.reward_spec().mode;
+        let scorer =
+            Scorer::new(&cfg.reward, crate::reward::spec(&cfg)).map_err(TrainError::Config)?;
+        let scorer = Arc::new(scorer);
+        let rollouts = Rollouts::new(&cfg, engine, policy.tokenizer.clone(), scorer.clone());
         Ok(Self {
-            held_out: HeldOut::new(eval, &ranks, cfg.rollout.max_response_len, mode),
+            held_out: HeldOut::new(eval, &ranks, cfg.rollout.max_response_len, scorer),
             nonfinite: NonFinite::new(cfg.train.max_nonfinite_steps),
             prompts,
             rollouts,
@@ -222,7 +226,7 @@ impl Trainer {
 
     /// Greedy accuracy of the current policy on the held-out problems.
     pub fn evaluate(&mut self) -> Result<f64, TrainError> {
-        self.rollouts.settle(&self.prompts)?;
+        self.rollouts.settle()?;
         let engine = self.rollouts.engine();
         self.held_out.accuracy(engine, &self.tokenizer, &self.ranks)
     }
@@ -262,7 +266,7 @@ impl Trainer {
             }
         };
         let t = Instant::now();
-        let rollout = self.rollouts.finish(pending, &self.prompts)?;
+        let rollout = self.rollouts.finish(pending)?;
         let (version, num_drawn) = (rollout.version, rollout.drawn.problems.len());
         let staleness = self.policy_version() - version;
         let gen_s = t.elapsed().as_secs_f64() + settle_wait_s;
@@ -272,8 +276,7 @@ impl Trainer {
             own,
             gen_tokens,
             gen_busy_s,
-            extracted_by,
-            num_correct,
+            tally,
         } = self.ranks.batch_view(rollout, &self.prompts)?;
         timings.insert("timing_s/gen".to_string(), gen_s);
         let mut timed = |name: &str, since: Instant| {
@@ -343,8 +346,7 @@ impl Trainer {
             samples_per_prompt: self.cfg.rollout.n,
             max_response_len: self.cfg.rollout.max_response_len,
             correction_on: self.cfg.rollout_correction.is_on(),
-            num_correct,
-            extracted_by,
+            tally,
             gen_tokens,
             gen_busy_s,
             learner: &m,
@@ -385,7 +387,7 @@ impl Trainer {
         keep: usize,
         eval_before: Option<f64>,
     ) -> Result<PathBuf, TrainError> {
-        self.rollouts.settle(&self.prompts)?;
+        self.rollouts.settle()?;
         let (rank, world) = self.rank();
         if world == 1 {
             return self.write_checkpoint(root, keep, eval_before, self.rollouts.done().cloned());

@@ -7,6 +7,7 @@ use serde_json::{json, Map, Value};
 
 use crate::group::Group;
 use crate::learner::StepMetrics;
+use crate::reward::RewardTally;
 
 /// What one RL step produced, for its metrics line.
 pub(super) struct StepReport<'a> {
@@ -27,9 +28,8 @@ pub(super) struct StepReport<'a> {
     pub max_response_len: usize,
     /// Whether `[rollout_correction]` is on (its metrics are logged then).
     pub correction_on: bool,
-    pub num_correct: usize,
-    /// Completions whose answer each extraction rule found.
-    pub extracted_by: BTreeMap<String, usize>,
+    /// What the reward counted: verdicts, extraction rules, errors, `extra_logs`.
+    pub tally: RewardTally,
     pub gen_tokens: usize,
     /// Engine seconds spent generating the rollout (0: not recorded).
     pub gen_busy_s: f64,
@@ -61,10 +61,24 @@ impl StepReport<'_> {
             "reward/mean",
             json!(rewards.iter().sum::<f64>() / rewards.len().max(1) as f64),
         );
-        put(
-            "acc/mean",
-            json!(self.num_correct as f64 / rewards.len().max(1) as f64),
-        );
+        // Accuracy over the completions the verifier judged (an external reward has no
+        // verdicts: its own `extra_logs` say what it measured).
+        let judged = rewards.len().saturating_sub(self.tally.num_external);
+        if judged > 0 || self.tally.num_external == 0 {
+            put(
+                "acc/mean",
+                json!(self.tally.num_correct as f64 / judged.max(1) as f64),
+            );
+        }
+        if self.tally.num_external > 0 {
+            put("reward/errors", json!(self.tally.errors));
+        }
+        for (name, (sum, count)) in &self.tally.logs {
+            put(
+                &format!("reward/{name}/mean"),
+                json!(sum / (*count).max(1) as f64),
+            );
+        }
         // Groups whose rewards were all equal carry no signal: what prompt pruning aims at.
         let all_equal = self
             .groups
@@ -75,7 +89,7 @@ impl StepReport<'_> {
             "rollout/all_equal",
             json!(all_equal as f64 / self.groups.len().max(1) as f64),
         );
-        for (rule, count) in &self.extracted_by {
+        for (rule, count) in &self.tally.extracted_by {
             put(&format!("reward/extracted_by/{rule}"), json!(count));
         }
         put(
@@ -149,6 +163,31 @@ mod tests {
     use super::*;
     use crate::group::test_group;
 
+    fn report<'a>(
+        groups: &'a [Group],
+        tally: RewardTally,
+        learner: &'a StepMetrics,
+    ) -> StepReport<'a> {
+        StepReport {
+            step: 1,
+            policy_version: 1,
+            staleness: 0,
+            groups,
+            num_drawn: 5,
+            num_trained: 5,
+            samples_per_prompt: 3,
+            max_response_len: 8,
+            correction_on: false,
+            tally,
+            gen_tokens: 12,
+            gen_busy_s: 0.0,
+            learner,
+            num_nonfinite_steps: 0,
+            grad_rel_mse: None,
+            timings: BTreeMap::new(),
+        }
+    }
+
     #[test]
     fn all_equal_counts_the_groups_whose_rewards_all_match() {
         let groups = [
@@ -157,27 +196,31 @@ mod tests {
             test_group(2, &[0.0, 1.0, 0.0]),
             test_group(3, &[0.5, 0.5, 0.25]),
         ];
-        let line = StepReport {
-            step: 1,
-            policy_version: 1,
-            staleness: 0,
-            groups: &groups,
-            num_drawn: 5,
-            num_trained: 5,
-            samples_per_prompt: 3,
-            max_response_len: 8,
-            correction_on: false,
+        let tally = RewardTally {
             num_correct: 4,
-            extracted_by: BTreeMap::new(),
-            gen_tokens: 12,
-            gen_busy_s: 0.0,
-            learner: &StepMetrics::default(),
-            num_nonfinite_steps: 0,
-            grad_rel_mse: None,
-            timings: BTreeMap::new(),
-        }
-        .into_line();
+            ..RewardTally::default()
+        };
+        let line = report(&groups, tally, &StepMetrics::default()).into_line();
         assert_eq!(line["rollout/all_equal"], json!(0.5));
         assert_eq!(line["prune/prompts_kept"], json!(0.8));
+        assert_eq!(line["acc/mean"], json!(4.0 / 12.0));
+        assert!(!line.contains_key("reward/errors"));
+    }
+
+    /// An external reward's completions have no verdict: no accuracy, but its errors and
+    /// the means of its `extra_logs`.
+    #[test]
+    fn an_external_reward_logs_its_errors_and_extra_logs() {
+        let groups = [test_group(0, &[1.0, 0.0, 0.0]), test_group(1, &[0.0; 3])];
+        let tally = RewardTally {
+            num_external: 6,
+            errors: 3,
+            logs: [("format".to_string(), (2.0, 4))].into(),
+            ..RewardTally::default()
+        };
+        let line = report(&groups, tally, &StepMetrics::default()).into_line();
+        assert!(!line.contains_key("acc/mean"), "{line:?}");
+        assert_eq!(line["reward/errors"], json!(3));
+        assert_eq!(line["reward/format/mean"], json!(0.5));
     }
 }

@@ -16,6 +16,7 @@ use crate::dist::{shard_range, sum_f64, weights_checksum, Collective};
 use crate::group::{Group, Sample};
 use crate::learner::Learner;
 use crate::prune::Drawn;
+use crate::reward::RewardTally;
 use crate::TrainError;
 
 use super::prompts::Prompts;
@@ -34,8 +35,7 @@ struct ShardReport {
     groups: Vec<Vec<(f64, usize)>>,
     gen_tokens: usize,
     gen_busy_s: f64,
-    extracted_by: BTreeMap<String, usize>,
-    num_correct: usize,
+    tally: RewardTally,
 }
 
 /// A step's rollout as every rank sees it.
@@ -49,8 +49,7 @@ pub(super) struct BatchView {
     pub gen_tokens: usize,
     /// The slowest rank's generation time (ranks generate at once).
     pub gen_busy_s: f64,
-    pub extracted_by: BTreeMap<String, usize>,
-    pub num_correct: usize,
+    pub tally: RewardTally,
 }
 
 /// (training problem, `w_q`) of each prompt of `drawn` that is rolled out, in order.
@@ -133,8 +132,7 @@ impl Ranks {
             groups,
             gen_tokens,
             gen_busy_s,
-            extracted_by,
-            num_correct,
+            tally,
             version,
             step,
         } = rollout;
@@ -146,8 +144,7 @@ impl Ranks {
                 own,
                 gen_tokens,
                 gen_busy_s,
-                extracted_by,
-                num_correct,
+                tally,
             });
         }
         let report = ShardReport {
@@ -162,8 +159,7 @@ impl Ranks {
                 .collect(),
             gen_tokens,
             gen_busy_s,
-            extracted_by,
-            num_correct,
+            tally,
         };
         let bytes = serde_json::to_vec(&report).map_err(|e| TrainError::State {
             what: "this rank's rollout report",
@@ -189,8 +185,7 @@ impl Ranks {
             own: own.clone(),
             gen_tokens: 0,
             gen_busy_s: 0.0,
-            extracted_by: BTreeMap::new(),
-            num_correct: 0,
+            tally: RewardTally::default(),
         };
         for (rank, report) in reports.into_iter().enumerate() {
             let range = shard_range(kept.len(), rank, world);
@@ -229,10 +224,7 @@ impl Ranks {
             }
             view.gen_tokens += report.gen_tokens;
             view.gen_busy_s = view.gen_busy_s.max(report.gen_busy_s);
-            for (rule, count) in report.extracted_by {
-                *view.extracted_by.entry(rule).or_default() += count;
-            }
-            view.num_correct += report.num_correct;
+            view.tally.merge(report.tally);
         }
         Ok(view)
     }
@@ -268,10 +260,7 @@ impl Ranks {
                     w.groups.extend(s.groups);
                     w.gen_tokens += s.gen_tokens;
                     w.gen_busy_s = w.gen_busy_s.max(s.gen_busy_s);
-                    for (rule, count) in s.extracted_by {
-                        *w.extracted_by.entry(rule).or_default() += count;
-                    }
-                    w.num_correct += s.num_correct;
+                    w.tally.merge(s.tally);
                     Some(w)
                 }
                 (None, None) => None,
@@ -298,8 +287,7 @@ impl Ranks {
         if self.collective.rank() != 0 {
             rollout.gen_tokens = 0;
             rollout.gen_busy_s = 0.0;
-            rollout.extracted_by.clear();
-            rollout.num_correct = 0;
+            rollout.tally = RewardTally::default();
         }
         rollout
     }

@@ -179,7 +179,7 @@ fn non_finite_steps_change_nothing_and_stop_the_run_after_three_in_a_row() {
     let version = trainer.policy_version();
     for skipped in 1..=3u64 {
         // The engine's logprobs of the next step's rollout come back NaN.
-        trainer.rollouts.settle(&trainer.prompts).unwrap();
+        trainer.rollouts.settle().unwrap();
         let Some(Pending::Done(rollout)) = trainer.rollouts.pending_mut() else {
             panic!("a finished rollout waits for the next step");
         };
