@@ -6,7 +6,7 @@
 //! state of that time and the rollout made ahead of step 3); `metrics-after.jsonl` holds that
 //! run's metrics lines of steps 3 and 4, timings removed.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use candle_core::Device;
 use dppo_model::Policy;
@@ -30,22 +30,21 @@ fn untimed(line: Map<String, Value>) -> Map<String, Value> {
         .collect()
 }
 
-#[test]
-fn a_checkpoint_of_commit_5c72f55_resumes_to_that_runs_metrics() {
-    let ckpt = fixture().join("step-000002");
+/// Resumes `fixture/step-000002` (its config with `sets`) and checks that steps 3 and 4
+/// give `fixture/metrics-after.jsonl`; returns the config it ran.
+fn resumes_to_its_metrics(fixture: &Path, sets: &[String]) -> RunConfig {
+    let ckpt = fixture.join("step-000002");
     checkpoint::verify(&ckpt).unwrap();
     let text = std::fs::read_to_string(ckpt.join(checkpoint::CONFIG)).unwrap();
-    let cfg = RunConfig::from_toml(&text, "the fixture's config.toml", &[]).unwrap();
-    // Written when token-mean was the default: the checkpoint keeps its own aggregation.
-    assert_eq!(cfg.actor.loss_agg, LossAgg::TokenMean);
+    let cfg = RunConfig::from_toml(&text, "the fixture's config.toml", sets).unwrap();
     let model = ckpt.join(checkpoint::MODEL_DIR);
     let policy = Policy::load(model.to_str().unwrap(), &Device::Cpu).unwrap();
     let (train, eval) = run_problems(&cfg.data, cfg.seed, true).unwrap();
-    let mut trainer = Trainer::new(cfg, &policy, &Device::Cpu, train, eval).unwrap();
+    let mut trainer = Trainer::new(cfg.clone(), &policy, &Device::Cpu, train, eval).unwrap();
     let state = trainer.restore(&ckpt).unwrap();
     assert_eq!((state.step, trainer.step), (2, 2));
     let want: Vec<Map<String, Value>> =
-        std::fs::read_to_string(fixture().join("metrics-after.jsonl"))
+        std::fs::read_to_string(fixture.join("metrics-after.jsonl"))
             .unwrap()
             .lines()
             .map(|l| serde_json::from_str(l).unwrap())
@@ -59,4 +58,30 @@ fn a_checkpoint_of_commit_5c72f55_resumes_to_that_runs_metrics() {
             .collect();
         assert_eq!(got, want, "step {}", trainer.step);
     }
+    cfg
+}
+
+#[test]
+fn a_checkpoint_of_commit_5c72f55_resumes_to_that_runs_metrics() {
+    let cfg = resumes_to_its_metrics(&fixture(), &[]);
+    // Written when token-mean was the default: the checkpoint keeps its own aggregation.
+    assert_eq!(cfg.actor.loss_agg, LossAgg::TokenMean);
+}
+
+/// `tests/fixtures/checkpoint-jsonl-9bc4be9/` was written at commit 9bc4be9, when a JSONL
+/// row's prompt id was its line number, by `dppo run` on its `train.jsonl` (verl's schema,
+/// 24 rows and a blank line at line 11, so that prompts recur by step 2 and line numbers
+/// and rows differ) with `--set
+/// data.question_field=prompt --set data.answer_field=reward_model.ground_truth --set
+/// data.num_eval=16 --set warmup.steps=200 --set warmup.examples=0 --set
+/// rollout.prompts_per_step=16 --set steps=4 --set checkpoint.every=2`. Its prompt history
+/// and waiting rollout, keyed by line numbers, resume keyed by stable ids: the same steps.
+#[test]
+fn a_jsonl_checkpoint_keyed_by_line_numbers_resumes_to_that_runs_metrics() {
+    let dir = fixture().with_file_name("checkpoint-jsonl-9bc4be9");
+    let sets = [
+        format!("data.train={}", dir.join("train.jsonl").display()),
+        format!("data.eval={}", dir.join("test.jsonl").display()),
+    ];
+    resumes_to_its_metrics(&dir, &sets);
 }

@@ -92,6 +92,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if let Some(limit) = args.limit {
         problems.truncate(limit);
     }
+    if let Some(system) = &cfg.data.system_prompt {
+        problems
+            .iter_mut()
+            .for_each(|p| p.add_system_prompt(system));
+    }
     anyhow::ensure!(
         args.n >= 1 && args.k >= 1 && args.k <= args.n,
         "need 1 <= --k <= --n"
@@ -108,7 +113,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         k: args.k,
         max_tokens: args.max_tokens,
     };
-    let set = EvalSet::new(&policy.tokenizer, problems)?;
+    let set = EvalSet::new(&policy.tokenizer, problems, cfg.data.max_prompt_length)?;
     let (r, samples) = evaluate(&engine, &policy.tokenizer, &set, &spec, &scorer)?;
     if let Some(path) = &args.samples {
         write_samples(path, set.problems(), &samples)

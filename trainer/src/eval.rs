@@ -3,7 +3,7 @@
 use dppo_engine::{Engine, FinishReason, GenerateRequest, Priority, SamplingParams};
 use dppo_model::TextTokenizer;
 
-use crate::data::{problem_prompts, Problem};
+use crate::data::{drop_long_prompts, problem_prompts, Problem};
 use crate::reward::{RewardItem, Scorer};
 use crate::TrainError;
 use dppo_rewards::Rule;
@@ -67,9 +67,16 @@ pub struct EvalSet {
 }
 
 impl EvalSet {
-    /// Tokenizes the prompts of `problems` with `tokenizer`.
-    pub fn new(tokenizer: &TextTokenizer, problems: Vec<Problem>) -> Result<Self, TrainError> {
+    /// Tokenizes the prompts of `problems` with `tokenizer`, leaving out those longer than
+    /// `max_prompt_length` tokens.
+    pub fn new(
+        tokenizer: &TextTokenizer,
+        problems: Vec<Problem>,
+        max_prompt_length: Option<usize>,
+    ) -> Result<Self, TrainError> {
         let prompts = problem_prompts(tokenizer, &problems)?;
+        let (problems, prompts) =
+            drop_long_prompts(problems, prompts, max_prompt_length, "held-out");
         Ok(Self { problems, prompts })
     }
 

@@ -307,6 +307,8 @@ pub const KEYS: &[KeyDoc] = &[
     key("data.answer_field", "JSONL field (a dotted path) holding the gold answer, a string or a number (verl: reward_model.ground_truth)", Allowed::Text("a field name or dotted path"), None),
     key("data.num_train", "size of a built-in task's training split", int(1), None),
     key("data.num_eval", "size of a built-in task's held-out split; also caps a held-out file", int(1), None),
+    optional("data.system_prompt", "a system message put before every training and held-out prompt that has none", Allowed::Text("text"), Some("TRL system_prompt; verl: in the data")),
+    optional("data.max_prompt_length", "training and held-out prompts longer than this many tokens (chat template applied) are left out, and counted in the log", int(1), Some("verl data.max_prompt_length with filter_overlong_prompts")),
     key("warmup.steps", "supervised steps on demonstrations before RL (0: no warm-up)", int(0), None),
     key("warmup.examples", "demonstrations: the first this many training problems (0: all)", int(0), None),
     key("warmup.batch_size", "demonstrations per warm-up step", int(1), None),

@@ -234,6 +234,12 @@ pub struct DataConfig {
     pub num_train: usize,
     #[serde(default = "default_num_eval")]
     pub num_eval: usize,
+    /// A system message put before every prompt that has none (chat template applied once).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub system_prompt: Option<String>,
+    /// Prompts longer than this many tokens (chat template applied) are left out, counted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_prompt_length: Option<usize>,
 }
 
 /// `[warmup]`: supervised steps on demonstrations before RL (0 to skip).

@@ -9,7 +9,7 @@ use dppo_model::ChatMessage;
 use dppo_rewards::parse_gold;
 use serde_json::Value;
 
-use super::{DataError, Fields, Problem};
+use super::{stable_prompt_id, DataError, Fields, Problem};
 
 /// Roles a chat prompt may use.
 const ROLES: [&str; 3] = ["system", "user", "assistant"];
@@ -26,60 +26,87 @@ pub fn load_jsonl(path: &Path, fields: &Fields) -> Result<Vec<Problem>, DataErro
         |s| s.to_string_lossy().into_owned(),
     );
     let mut problems = Vec::new();
+    let mut malformed = Vec::new();
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
         }
-        let bad = |reason: String| DataError::Line {
+        let row = serde_json::from_str::<Value>(line)
+            .map_err(|e| format!("not valid JSON: {e}"))
+            .and_then(|row| problem(&row, fields, &file_name, i));
+        match row {
+            Ok(p) => problems.push(p),
+            Err(reason) => malformed.push((i + 1, reason)),
+        }
+    }
+    if !malformed.is_empty() {
+        return Err(DataError::Rows {
             path: path.display().to_string(),
-            line: i + 1,
-            reason,
-        };
-        let row: Value =
-            serde_json::from_str(line).map_err(|e| bad(format!("not valid JSON: {e}")))?;
-        let (question, messages) = match at(&row, &fields.question) {
-            Some(Value::Array(items)) => {
-                let messages =
-                    chat(items).map_err(|e| bad(format!("field {:?}: {e}", fields.question)))?;
-                let last_user = messages.iter().rev().find(|m| m.role == "user");
-                let question = last_user.map(|m| m.content.clone()).ok_or_else(|| {
-                    bad(format!("field {:?} has no user message", fields.question))
-                })?;
-                (question, Some(messages))
-            }
-            other => (scalar(other, &fields.question).map_err(bad)?, None),
-        };
-        let label = at(&row, &fields.answer)
-            .ok_or_else(|| bad(format!("missing field {:?}", fields.answer)))?;
-        // The verifier needs a math answer; an external reward takes the label as it is.
-        let text = scalar(Some(label), &fields.answer);
-        let answer = match (&text, fields.verify) {
-            (Ok(raw), true) => Some(parse_gold(raw).map_err(|e| bad(e.to_string()))?),
-            (Err(reason), true) => return Err(bad(reason.clone())),
-            (Ok(raw), false) => parse_gold(raw).ok(),
-            (Err(_), false) => None,
-        };
-        let data_source = match row.get("data_source") {
-            Some(Value::String(s)) => s.clone(),
-            None => file_name.clone(),
-            Some(other) => {
-                return Err(bad(format!(
-                    "field \"data_source\" is not a string: {other}"
-                )))
-            }
-        };
-        problems.push(Problem {
-            prompt_id: i as u64,
-            data_source,
-            question,
-            messages,
-            label: label.clone(),
-            answer,
-            extra_info: row.get("extra_info").cloned().unwrap_or(Value::Null),
-            solution: text.ok().filter(|raw| raw.contains("####")),
+            accepted: problems.len(),
+            malformed,
         });
     }
+    tracing::info!("{}: {} rows", path.display(), problems.len());
     Ok(problems)
+}
+
+/// The problem of the row at (0-based) line `line` of the file named `file_name`.
+fn problem(row: &Value, fields: &Fields, file_name: &str, line: usize) -> Result<Problem, String> {
+    let field = at(row, &fields.question);
+    // A chat that ends with the assistant's turn (a `messages` dataset) is prompted without
+    // it; that turn is the demonstration.
+    let (question, messages, demo) = match field {
+        Some(Value::Array(items)) => {
+            let mut messages =
+                chat(items).map_err(|e| format!("field {:?}: {e}", fields.question))?;
+            let demo = match messages.last() {
+                Some(m) if m.role == "assistant" => messages.pop().map(|m| m.content),
+                _ => None,
+            };
+            let last_user = messages.iter().rev().find(|m| m.role == "user");
+            let question = last_user
+                .map(|m| m.content.clone())
+                .ok_or_else(|| format!("field {:?} has no user message", fields.question))?;
+            (question, Some(messages), demo)
+        }
+        other => (scalar(other, &fields.question)?, None, None),
+    };
+    let label =
+        at(row, &fields.answer).ok_or_else(|| format!("missing field {:?}", fields.answer))?;
+    // The verifier needs a math answer; an external reward takes the label as it is.
+    let text = scalar(Some(label), &fields.answer);
+    let answer = match (&text, fields.verify) {
+        (Ok(raw), true) => Some(parse_gold(raw).map_err(|e| e.to_string())?),
+        (Err(reason), true) => return Err(reason.clone()),
+        (Ok(raw), false) => parse_gold(raw).ok(),
+        (Err(_), false) => None,
+    };
+    let data_source = match row.get("data_source") {
+        Some(Value::String(s)) => s.clone(),
+        None => file_name.to_string(),
+        Some(other) => return Err(format!("field \"data_source\" is not a string: {other}")),
+    };
+    // The id hashes the prompt as the model is asked it (without a trailing answer).
+    let prompt = match &messages {
+        Some(messages) => Value::Array(
+            messages
+                .iter()
+                .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
+                .collect(),
+        ),
+        None => Value::String(question.clone()),
+    };
+    Ok(Problem {
+        prompt_id: stable_prompt_id(&data_source, &prompt),
+        legacy_id: line as u64,
+        data_source,
+        question,
+        messages,
+        label: label.clone(),
+        answer,
+        extra_info: row.get("extra_info").cloned().unwrap_or(Value::Null),
+        solution: text.ok().filter(|raw| raw.contains("####")).or(demo),
+    })
 }
 
 /// The value at dotted `path` in `row`.
@@ -230,6 +257,66 @@ mod tests {
         let p = &load_jsonl(&path, &external).unwrap()[0];
         assert_eq!((p.answer.as_ref(), p.data_source.as_str()), (None, "code"));
         assert_eq!(p.label, serde_json::json!({"tests": ["assert f(1) == 2"]}));
+    }
+
+    /// A `messages` chat that ends with the answer is prompted without it (the answer is
+    /// the demonstration); a prompt's id depends on its data source and text only; every
+    /// malformed row is named, with the count accepted.
+    #[test]
+    fn chats_ids_and_malformed_rows() {
+        let dir = tempfile::tempdir().unwrap();
+        let chat = |q: &str, source: &str| {
+            serde_json::json!({
+                "data_source": source,
+                "messages": [
+                    {"role": "user", "content": q},
+                    {"role": "assistant", "content": "It is 4.\n#### 4"}
+                ],
+                "answer": "4"
+            })
+            .to_string()
+        };
+        let first = write(
+            &dir,
+            "a.jsonl",
+            &format!("{}\n{}\n", chat("2+2?", "x"), chat("1+3?", "x")),
+        );
+        let second = write(
+            &dir,
+            "b.jsonl",
+            &format!("\n{}\n{}\n", chat("1+3?", "x"), chat("1+3?", "y")),
+        );
+        let fields = fields("messages", "answer");
+        let a = load_jsonl(&first, &fields).unwrap();
+        let b = load_jsonl(&second, &fields).unwrap();
+        let messages = a[0].messages.as_ref().unwrap();
+        assert_eq!(
+            messages.len(),
+            1,
+            "the assistant's answer is not in the prompt"
+        );
+        assert_eq!(a[0].solution.as_deref(), Some("It is 4.\n#### 4"));
+        assert_eq!(
+            a[1].prompt_id, b[0].prompt_id,
+            "same source and prompt, other file and line"
+        );
+        assert_ne!(
+            (a[0].prompt_id, a[1].legacy_id),
+            (a[1].prompt_id, b[0].legacy_id)
+        );
+        assert_ne!(b[0].prompt_id, b[1].prompt_id, "another data source");
+        let bad = write(
+            &dir,
+            "bad.jsonl",
+            &format!("{}\n{{oops\n{{\"messages\": \"q\"}}\n", chat("2+2?", "x")),
+        );
+        let err = load_jsonl(&bad, &fields).unwrap_err().to_string();
+        let want = "bad.jsonl:2: not valid JSON";
+        assert!(
+            err.contains(want) && err.contains("bad.jsonl:3: missing field \"answer\""),
+            "{err}"
+        );
+        assert!(err.ends_with("(2 malformed rows, 1 accepted)"), "{err}");
     }
 
     #[test]

@@ -17,9 +17,13 @@ pub use jsonl::load_jsonl;
 /// One prompt with its ground truth.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Problem {
-    /// Stable id (the line number for files, the index for built-in tasks), used by the
-    /// prompt history.
+    /// Stable id, what prompt histories are keyed by: for files, a hash of the data source
+    /// and the prompt ([`stable_prompt_id`]); for built-in tasks, the index (their problems
+    /// are a function of the seed).
     pub prompt_id: u64,
+    /// The id checkpoints written before stable ids used (a file row's line number, from
+    /// 0): resuming one maps its records to `prompt_id`.
+    pub legacy_id: u64,
     /// Where the row came from (verl's `data_source`; the file's name when the row has
     /// none), sent to external rewards.
     pub data_source: String,
@@ -47,11 +51,13 @@ pub enum DataError {
         path: String,
         source: std::io::Error,
     },
-    #[error("{path}:{line}: {reason}")]
-    Line {
+    /// Rows that cannot be used: every one, by line (1-based), with what is wrong.
+    #[error("{}", rows_message(path, malformed, *accepted))]
+    Rows {
         path: String,
-        line: usize,
-        reason: String,
+        malformed: Vec<(usize, String)>,
+        /// Rows that were fine.
+        accepted: usize,
     },
     #[error("unknown built-in task {0:?} (available: builtin:arithmetic)")]
     UnknownTask(String),
@@ -66,6 +72,24 @@ pub enum DataError {
     NoDemonstrations { data: String, steps: u64 },
 }
 
+/// `path:line: reason` for the first malformed rows, then how many there are in all.
+fn rows_message(path: &str, malformed: &[(usize, String)], accepted: usize) -> String {
+    const SHOWN: usize = 10;
+    let mut text: Vec<String> = malformed
+        .iter()
+        .take(SHOWN)
+        .map(|(line, reason)| format!("{path}:{line}: {reason}"))
+        .collect();
+    if malformed.len() > SHOWN {
+        text.push(format!("and {} more", malformed.len() - SHOWN));
+    }
+    format!(
+        "{} ({} malformed rows, {accepted} accepted)",
+        text.join("; "),
+        malformed.len()
+    )
+}
+
 /// Which JSON fields hold the question and the answer, and whether every answer must be
 /// a math answer the verifier can check.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,6 +98,17 @@ pub struct Fields {
     pub answer: String,
     /// The built-in verifier scores this data: an unparseable answer is an error.
     pub verify: bool,
+}
+
+/// A file prompt's id: FNV-1a (64-bit) of its data source and its prompt as JSON, so that a
+/// prompt keeps its id, and its history, across files, orderings and mixtures. Ten lines of
+/// our own: std's hasher may change between Rust versions, and these ids live in checkpoints.
+pub fn stable_prompt_id(data_source: &str, prompt: &serde_json::Value) -> u64 {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    let text = serde_json::to_string(prompt).expect("a JSON value serialises");
+    let bytes = data_source.bytes().chain([0xff]).chain(text.bytes());
+    bytes.fold(OFFSET, |h, b| (h ^ u64::from(b)).wrapping_mul(PRIME))
 }
 
 /// Token ids of a question as the model is prompted: chat-formatted (user turn, generation
@@ -132,11 +167,55 @@ pub fn run_problems(
         answer: data.answer_field.clone(),
         verify,
     };
-    let train = load_jsonl(Path::new(&data.train), &fields)?;
+    let mut train = load_jsonl(Path::new(&data.train), &fields)?;
     let source = data.eval.as_deref().ok_or(DataError::NoEvalSet)?;
     let mut eval = held_out(source, &fields, data.num_eval, seed)?;
     eval.truncate(data.num_eval);
+    if let Some(system) = &data.system_prompt {
+        for p in train.iter_mut().chain(eval.iter_mut()) {
+            p.add_system_prompt(system);
+        }
+    }
     Ok((train, eval))
+}
+
+impl Problem {
+    /// Puts `system` before the prompt as a system message, unless it has one.
+    pub fn add_system_prompt(&mut self, system: &str) {
+        let messages = self
+            .messages
+            .get_or_insert_with(|| vec![ChatMessage::new("user", &self.question)]);
+        if !messages.iter().any(|m| m.role == "system") {
+            messages.insert(0, ChatMessage::new("system", system));
+        }
+    }
+}
+
+/// `problems` and their prompt `tokens` without those longer than `max` tokens (all of
+/// them when `None`), logging how many of the `what` prompts were left out.
+pub fn drop_long_prompts(
+    problems: Vec<Problem>,
+    tokens: Vec<Vec<u32>>,
+    max: Option<usize>,
+    what: &str,
+) -> (Vec<Problem>, Vec<Vec<u32>>) {
+    let Some(max) = max else {
+        return (problems, tokens);
+    };
+    let total = problems.len();
+    let kept: (Vec<Problem>, Vec<Vec<u32>>) = problems
+        .into_iter()
+        .zip(tokens)
+        .filter(|(_, t)| t.len() <= max)
+        .unzip();
+    if kept.0.len() < total {
+        tracing::warn!(
+            "{} of {total} {what} prompts are longer than data.max_prompt_length ({max} \
+             tokens) and are left out",
+            total - kept.0.len()
+        );
+    }
+    kept
 }
 
 /// The held-out problems of the data set `source`: a built-in task's held-out split
@@ -195,6 +274,7 @@ fn arithmetic(num_train: usize, num_eval: usize, seed: u64) -> (Vec<Problem>, Ve
             let (op, c) = if minus { ('-', a - b) } else { ('+', a + b) };
             out.push(Problem {
                 prompt_id: offset + out.len() as u64,
+                legacy_id: offset + out.len() as u64,
                 data_source: "builtin:arithmetic".into(),
                 question: format!("What is {a}{op}{b}?"),
                 messages: None,
@@ -328,6 +408,30 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("algebra"));
+    }
+
+    #[test]
+    fn a_system_prompt_is_added_once_and_long_prompts_are_left_out() {
+        let (mut train, _) = builtin_task("arithmetic", 3, 0, 1).unwrap();
+        train[0].add_system_prompt("Be brief.");
+        train[0].add_system_prompt("Twice?");
+        let messages = train[0].messages.as_ref().unwrap();
+        let roles: Vec<(&str, &str)> = messages
+            .iter()
+            .map(|m| (m.role.as_str(), m.content.as_str()))
+            .collect();
+        assert_eq!(
+            roles,
+            [
+                ("system", "Be brief."),
+                ("user", train[0].question.as_str())
+            ]
+        );
+        let tokens = vec![vec![1; 5], vec![1; 9], vec![1; 6]];
+        let (kept, kept_tokens) = drop_long_prompts(train.clone(), tokens.clone(), Some(6), "t");
+        assert_eq!(kept, [train[0].clone(), train[2].clone()]);
+        assert_eq!(kept_tokens, [tokens[0].clone(), tokens[2].clone()]);
+        assert_eq!(drop_long_prompts(train.clone(), tokens, None, "t").0, train);
     }
 
     #[test]

@@ -105,6 +105,10 @@ pub struct TrainerState {
     /// Steps skipped so far for a non-finite loss or gradient (`train/nonfinite_steps`).
     #[serde(default)]
     pub num_nonfinite_steps: u64,
+    /// Whether its records are keyed by stable prompt ids; checkpoints written before keyed
+    /// a file's prompts by line number, mapped when they resume.
+    #[serde(default)]
+    pub stable_prompt_ids: bool,
 }
 
 fn one() -> usize {
@@ -146,7 +150,7 @@ impl Trainer {
             .into());
         }
         let prompts = Prompts::new(&cfg, &policy.tokenizer, train)?;
-        let eval = EvalSet::new(&policy.tokenizer, eval)?;
+        let eval = EvalSet::new(&policy.tokenizer, eval, cfg.data.max_prompt_length)?;
         let longest = prompts.longest().max(eval.longest_prompt());
         setup::check_pack_tokens(&cfg, longest)?;
         let seq_len = longest + cfg.rollout.max_response_len;
@@ -436,6 +440,7 @@ impl Trainer {
             pending,
             optimizer_step: self.learner.optimizer.step,
             num_nonfinite_steps: self.nonfinite.num_steps(),
+            stable_prompt_ids: true,
         };
         let contents = Contents {
             step: self.step,
@@ -454,8 +459,11 @@ impl Trainer {
     /// Restores the optimizer and the loop state from checkpoint `dir` (the weights came
     /// with the policy the trainer was built from: `dir/model`).
     pub fn restore(&mut self, dir: &Path) -> Result<TrainerState, TrainError> {
-        let state: TrainerState = serde_json::from_str(&checkpoint::read_state(dir)?)
+        let mut state: TrainerState = serde_json::from_str(&checkpoint::read_state(dir)?)
             .map_err(|e| checkpoint::corrupt(dir, STATE, e.to_string()))?;
+        if !state.stable_prompt_ids {
+            self.prompts.upgrade_ids(&mut state);
+        }
         // Onto the learner's device, whichever device wrote the checkpoint.
         let device = self.learner.model.device().clone();
         let optimizer = checkpoint::read_tensors(dir, OPTIMIZER, &device)?

@@ -2,11 +2,15 @@
 //! the RL and warm-up positions in them, and the pruning algorithm that decides which are
 //! rolled out. This part's share of a checkpoint is the RL position and the algorithm's state.
 
+use std::collections::BTreeMap;
+
 use dppo_model::TextTokenizer;
 use rand::rngs::StdRng;
 
 use crate::config::RunConfig;
-use crate::data::{problem_prompts, Problem, ProblemOrder, DEMO_STREAM, TRAIN_STREAM};
+use crate::data::{
+    drop_long_prompts, problem_prompts, Problem, ProblemOrder, DEMO_STREAM, TRAIN_STREAM,
+};
 use crate::group::Group;
 use crate::loss::TrainSeq;
 use crate::prune::{
@@ -44,12 +48,15 @@ impl Prompts {
         tokenizer: &TextTokenizer,
         problems: Vec<Problem>,
     ) -> Result<Self, TrainError> {
+        let tokens = problem_prompts(tokenizer, &problems)?;
+        let max = cfg.data.max_prompt_length;
+        let (problems, tokens) = drop_long_prompts(problems, tokens, max, "training");
         if problems.is_empty() {
             return Err(TrainError::Config(
-                "the training set is empty (data.train, data.num_train)".into(),
+                "the training set is empty (data.train, data.num_train, data.max_prompt_length)"
+                    .into(),
             ));
         }
-        let tokens = problem_prompts(tokenizer, &problems)?;
         let num_demos = match cfg.warmup.examples {
             0 => problems.len(),
             n => n.min(problems.len()),
@@ -132,6 +139,31 @@ impl Prompts {
             drawn: self.order.drawn,
             algorithm: self.algorithm.state(),
         }
+    }
+
+    /// Re-keys a checkpoint written before stable prompt ids (its prompt history, GRESO's
+    /// visits and its waiting rollout's groups) from line numbers to `prompt_id`.
+    pub fn upgrade_ids(&self, state: &mut super::TrainerState) {
+        let ids: BTreeMap<u64, u64> = self
+            .problems
+            .iter()
+            .map(|p| (p.legacy_id, p.prompt_id))
+            .collect();
+        let new_id = |old: u64| ids.get(&old).copied().unwrap_or(old);
+        if let Some(history) = &mut state.history {
+            let entries = std::mem::take(&mut history.entries);
+            history.entries = entries.into_iter().map(|(k, v)| (new_id(k), v)).collect();
+        }
+        if let Some(greso) = &mut state.greso {
+            let visits = std::mem::take(&mut greso.visits);
+            greso.visits = visits.into_iter().map(|(k, v)| (new_id(k), v)).collect();
+        }
+        if let Some(rollout) = &mut state.pending {
+            for group in &mut rollout.groups {
+                group.prompt_id = new_id(group.prompt_id);
+            }
+        }
+        state.stable_prompt_ids = true;
     }
 
     /// Continues from a checkpoint's share.
