@@ -6,13 +6,13 @@ use serde_json::json;
 use crate::util::{metrics_lines, run_with_sets};
 
 /// Writes `n` verl rows of two-digit sums (system and user messages, the answer nested in
-/// `reward_model`) to `path`.
+/// `reward_model`; two data sources, by parity) to `path`.
 fn verl_file(path: &std::path::Path, n: usize, first: usize) {
     let rows: Vec<String> = (first..first + n)
         .map(|i| {
             let (a, b) = (10 + i % 80, 11 + (i * 7) % 80);
             json!({
-                "data_source": "arithmetic",
+                "data_source": if i % 2 == 0 { "sums/even" } else { "sums/odd" },
                 "prompt": [
                     {"role": "system", "content": "Answer with the number."},
                     {"role": "user", "content": format!("What is {a}+{b}?")}
@@ -52,10 +52,15 @@ fn a_verl_jsonl_file_trains_and_a_warm_up_without_demonstrations_is_refused() {
         sets.extend_from_slice(extra);
         run_with_sets(&sets, &dir.path().join(out))
     };
-    let (code, stdout, stderr) = run(&["warmup.steps=0"], "ok");
+    let (code, stdout, stderr) = run(&["warmup.steps=0", "eval.every=2"], "ok");
     assert_eq!(code, Some(0), "{stdout}\n{stderr}");
     let steps = metrics_lines(&dir.path().join("ok"));
     assert_eq!(steps.iter().filter(|l| l.get("step").is_some()).count(), 2);
+    // The held-out score of each data source (8 problems each), and over both.
+    let last = steps.iter().rfind(|l| l.get("step").is_some()).unwrap();
+    let score = |key: &str| last[key].as_f64().unwrap_or_else(|| panic!("{key}: {last}"));
+    let (even, odd) = (score("eval/sums/even/acc"), score("eval/sums/odd/acc"));
+    assert!((score("eval/acc") - (even + odd) / 2.0).abs() < 1e-12, "{last}");
     let (code, _, stderr) = run(&[], "refused");
     assert_ne!(code, Some(0));
     assert!(
@@ -64,4 +69,49 @@ fn a_verl_jsonl_file_trains_and_a_warm_up_without_demonstrations_is_refused() {
             && stderr.contains("set warmup.steps = 0"),
         "{stderr}"
     );
+}
+
+/// `rollout.dump_dir` writes every step's completions with their rewards, advantages and
+/// pruning decisions, agreeing with the step's metrics.
+#[test]
+fn each_steps_rollout_is_dumped_as_the_metrics_describe_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let dump = dir.path().join("rollouts");
+    let dump_set = format!("rollout.dump_dir={}", dump.display());
+    let sets = [
+        dump_set.as_str(),
+        "warmup.steps=100",
+        "data.num_eval=8",
+        "rollout.prompts_per_step=8",
+        "steps=3",
+    ];
+    let (code, stdout, stderr) = run_with_sets(&sets, &dir.path().join("run"));
+    assert_eq!(code, Some(0), "{stdout}\n{stderr}");
+    for line in metrics_lines(&dir.path().join("run")) {
+        let Some(step) = line.get("step").and_then(|s| s.as_u64()) else {
+            continue;
+        };
+        let text = std::fs::read_to_string(dump.join(format!("step-{step:06}.jsonl"))).unwrap();
+        let rows: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let rewards: Vec<f64> = rows.iter().map(|r| r["reward"].as_f64().unwrap()).collect();
+        let mean = rewards.iter().sum::<f64>() / rewards.len() as f64;
+        assert_eq!(line["reward/mean"].as_f64().unwrap(), mean, "step {step}");
+        let kept: Vec<&serde_json::Value> = rows.iter().filter(|r| r["kept"] == true).collect();
+        let kept_frac = kept.len() as f64 / rows.len() as f64;
+        assert_eq!(line["prune/completions_kept"].as_f64().unwrap(), kept_frac);
+        assert_eq!(rows.len() % 8, 0, "whole groups of G = 8");
+        for row in &rows {
+            assert_eq!(row["step"], step);
+            assert_eq!(row["data_source"], "builtin:arithmetic");
+            assert!(row["prompt"].as_str().unwrap().contains("What is"), "{row}");
+            let weight = row["weight"].as_f64().unwrap();
+            match row["kept"].as_bool().unwrap() {
+                true => assert!(weight >= 1.0, "{row}"),
+                false => assert_eq!(weight, 0.0),
+            }
+        }
+    }
 }

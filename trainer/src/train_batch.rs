@@ -51,8 +51,8 @@ pub fn build_train_shard(
 
 /// Completion pruning of a step's `groups` by `algorithm` at `rate` (every rank prunes the
 /// whole batch alike) and the learner's batch of the survivors among this rank's `own`
-/// groups, with the whole batch's normalisers; also returns how many completions survived
-/// in all. `num_drawn` counts every prompt drawn for the step.
+/// groups, with the whole batch's normalisers; also returns the survivors of the whole
+/// batch. `num_drawn` counts every prompt drawn for the step.
 pub fn prune_and_build(
     algorithm: &dyn PruningAlgorithm,
     groups: &[Group],
@@ -60,8 +60,8 @@ pub fn prune_and_build(
     num_drawn: usize,
     rate: f64,
     rng: &mut StdRng,
-) -> (TrainBatch, usize) {
+) -> (TrainBatch, Vec<Kept>) {
     let kept = algorithm.select_completions(groups, rate, rng);
     let norm = algorithm.normalisers(groups, &kept, num_drawn);
-    (build_train_shard(groups, &kept, own, norm), kept.len())
+    (build_train_shard(groups, &kept, own, norm), kept)
 }

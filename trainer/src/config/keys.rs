@@ -318,6 +318,7 @@ pub const KEYS: &[KeyDoc] = &[
     key("rollout.temperature", "sampling temperature of rollouts", POSITIVE, Some("verl actor_rollout_ref.rollout.temperature; TRL temperature")),
     key("rollout.top_p", "nucleus sampling of rollouts", FRACTION, Some("verl actor_rollout_ref.rollout.top_p; TRL top_p")),
     key("rollout.max_response_len", "new tokens per completion at most", int(1), Some("verl data.max_response_length; TRL max_completion_length")),
+    optional("rollout.dump_dir", "each step's rollout written here as step-NNNNNN.jsonl, one line per completion: prompt, completion, reward, advantage, kept by pruning and its weight (unset: not written)", Allowed::Text("a directory"), Some("verl trainer.rollout_data_dir")),
     key("rollout.one_step_off_policy", "generate step t+1's rollouts while step t trains", Allowed::Bool, Some("verl recipe one_step_off_policy")),
     key("actor.lr", "AdamW learning rate", POSITIVE, Some("verl actor.optim.lr; TRL learning_rate")),
     key("actor.grad_clip", "global gradient-norm clip (0: off)", NON_NEGATIVE, Some("verl actor.grad_clip; TRL max_grad_norm")),

@@ -257,7 +257,7 @@ pub struct WarmupConfig {
 }
 
 /// `[rollout]`
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RolloutConfig {
     /// Samples per prompt (G).
@@ -271,6 +271,9 @@ pub struct RolloutConfig {
     /// update old (the clipped ratio against the engine's logprobs corrects for it).
     #[serde(default)]
     pub one_step_off_policy: bool,
+    /// Each step's rollout is written here as `step-NNNNNN.jsonl` (unset: not written).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dump_dir: Option<String>,
 }
 
 /// `[actor]`

@@ -275,11 +275,14 @@ impl Run {
                 Err(e) => return Err(self.stop_on_reward_failure(eval_before, e)),
             };
             if self.cfg.eval.due(self.trainer.step) {
-                let score = match self.trainer.evaluate() {
-                    Ok(score) => score,
+                let (score, by_source) = match self.trainer.evaluate_by_source() {
+                    Ok(scores) => scores,
                     Err(e) => return Err(self.stop_on_reward_failure(eval_before, e)),
                 };
                 line.insert("eval/acc".into(), json!(score));
+                for (source, score) in by_source {
+                    line.insert(format!("eval/{source}/acc"), json!(score));
+                }
             }
             if let Some(metrics) = &mut metrics {
                 metrics.write(&line)?;

@@ -7,6 +7,7 @@
 //! (`nonfinite`); the gradient-variance study (`variance`) and the metrics line (`report`)
 //! are functions of a step's data. The trainer only calls the parts' methods.
 
+mod dump;
 mod held_out;
 mod nonfinite;
 mod prompts;
@@ -230,6 +231,12 @@ impl Trainer {
 
     /// Greedy accuracy of the current policy on the held-out problems.
     pub fn evaluate(&mut self) -> Result<f64, TrainError> {
+        Ok(self.evaluate_by_source()?.0)
+    }
+
+    /// [`Trainer::evaluate`], and each data source's score when the held-out set has
+    /// several.
+    pub fn evaluate_by_source(&mut self) -> Result<(f64, BTreeMap<String, f64>), TrainError> {
         self.rollouts.settle()?;
         let engine = self.rollouts.engine();
         self.held_out.accuracy(engine, &self.tokenizer, &self.ranks)
@@ -290,7 +297,7 @@ impl Trainer {
         compute_advantages(&mut groups, self.cfg.actor.scale_rewards);
         self.prompts.update(&groups, self.step);
         let algorithm = self.prompts.algorithm();
-        let (batch, num_trained) = prune_and_build(
+        let (batch, kept) = prune_and_build(
             algorithm,
             &groups,
             own.clone(),
@@ -298,6 +305,18 @@ impl Trainer {
             algorithm.completion_rate(),
             &mut self.step_rng(self.step, PRUNE_PHASE),
         );
+        let num_trained = kept.len();
+        if let Some(dir) = &self.cfg.rollout.dump_dir {
+            let dump = dump::RolloutDump {
+                step: self.step + 1,
+                rank: self.rank().0,
+                groups: &groups,
+                own: own.clone(),
+                kept: &kept,
+                prompts: &self.prompts,
+            };
+            dump.write(Path::new(dir), &self.tokenizer)?;
+        }
         timed("reward", t);
         if self.cfg.rollout.one_step_off_policy {
             let t = Instant::now();

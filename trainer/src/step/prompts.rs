@@ -81,6 +81,12 @@ impl Prompts {
         &self.problems[i]
     }
 
+    /// The data source of the training problem with `prompt_id`.
+    pub fn data_source(&self, prompt_id: u64) -> Option<&str> {
+        let i = self.prompt_ids.iter().position(|&id| id == prompt_id)?;
+        Some(&self.problems[i].data_source)
+    }
+
     /// The token ids of training problem `i`'s prompt.
     pub fn tokens(&self, i: usize) -> &[u32] {
         &self.tokens[i]

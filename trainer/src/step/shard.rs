@@ -78,9 +78,12 @@ impl Ranks {
         Ok(sum_f64(self.collective.as_ref(), &[f64::from(u8::from(yes))])?[0] > 0.0)
     }
 
-    /// `x` summed over the ranks (itself on one rank).
-    pub fn sum(&self, x: f64) -> Result<f64, TrainError> {
-        Ok(sum_f64(self.collective.as_ref(), &[x])?[0])
+    /// Each of `xs` summed over every rank, in one collective (free on one rank).
+    pub fn sum_all(&self, xs: &[f64]) -> Result<Vec<f64>, TrainError> {
+        match self.collective.world_size() {
+            1 => Ok(xs.to_vec()),
+            _ => Ok(sum_f64(self.collective.as_ref(), xs)?),
+        }
     }
 
     /// Fails with [`TrainError::Diverged`] unless every rank's weights have the same
