@@ -58,9 +58,16 @@ fn a_verl_jsonl_file_trains_and_a_warm_up_without_demonstrations_is_refused() {
     assert_eq!(steps.iter().filter(|l| l.get("step").is_some()).count(), 2);
     // The held-out score of each data source (8 problems each), and over both.
     let last = steps.iter().rfind(|l| l.get("step").is_some()).unwrap();
-    let score = |key: &str| last[key].as_f64().unwrap_or_else(|| panic!("{key}: {last}"));
+    let score = |key: &str| {
+        last[key]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{key}: {last}"))
+    };
     let (even, odd) = (score("eval/sums/even/acc"), score("eval/sums/odd/acc"));
-    assert!((score("eval/acc") - (even + odd) / 2.0).abs() < 1e-12, "{last}");
+    assert!(
+        (score("eval/acc") - (even + odd) / 2.0).abs() < 1e-12,
+        "{last}"
+    );
     let (code, _, stderr) = run(&[], "refused");
     assert_ne!(code, Some(0));
     assert!(
@@ -114,4 +121,45 @@ fn each_steps_rollout_is_dumped_as_the_metrics_describe_it() {
             }
         }
     }
+}
+
+/// verl's parquet files read as their JSONL twins do: the same problems, prompt ids
+/// included; a file that is not parquet is named.
+#[test]
+fn verl_parquet_reads_as_its_jsonl_twin_and_trains() {
+    use dppo_trainer::data::{load_file, Fields};
+    let dir = tempfile::tempdir().unwrap();
+    let twin = dir.path().join("verl.jsonl");
+    verl_file(&twin, 24, 0);
+    let parquet = crate::util::fixture("parquet/verl.parquet");
+    let fields = Fields {
+        question: "prompt".into(),
+        answer: "reward_model.ground_truth".into(),
+        verify: true,
+    };
+    let from_parquet = load_file(&parquet, &fields).unwrap();
+    assert_eq!(from_parquet.len(), 24);
+    assert_eq!(from_parquet, load_file(&twin, &fields).unwrap());
+    let not_parquet = dir.path().join("fake.parquet");
+    std::fs::write(&not_parquet, "{\"a\": 1}\n").unwrap();
+    let err = load_file(&not_parquet, &fields).unwrap_err().to_string();
+    assert!(err.starts_with(&format!(
+        "{}: not a readable parquet file",
+        not_parquet.display()
+    )));
+    let (train_set, eval_set) = (
+        format!("data.train={}", parquet.display()),
+        format!("data.eval={}", twin.display()),
+    );
+    let sets = [
+        train_set.as_str(),
+        eval_set.as_str(),
+        "data.question_field=prompt",
+        "data.answer_field=reward_model.ground_truth",
+        "data.num_eval=8",
+        "warmup.steps=0",
+        "steps=2",
+    ];
+    let (code, stdout, stderr) = run_with_sets(&sets, &dir.path().join("run"));
+    assert_eq!(code, Some(0), "{stdout}\n{stderr}");
 }

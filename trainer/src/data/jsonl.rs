@@ -1,7 +1,8 @@
-//! JSONL prompt files. Each field is a dotted path into the row (`reward_model.ground_truth`),
-//! so verl's schema reads as it is: `data.question_field = "prompt"` (a list of chat
-//! messages) and `data.answer_field = "reward_model.ground_truth"`. A question may be a
-//! string or a list of `{role, content}` messages; an answer a string or a number.
+//! Prompt files: JSONL, and the rows of any other format read as JSON values. Each field is a
+//! dotted path into the row (`reward_model.ground_truth`), so verl's schema reads as it is:
+//! `data.question_field = "prompt"` (a list of chat messages) and `data.answer_field =
+//! "reward_model.ground_truth"`. A question may be a string or a list of `{role, content}`
+//! messages; an answer a string or a number (any JSON for an external reward).
 
 use std::path::Path;
 
@@ -21,20 +22,32 @@ pub fn load_jsonl(path: &Path, fields: &Fields) -> Result<Vec<Problem>, DataErro
         path: path.display().to_string(),
         source,
     })?;
+    let rows = text
+        .lines()
+        .enumerate()
+        .filter(|(_, line)| !line.trim().is_empty())
+        .map(|(i, line)| {
+            let row = serde_json::from_str(line).map_err(|e| format!("not valid JSON: {e}"));
+            (i, row)
+        });
+    problems_of_rows(path, rows, fields)
+}
+
+/// The problems of `rows` (0-based line or row number, the row or why it cannot be read)
+/// of the file at `path`; every malformed row is named in the error.
+pub(super) fn problems_of_rows(
+    path: &Path,
+    rows: impl Iterator<Item = (usize, Result<Value, String>)>,
+    fields: &Fields,
+) -> Result<Vec<Problem>, DataError> {
     let file_name = path.file_stem().map_or_else(
         || path.display().to_string(),
         |s| s.to_string_lossy().into_owned(),
     );
     let mut problems = Vec::new();
     let mut malformed = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let row = serde_json::from_str::<Value>(line)
-            .map_err(|e| format!("not valid JSON: {e}"))
-            .and_then(|row| problem(&row, fields, &file_name, i));
-        match row {
+    for (i, row) in rows {
+        match row.and_then(|row| problem(&row, fields, &file_name, i)) {
             Ok(p) => problems.push(p),
             Err(reason) => malformed.push((i + 1, reason)),
         }

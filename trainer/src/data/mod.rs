@@ -11,7 +11,9 @@ use crate::config::DataConfig;
 use dppo_rewards::{Answer, ExtractMode};
 
 mod jsonl;
+mod parquet;
 
+pub use self::parquet::load_parquet;
 pub use jsonl::load_jsonl;
 
 /// One prompt with its ground truth.
@@ -59,6 +61,9 @@ pub enum DataError {
         /// Rows that were fine.
         accepted: usize,
     },
+    /// A parquet file that cannot be read at all (its rows are checked one by one).
+    #[error("{path}: not a readable parquet file: {reason}")]
+    Parquet { path: String, reason: String },
     #[error("unknown built-in task {0:?} (available: builtin:arithmetic)")]
     UnknownTask(String),
     #[error("data.eval: a held-out JSONL file is required with a JSONL train set")]
@@ -167,7 +172,7 @@ pub fn run_problems(
         answer: data.answer_field.clone(),
         verify,
     };
-    let mut train = load_jsonl(Path::new(&data.train), &fields)?;
+    let mut train = load_file(Path::new(&data.train), &fields)?;
     let source = data.eval.as_deref().ok_or(DataError::NoEvalSet)?;
     let mut eval = held_out(source, &fields, data.num_eval, seed)?;
     eval.truncate(data.num_eval);
@@ -229,7 +234,15 @@ pub fn held_out(
 ) -> Result<Vec<Problem>, DataError> {
     match source.strip_prefix("builtin:") {
         Some(task) => Ok(builtin_task(task, 0, num_eval, seed)?.1),
-        None => load_jsonl(Path::new(source), fields),
+        None => load_file(Path::new(source), fields),
+    }
+}
+
+/// A prompt file: parquet when its name ends in `.parquet`, JSONL otherwise.
+pub fn load_file(path: &Path, fields: &Fields) -> Result<Vec<Problem>, DataError> {
+    match path.extension().is_some_and(|e| e == "parquet") {
+        true => load_parquet(path, fields),
+        false => load_jsonl(path, fields),
     }
 }
 
