@@ -163,3 +163,73 @@ fn verl_parquet_reads_as_its_jsonl_twin_and_trains() {
     let (code, stdout, stderr) = run_with_sets(&sets, &dir.path().join("run"));
     assert_eq!(code, Some(0), "{stdout}\n{stderr}");
 }
+
+/// Several training files: one set without weights (b.jsonl holds a quarter of the
+/// problems), mixed by `data.train_weights` with them. GRPO rolls out every drawn prompt,
+/// so the dumped rollouts count the draws. A weight count that does not match is named.
+#[test]
+fn several_files_are_drawn_as_one_set_or_by_weight() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"));
+    verl_file(&a, 36, 0);
+    verl_file(&b, 12, 40);
+    let b_rows = std::fs::read_to_string(&b)
+        .unwrap()
+        .replace("sums/even", "other")
+        .replace("sums/odd", "other");
+    std::fs::write(&b, b_rows).unwrap();
+    let train = format!("data.train=[\"{}\", \"{}\"]", a.display(), b.display());
+    let eval = format!("data.eval={}", a.display());
+    let share_of_b = |extra: &[&str], out: &str| {
+        let dump = dir.path().join(out).join("dump");
+        let dump_set = format!("rollout.dump_dir={}", dump.display());
+        let mut sets = vec![
+            train.as_str(),
+            eval.as_str(),
+            dump_set.as_str(),
+            "data.question_field=prompt",
+            "data.answer_field=reward_model.ground_truth",
+            "data.num_eval=4",
+            "warmup.steps=0",
+            "algorithm=grpo",
+            "rollout.prompts_per_step=16",
+            "rollout.n=2",
+            "steps=10",
+        ];
+        sets.extend_from_slice(extra);
+        let (code, stdout, stderr) = run_with_sets(&sets, &dir.path().join(out));
+        assert_eq!(code, Some(0), "{stdout}\n{stderr}");
+        let (mut from_b, mut total) = (0, 0);
+        for entry in std::fs::read_dir(&dump).unwrap() {
+            let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+            // One line per completion, G = 2 a prompt.
+            for row in text.lines().step_by(2) {
+                let row: serde_json::Value = serde_json::from_str(row).unwrap();
+                from_b += usize::from(row["data_source"] == "other");
+                total += 1;
+            }
+        }
+        assert_eq!(total, 160, "10 steps of 16 prompts");
+        from_b as f64 / total as f64
+    };
+    // Without weights, 160 draws are 3 1/3 epochs of the 48 problems: b's 12 are drawn in
+    // each epoch once, so between 36 and 48 times.
+    let share = share_of_b(&[], "one_set");
+    assert!((36.0..=48.0).contains(&(share * 160.0)), "{share}");
+    let share = share_of_b(&["data.train_weights=[1, 3]"], "weighted");
+    let se = (0.75f64 * 0.25 / 160.0).sqrt();
+    assert!((share - 0.75).abs() < 4.0 * se, "{share} of draws from b.jsonl");
+    let wrong = [
+        train.as_str(),
+        eval.as_str(),
+        "data.question_field=prompt",
+        "data.answer_field=reward_model.ground_truth",
+        "data.train_weights=[1, 2, 3]",
+    ];
+    let (code, _, stderr) = run_with_sets(&wrong, &dir.path().join("wrong"));
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("data.train_weights: must have one weight per data.train file (2), got 3"),
+        "{stderr}"
+    );
+}

@@ -90,6 +90,34 @@ pub const RULES: &[Rule] = &[
         },
     },
     Rule {
+        key: "data.train_weights",
+        says: "one per data.train file",
+        broken: |cfg| {
+            let files = cfg.data.train.paths();
+            let weights = cfg.data.train_weights.as_ref()?;
+            (weights.len() != files.len()).then(|| {
+                format!(
+                    "must have one weight per data.train file ({}), got {}",
+                    files.len(),
+                    weights.len()
+                )
+            })
+        },
+    },
+    Rule {
+        key: "data.train",
+        says: "a built-in task alone",
+        broken: |cfg| {
+            let files = cfg.data.train.paths();
+            (files.len() > 1 && files.iter().any(|f| f.starts_with("builtin:"))).then(|| {
+                format!(
+                    "a built-in task cannot be mixed with files, got {}",
+                    cfg.data.train
+                )
+            })
+        },
+    },
+    Rule {
         key: "reward.overlong_buffer",
         says: "less than rollout.max_response_len",
         broken: |cfg| {
@@ -139,6 +167,10 @@ pub enum Allowed {
     ListOf(&'static [&'static str]),
     /// A non-empty list of any strings; the text says what they are.
     Strings(&'static str),
+    /// A string, or a non-empty list of strings; the text says what they are.
+    TextOrStrings(&'static str),
+    /// A non-empty list of numbers above 0.
+    PositiveFloats,
 }
 
 /// One end of a float range.
@@ -169,7 +201,18 @@ impl Allowed {
             (Self::ListOf(choices), V::Array(items)) => items
                 .iter()
                 .all(|v| v.as_str().is_some_and(|s| choices.contains(&s))),
-            (Self::Strings(_), V::Array(items)) => !items.is_empty() && items.iter().all(V::is_str),
+            (Self::Strings(_) | Self::TextOrStrings(_), V::Array(items)) => {
+                !items.is_empty() && items.iter().all(V::is_str)
+            }
+            (Self::TextOrStrings(_), V::String(_)) => true,
+            (Self::PositiveFloats, V::Array(items)) => {
+                let positive = |v: &V| match v {
+                    V::Integer(i) => *i > 0,
+                    V::Float(x) => x.is_finite() && *x > 0.0,
+                    _ => false,
+                };
+                !items.is_empty() && items.iter().all(positive)
+            }
             _ => false,
         }
     }
@@ -223,7 +266,8 @@ impl fmt::Display for Allowed {
                 let quoted: Vec<String> = choices.iter().map(|c| format!("{c:?}")).collect();
                 write!(f, "a list of {}", quoted.join(", "))
             }
-            Self::Strings(what) => f.write_str(what),
+            Self::Strings(what) | Self::TextOrStrings(what) => f.write_str(what),
+            Self::PositiveFloats => f.write_str("a list of numbers > 0"),
         }
     }
 }
@@ -301,7 +345,8 @@ pub const KEYS: &[KeyDoc] = &[
     key("rank_timeout_s", "seconds a rank waits for the others before the run fails naming the rank that stopped answering", int(1), Some("torch.distributed timeout")),
     key("resume", "auto: continue from the newest complete checkpoint in the run directory, or start when there is none", Allowed::OneOf(&["disable", "auto"]), Some("verl trainer.resume_mode")),
     key("logger", "metrics sinks: metrics.jsonl and TensorBoard event files under tensorboard/", Allowed::ListOf(&["jsonl", "tensorboard"]), Some("verl trainer.logger; TRL report_to")),
-    key("data.train", "training prompts: a built-in task, a JSONL file or a parquet file (by its .parquet name)", Allowed::Text("builtin:arithmetic | path.jsonl | path.parquet"), Some("verl data.train_files")),
+    key("data.train", "training prompts: a built-in task, or one or several JSONL or parquet files (parquet by its .parquet name)", Allowed::TextOrStrings("builtin:arithmetic | path.jsonl | path.parquet | [\"a.jsonl\", \"b.parquet\", ...]"), Some("verl data.train_files")),
+    optional("data.train_weights", "one weight per data.train file: each draw picks a file in proportion, in that file's own shuffled epochs (unset: the files are one set, each problem equally likely)", Allowed::PositiveFloats, Some("OpenRLHF --prompt_data_probs")),
     optional("data.eval", "held-out JSONL or parquet file, required with a file training set (built-in tasks bring their own held-out split)", Allowed::Text("path.jsonl | path.parquet"), Some("verl data.val_files")),
     key("data.question_field", "field (a dotted path) holding the question: a string, or a list of {role, content} chat messages (verl's prompt; a trailing assistant message is the demonstration, not the prompt)", Allowed::Text("a field name or dotted path"), Some("verl data.prompt_key")),
     key("data.answer_field", "field (a dotted path) holding the gold answer, a string or a number for the verifier, any JSON for an external reward (verl: reward_model.ground_truth)", Allowed::Text("a field name or dotted path"), None),

@@ -216,12 +216,45 @@ impl Default for CheckpointConfig {
     }
 }
 
+/// `data.train`: a built-in task or one file, or several files to mix.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum TrainFiles {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl TrainFiles {
+    /// Every file (or the built-in task), in order.
+    pub fn paths(&self) -> Vec<&str> {
+        match self {
+            Self::One(path) => vec![path],
+            Self::Many(paths) => paths.iter().map(String::as_str).collect(),
+        }
+    }
+
+    /// The first file, or the built-in task (what sets the default extraction mode).
+    pub fn first(&self) -> &str {
+        self.paths().first().copied().unwrap_or("")
+    }
+}
+
+impl std::fmt::Display for TrainFiles {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.paths().join(", "))
+    }
+}
+
 /// `[data]`
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataConfig {
-    /// `builtin:arithmetic` or a JSONL path.
-    pub train: String,
+    /// `builtin:arithmetic`, or one or several JSONL/parquet files.
+    pub train: TrainFiles,
+    /// One weight per `train` file: each draw picks a file with probability proportional
+    /// to its weight (unset: the files are one set, every problem equally likely).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train_weights: Option<Vec<f64>>,
     /// Held-out JSONL path; built-in tasks bring their own held-out split.
     #[serde(default)]
     pub eval: Option<String>,

@@ -112,6 +112,7 @@ fn problem(row: &Value, fields: &Fields, file_name: &str, line: usize) -> Result
     Ok(Problem {
         prompt_id: stable_prompt_id(&data_source, &prompt),
         legacy_id: line as u64,
+        file: 0,
         data_source,
         question,
         messages,

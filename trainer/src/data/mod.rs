@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
+use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use dppo_model::{ChatMessage, TextTokenizer};
 
@@ -11,10 +11,12 @@ use crate::config::DataConfig;
 use dppo_rewards::{Answer, ExtractMode};
 
 mod jsonl;
+mod order;
 mod parquet;
 
 pub use self::parquet::load_parquet;
 pub use jsonl::load_jsonl;
+pub use order::ProblemOrder;
 
 /// One prompt with its ground truth.
 #[derive(Debug, Clone, PartialEq)]
@@ -26,6 +28,8 @@ pub struct Problem {
     /// The id checkpoints written before stable ids used (a file row's line number, from
     /// 0): resuming one maps its records to `prompt_id`.
     pub legacy_id: u64,
+    /// Which of `data.train`'s files it came from (0 for one file or a built-in task).
+    pub file: usize,
     /// Where the row came from (verl's `data_source`; the file's name when the row has
     /// none), sent to external rewards.
     pub data_source: String,
@@ -164,7 +168,7 @@ pub fn run_problems(
     seed: u64,
     verify: bool,
 ) -> Result<(Vec<Problem>, Vec<Problem>), DataError> {
-    if let Some(task) = data.train.strip_prefix("builtin:") {
+    if let Some(task) = data.train.first().strip_prefix("builtin:") {
         return builtin_task(task, data.num_train, data.num_eval, seed);
     }
     let fields = Fields {
@@ -172,7 +176,11 @@ pub fn run_problems(
         answer: data.answer_field.clone(),
         verify,
     };
-    let mut train = load_file(Path::new(&data.train), &fields)?;
+    let mut train = Vec::new();
+    for (file, path) in data.train.paths().into_iter().enumerate() {
+        let problems = load_file(Path::new(path), &fields)?;
+        train.extend(problems.into_iter().map(|p| Problem { file, ..p }));
+    }
     let source = data.eval.as_deref().ok_or(DataError::NoEvalSet)?;
     let mut eval = held_out(source, &fields, data.num_eval, seed)?;
     eval.truncate(data.num_eval);
@@ -288,6 +296,7 @@ fn arithmetic(num_train: usize, num_eval: usize, seed: u64) -> (Vec<Problem>, Ve
             out.push(Problem {
                 prompt_id: offset + out.len() as u64,
                 legacy_id: offset + out.len() as u64,
+                file: 0,
                 data_source: "builtin:arithmetic".into(),
                 question: format!("What is {a}{op}{b}?"),
                 messages: None,
@@ -309,55 +318,6 @@ pub const TRAIN_STREAM: u64 = u64::MAX;
 /// The warm-up's stream over the demonstrations.
 pub const DEMO_STREAM: u64 = u64::MAX - 1;
 
-/// A position in an endless sequence of epochs over `n` problems, each epoch shuffled by
-/// (seed, stream, epoch) alone, so a saved position restores the exact order.
-#[derive(Debug, Clone)]
-pub struct ProblemOrder {
-    seed: u64,
-    stream: u64,
-    n: usize,
-    /// Problems drawn so far.
-    pub drawn: u64,
-    /// The shuffled order of the current epoch: (epoch, order).
-    epoch: (u64, Vec<usize>),
-}
-
-impl ProblemOrder {
-    /// Position 0 of the order of `n` problems.
-    pub fn new(seed: u64, stream: u64, n: usize) -> Self {
-        Self {
-            seed,
-            stream,
-            n,
-            drawn: 0,
-            epoch: (0, shuffled(seed, stream, 0, n)),
-        }
-    }
-
-    /// The next `count` problem indices.
-    pub fn next(&mut self, count: usize) -> Vec<usize> {
-        let n = self.n as u64;
-        (0..count)
-            .map(|_| {
-                let epoch = self.drawn / n;
-                if self.epoch.0 != epoch {
-                    self.epoch = (epoch, shuffled(self.seed, self.stream, epoch, self.n));
-                }
-                let i = self.epoch.1[(self.drawn % n) as usize];
-                self.drawn += 1;
-                i
-            })
-            .collect()
-    }
-}
-
-/// `0..n` in the order of epoch `epoch` of a stream.
-fn shuffled(seed: u64, stream: u64, epoch: u64, n: usize) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..n).collect();
-    order.shuffle(&mut StdRng::seed_from_u64(mix(seed, epoch, stream)));
-    order
-}
-
 /// A well-spread 64-bit seed from three numbers (splitmix64 rounds).
 pub(crate) fn mix(a: u64, b: u64, c: u64) -> u64 {
     let round = |mut z: u64| {
@@ -373,24 +333,6 @@ pub(crate) fn mix(a: u64, b: u64, c: u64) -> u64 {
 mod tests {
     use super::*;
     use dppo_rewards::verify;
-
-    #[test]
-    fn problem_orders_are_seeded_epoch_permutations_that_resume_from_a_position() {
-        let mut order = ProblemOrder::new(7, TRAIN_STREAM, 10);
-        let drawn = order.next(25);
-        for epoch in drawn.chunks(10).take(2) {
-            let mut sorted = epoch.to_vec();
-            sorted.sort_unstable();
-            assert_eq!(sorted, (0..10).collect::<Vec<_>>());
-        }
-        assert_ne!(drawn[..10], drawn[10..20], "epochs reshuffle");
-        let mut resumed = ProblemOrder::new(7, TRAIN_STREAM, 10);
-        resumed.drawn = 13;
-        assert_eq!(resumed.next(12), drawn[13..25]);
-        let other_stream = ProblemOrder::new(7, DEMO_STREAM, 10).next(10);
-        let other_seed = ProblemOrder::new(8, TRAIN_STREAM, 10).next(10);
-        assert!(other_stream != drawn[..10] && other_seed != drawn[..10]);
-    }
 
     #[test]
     fn arithmetic_splits_are_disjoint_and_self_consistent() {
@@ -461,12 +403,12 @@ mod tests {
             answer: "answer".into(),
             verify: true,
         };
-        assert_eq!(held_out(&data.train, &fields, 10, 3).unwrap(), eval);
+        assert_eq!(held_out(data.train.first(), &fields, 10, 3).unwrap(), eval);
         let gsm8k = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/gsm8k/test.jsonl");
-        data.train = gsm8k.display().to_string();
+        data.train = crate::config::TrainFiles::One(gsm8k.display().to_string());
         let err = run_problems(&data, 3, true).unwrap_err();
         assert!(matches!(err, DataError::NoEvalSet), "{err}");
-        data.eval = Some(data.train.clone());
+        data.eval = Some(data.train.to_string());
         let (train, eval) = run_problems(&data, 3, true).unwrap();
         assert_eq!(eval[..], train[..10], "the held-out file, cut to num_eval");
     }

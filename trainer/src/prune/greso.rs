@@ -231,7 +231,7 @@ mod tests {
             drawn.problems.len() > 50,
             "about half the drawn prompts are skipped"
         );
-        assert_eq!(order.drawn, drawn.problems.len() as u64);
+        assert_eq!(order.drawn(), drawn.problems.len() as u64);
         // With fewer rollable prompts than a batch, one pass over the training set ends it.
         for &id in &prompt_ids {
             greso.state_mut().visits.insert(id, vec![1.0; 16]);

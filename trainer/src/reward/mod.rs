@@ -28,7 +28,7 @@ pub fn spec(cfg: &RunConfig) -> RewardSpec {
     RewardSpec {
         mode: verifier
             .extract
-            .unwrap_or_else(|| default_extract_mode(&cfg.data.train)),
+            .unwrap_or_else(|| default_extract_mode(cfg.data.train.first())),
         max_tokens: cfg.rollout.max_response_len,
         overlong_buffer: verifier.overlong_buffer,
         overlong_penalty: verifier.overlong_penalty,

@@ -145,7 +145,7 @@ impl Trainer {
         let no_demos = !train.is_empty() && !train.iter().any(|p| p.solution.is_some());
         if cfg.warmup.steps > 0 && no_demos {
             return Err(crate::data::DataError::NoDemonstrations {
-                data: cfg.data.train.clone(),
+                data: cfg.data.train.to_string(),
                 steps: cfg.warmup.steps,
             }
             .into());

@@ -61,9 +61,25 @@ impl Prompts {
             0 => problems.len(),
             n => n.min(problems.len()),
         };
+        let order = match &cfg.data.train_weights {
+            None => ProblemOrder::new(cfg.seed, TRAIN_STREAM, problems.len()),
+            Some(weights) => {
+                let mut parts = vec![Vec::new(); weights.len()];
+                for (i, p) in problems.iter().enumerate() {
+                    parts[p.file].push(i);
+                }
+                if let Some(k) = parts.iter().position(Vec::is_empty) {
+                    return Err(TrainError::Config(format!(
+                        "data.train file {} has no prompts left (data.max_prompt_length?)",
+                        cfg.data.train.paths()[k]
+                    )));
+                }
+                ProblemOrder::mixed(cfg.seed, TRAIN_STREAM, parts, weights)
+            }
+        };
         Ok(Self {
             prompt_ids: problems.iter().map(|p| p.prompt_id).collect(),
-            order: ProblemOrder::new(cfg.seed, TRAIN_STREAM, problems.len()),
+            order,
             demo_order: ProblemOrder::new(cfg.seed, DEMO_STREAM, num_demos),
             algorithm: algorithm(cfg),
             problems,
@@ -142,7 +158,7 @@ impl Prompts {
     /// This part's share of a checkpoint.
     pub fn state(&self) -> PromptsState {
         PromptsState {
-            drawn: self.order.drawn,
+            drawn: self.order.drawn(),
             algorithm: self.algorithm.state(),
         }
     }
@@ -174,7 +190,7 @@ impl Prompts {
 
     /// Continues from a checkpoint's share.
     pub fn restore(&mut self, state: PromptsState) {
-        self.order.drawn = state.drawn;
+        self.order.seek(state.drawn);
         self.algorithm.restore(state.algorithm);
     }
 }
@@ -218,7 +234,7 @@ mod tests {
             0,
             "RL starts at the first training problem"
         );
-        assert_eq!(prompts.demo_order.drawn, 12);
+        assert_eq!(prompts.demo_order.drawn(), 12);
         assert!(demos.next(12).iter().all(|&i| i < 8));
     }
 }
