@@ -7,7 +7,7 @@ use crate::util::{metrics_lines, run_with_sets};
 
 /// Writes `n` verl rows of two-digit sums (system and user messages, the answer nested in
 /// `reward_model`; two data sources, by parity) to `path`.
-fn verl_file(path: &std::path::Path, n: usize, first: usize) {
+pub(crate) fn verl_file(path: &std::path::Path, n: usize, first: usize) {
     let rows: Vec<String> = (first..first + n)
         .map(|i| {
             let (a, b) = (10 + i % 80, 11 + (i * 7) % 80);
@@ -218,7 +218,10 @@ fn several_files_are_drawn_as_one_set_or_by_weight() {
     assert!((36.0..=48.0).contains(&(share * 160.0)), "{share}");
     let share = share_of_b(&["data.train_weights=[1, 3]"], "weighted");
     let se = (0.75f64 * 0.25 / 160.0).sqrt();
-    assert!((share - 0.75).abs() < 4.0 * se, "{share} of draws from b.jsonl");
+    assert!(
+        (share - 0.75).abs() < 4.0 * se,
+        "{share} of draws from b.jsonl"
+    );
     let wrong = [
         train.as_str(),
         eval.as_str(),

@@ -473,3 +473,141 @@ fn verl_and_trl_reward_functions_run_through_the_example_adapter() {
     );
     assert_eq!(trl.rewards, vec![1.0, 0.0, 0.0]);
 }
+
+/// A reward script answering each completion with `value`, and 1 for its format check.
+fn constant_script(dir: &Path, name: &str, value: f64) -> String {
+    let path = dir.join(format!("{name}.py"));
+    std::fs::write(
+        &path,
+        format!(
+            "import json, sys\n\
+             for line in sys.stdin:\n\
+             \x20   n = len(json.loads(line)['completions'])\n\
+             \x20   print(json.dumps({{'rewards': [{value}] * n}}), flush=True)\n"
+        ),
+    )
+    .unwrap();
+    format!("[\"python3\", \"{}\"]", path.display())
+}
+
+/// `reward.combine` weighs named rewards (each part logged), and `reward.routes` gives a
+/// data source its own: the dumped rollouts show each source scored by its route.
+#[test]
+fn rewards_combine_by_weight_and_route_by_data_source() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("sums.jsonl");
+    crate::datasets::verl_file(&data, 48, 0);
+    let (quarter, half) = (
+        constant_script(dir.path(), "quarter", 0.25),
+        constant_script(dir.path(), "half", 0.5),
+    );
+    let functions = format!(
+        "reward.functions={{ quarter = {{ command = {quarter} }}, half = {{ command = {half} }} }}"
+    );
+    let (train, eval) = (
+        format!("data.train={}", data.display()),
+        format!("data.eval={}", data.display()),
+    );
+    let run = |extra: &[&str], out: &str| {
+        let dump = dir.path().join(out).join("dump");
+        let dump_set = format!("rollout.dump_dir={}", dump.display());
+        let mut sets = vec![
+            train.as_str(),
+            eval.as_str(),
+            functions.as_str(),
+            dump_set.as_str(),
+            "data.question_field=prompt",
+            "data.answer_field=reward_model.ground_truth",
+            "data.num_eval=4",
+            "warmup.steps=0",
+            "rollout.prompts_per_step=8",
+            "steps=2",
+        ];
+        sets.extend_from_slice(extra);
+        let (code, stdout, stderr) = run_with_sets(&sets, &dir.path().join(out));
+        assert_eq!(code, Some(0), "{stdout}\n{stderr}");
+        let mut rows = Vec::new();
+        for entry in std::fs::read_dir(&dump).unwrap() {
+            let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+            rows.extend(
+                text.lines()
+                    .map(|l| serde_json::from_str::<Value>(l).unwrap()),
+            );
+        }
+        (metrics_lines(&dir.path().join(out)), rows)
+    };
+    // verifier + 2 x quarter: every completion's reward is its verdict + 0.5.
+    let (lines, rows) = run(
+        &["reward.combine={ verifier = 1, quarter = 2 }"],
+        "combined",
+    );
+    for row in &rows {
+        let reward = row["reward"].as_f64().unwrap();
+        assert!(reward == 0.5 || reward == 1.5, "{row}");
+    }
+    for line in lines.iter().filter(|l| l.get("step").is_some()) {
+        let part = |name: &str| line[format!("reward/{name}/mean")].as_f64().unwrap();
+        assert_eq!(part("quarter"), 0.25);
+        let mean = line["reward/mean"].as_f64().unwrap();
+        assert!((mean - (part("verifier") + 0.5)).abs() < 1e-12, "{line}");
+        assert_eq!(
+            line["acc/mean"].as_f64().unwrap(),
+            part("verifier"),
+            "{line}"
+        );
+    }
+    // Odd sums get half, even ones the verifier.
+    let routes = "reward.routes={ \"sums/odd\" = { half = 1 } }";
+    let (_, rows) = run(&[routes], "routed");
+    for row in &rows {
+        let reward = row["reward"].as_f64().unwrap();
+        match row["data_source"].as_str().unwrap() {
+            "sums/odd" => assert_eq!(reward, 0.5, "{row}"),
+            _ => assert!(reward == 0.0 || reward == 1.0, "{row}"),
+        }
+    }
+    // Names that are not defined, or taken, are named.
+    for (set, want) in [
+        ("reward.combine={ verifier = 1, nope = 1 }", "reward.combine: names \"nope\", which is not defined (defined: verifier, half, quarter)"),
+        ("reward.functions={ url = { extract = \"boxed\" } }", "\"url\" is a built-in name"),
+    ] {
+        let (code, _, stderr) = run_with_sets(&[train.as_str(), eval.as_str(), functions.as_str(), set], &dir.path().join("bad"));
+        assert_eq!(code, Some(2), "{stderr}");
+        assert!(stderr.contains(want), "{stderr}");
+    }
+}
+
+/// `dppo eval` and `dppo score` take the run's reward: samples scored by a reward process
+/// at evaluation re-score to the same rewards, and to others under another reward.
+#[test]
+fn eval_and_score_use_the_configured_reward() {
+    let dir = tempfile::tempdir().unwrap();
+    let (quarter, half) = (
+        constant_script(dir.path(), "quarter", 0.25),
+        constant_script(dir.path(), "half", 0.5),
+    );
+    let samples = dir.path().join("samples.jsonl");
+    let samples_arg = samples.display().to_string();
+    let command = |script: &str| format!("reward.command={script}");
+    let (code, stdout, stderr) = crate::util::run_dppo(&[
+        "eval", "--model", "builtin:tiny", "--data", "builtin:arithmetic", "--limit", "6",
+        "--n", "2", "--k", "2", "--max-tokens", "8", "--temperature", "1.0",
+        "--samples", &samples_arg, "--set", &command(&quarter),
+    ]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let report: Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(report["avg@2"], json!(0.25), "{report}");
+    assert_eq!(report["pass@2"], json!(0.0), "no reward reaches 1");
+    let score = |script: &str| {
+        let (code, stdout, stderr) = crate::util::run_dppo(&[
+            "score", "--data", &samples_arg, "--set", &command(script),
+        ]);
+        assert_eq!(code, Some(0), "{stderr}");
+        serde_json::from_str::<Value>(stdout.trim()).unwrap()
+    };
+    let same = score(&quarter);
+    assert_eq!((&same["agreement"], &same["samples"]), (&json!(1.0), &json!(12)));
+    let other = score(&half);
+    assert_eq!((&other["disagreements"], &other["mean_reward"]), (&json!(12), &json!(0.5)));
+    assert_eq!(other["saved_mean_reward"], json!(0.25));
+}

@@ -152,6 +152,8 @@ fn write_samples(path: &Path, problems: &[Problem], samples: &[Vec<Graded>]) -> 
             // The parsed gold answer the verifier checks (`dppo score` reads it), else the
             // label as the data holds it.
             "answer": p.answer.as_ref().map_or_else(|| p.label.clone(), |a| json!(a.to_string())),
+            // As the data holds it: what an external reward is sent.
+            "label": p.label,
             "samples": graded
                 .iter()
                 .map(|g| {

@@ -1,12 +1,15 @@
-//! `dppo score`: re-scores the samples that `dppo eval --samples` wrote, so that a change
-//! to the verifier can be audited offline against the rewards saved with them.
+//! `dppo score`: re-scores the samples that `dppo eval --samples` wrote, with the verifier
+//! (`--extract`) or a run config's reward (`--config`, `--set`), so that a change to the
+//! reward can be audited offline against the rewards saved with them.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use dppo_model::weights::write_atomic;
-use dppo_rewards::{parse_gold, rule_name, verify, Answer, ExtractMode};
+use dppo_rewards::{parse_gold, rule_name, Answer, ExtractMode};
+use dppo_trainer::config::RunConfig;
+use dppo_trainer::reward::{RewardItem, Scorer};
 use serde_json::{json, Value};
 
 /// Arguments of `dppo score`.
@@ -15,15 +18,25 @@ pub struct Args {
     /// A samples file written by `dppo eval --samples`.
     #[arg(long)]
     data: PathBuf,
-    /// How final answers are extracted: boxed, strict, flexible or answer.
-    #[arg(long, default_value = "strict")]
-    extract: ExtractMode,
-    /// Also print each sample whose verdict differs from its saved reward, one JSON line
+    /// How final answers are extracted: boxed, strict, flexible or answer (default: the
+    /// config's `reward.extract`, else strict).
+    #[arg(long)]
+    extract: Option<ExtractMode>,
+    /// Score with this run config's `[reward]` (a server, a process, named rewards and
+    /// their weights, or the verifier's settings), as training would, without the overlong
+    /// penalty.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Override a key of that config (or of the built-in default), e.g.
+    /// `--set 'reward.command=["python3", "my_reward.py"]'` (repeatable).
+    #[arg(long = "set")]
+    sets: Vec<String>,
+    /// Also print each sample whose new reward differs from its saved one, one JSON line
     /// each, before the summary.
     #[arg(long)]
     show_disagreements: bool,
-    /// Also write the samples file again with this verifier's `reward` and `extracted_by`
-    /// (the input to `benches/audit_math_verify.py` for a mode other than the saved one).
+    /// Also write the samples file again with the new `reward` and `extracted_by` (the
+    /// input to `benches/audit_math_verify.py` for a mode other than the saved one).
     #[arg(long)]
     out: Option<PathBuf>,
 }
@@ -33,45 +46,72 @@ struct Saved {
     text: String,
     reward: f64,
     is_truncated: bool,
+    num_tokens: usize,
 }
 
-/// One problem of a samples file: its line, gold answer and samples, and the line as read.
+/// One problem of a samples file: its line, ground truth (parsed for the verifier), data
+/// source, question and samples, and the line as read.
 struct Row {
     line: usize,
-    gold: Answer,
+    gold: Option<Answer>,
+    label: Value,
+    data_source: String,
+    question: String,
     samples: Vec<Saved>,
     json: Value,
 }
 
 /// Re-scores every sample and prints one JSON summary (agreement with the saved rewards,
-/// accuracy before and after, which rules extracted the answers).
+/// accuracy and mean reward before and after, which rules extracted the answers).
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let mut rows = read_samples(&args.data)?;
+    let cfg = RunConfig::load(args.config.as_deref(), &args.sets)?;
+    let mut spec = dppo_trainer::reward::spec(&cfg);
+    spec.mode = args
+        .extract
+        .or(cfg.reward.verifier.extract)
+        .unwrap_or(ExtractMode::Strict);
+    let scorer = Scorer::new(&cfg.reward, spec).map_err(anyhow::Error::msg)?;
+    let mut rows = read_samples(&args.data, !scorer.is_external())?;
     let (mut total, mut agree, mut correct, mut saved_correct) = (0usize, 0usize, 0usize, 0usize);
+    let (mut sum, mut saved_sum) = (0.0, 0.0);
     let mut extracted_by = BTreeMap::<&str, usize>::new();
     for row in &mut rows {
+        let items: Vec<RewardItem> = row
+            .samples
+            .iter()
+            .map(|s| RewardItem {
+                prompt: row.question.clone(),
+                completion: s.text.clone(),
+                label: row.label.clone(),
+                data_source: row.data_source.clone(),
+                extra_info: Value::Null,
+                num_tokens: s.num_tokens,
+                is_truncated: s.is_truncated,
+            })
+            .collect();
+        let what = format!("{}:{}", args.data.display(), row.line);
+        let scored = scorer.score(&items, row.gold.as_ref(), &what, false)?;
         for (index, sample) in row.samples.iter().enumerate() {
-            let verdict = verify(&sample.text, sample.is_truncated, &row.gold, args.extract);
+            let (reward, rule) = (scored.rewards[index], scored.extracted_by[index]);
             let rescored = &mut row.json["samples"][index];
-            rescored["reward"] = json!(f64::from(u8::from(verdict.is_correct)));
-            rescored["extracted_by"] = json!(rule_name(verdict.extracted_by));
-            let was_correct = sample.reward >= 1.0;
+            rescored["reward"] = json!(reward);
+            rescored["extracted_by"] = json!(rule_name(rule));
             total += 1;
-            correct += usize::from(verdict.is_correct);
-            saved_correct += usize::from(was_correct);
-            *extracted_by
-                .entry(rule_name(verdict.extracted_by))
-                .or_default() += 1;
-            if verdict.is_correct == was_correct {
+            correct += usize::from(reward >= 1.0);
+            saved_correct += usize::from(sample.reward >= 1.0);
+            (sum, saved_sum) = (sum + reward, saved_sum + sample.reward);
+            *extracted_by.entry(rule_name(rule)).or_default() += 1;
+            if (reward - sample.reward).abs() <= 1e-9 {
                 agree += 1;
             } else if args.show_disagreements {
                 let line = json!({
                     "line": row.line,
                     "sample": index,
-                    "answer": row.gold.to_string(),
+                    "answer": row.label,
                     "saved_reward": sample.reward,
-                    "correct": verdict.is_correct,
-                    "extracted_by": rule_name(verdict.extracted_by),
+                    "reward": reward,
+                    "correct": reward >= 1.0,
+                    "extracted_by": rule_name(rule),
                 });
                 println!("{line}");
             }
@@ -85,22 +125,24 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let frac = |k: usize| k as f64 / total.max(1) as f64;
     let summary = json!({
         "data": args.data.display().to_string(),
-        "extract": args.extract.to_string(),
+        "extract": spec.mode.to_string(),
         "problems": rows.len(),
         "samples": total,
         "agreement": frac(agree),
         "disagreements": total - agree,
         "accuracy": frac(correct),
         "saved_accuracy": frac(saved_correct),
+        "mean_reward": sum / total.max(1) as f64,
+        "saved_mean_reward": saved_sum / total.max(1) as f64,
         "extracted_by": extracted_by,
     });
     println!("{summary}");
     Ok(())
 }
 
-/// Reads a samples file; every line must carry a parseable `answer` and samples with
-/// `text`, `reward` and `truncated`.
-fn read_samples(path: &Path) -> anyhow::Result<Vec<Row>> {
+/// Reads a samples file; every line must carry an `answer` (a parseable one when `verify`)
+/// and samples with `text`, `reward` and `truncated`.
+fn read_samples(path: &Path, verify: bool) -> anyhow::Result<Vec<Row>> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("reading --data {}", path.display()))?;
     let mut rows = Vec::new();
@@ -110,10 +152,16 @@ fn read_samples(path: &Path) -> anyhow::Result<Vec<Row>> {
         }
         let at = format!("{}:{}", path.display(), i + 1);
         let row: Value = serde_json::from_str(raw).with_context(|| format!("{at}: not JSON"))?;
-        let Some(answer) = row["answer"].as_str() else {
-            bail!("{at}: no string field \"answer\" (is this a `dppo eval --samples` file?)");
+        let gold = match (row["answer"].as_str(), verify) {
+            (Some(answer), true) => Some(parse_gold(answer).with_context(|| at.clone())?),
+            (None, true) => {
+                bail!("{at}: no string field \"answer\" (is this a `dppo eval --samples` file?)")
+            }
+            (answer, false) => answer.and_then(|a| parse_gold(a).ok()),
         };
-        let gold = parse_gold(answer).with_context(|| at.clone())?;
+        if row.get("answer").is_none() {
+            bail!("{at}: no field \"answer\" (is this a `dppo eval --samples` file?)");
+        }
         let Some(samples) = row["samples"].as_array() else {
             bail!("{at}: no array field \"samples\"");
         };
@@ -134,12 +182,16 @@ fn read_samples(path: &Path) -> anyhow::Result<Vec<Row>> {
                     text: text.to_string(),
                     reward,
                     is_truncated,
+                    num_tokens: s["num_tokens"].as_u64().unwrap_or(0) as usize,
                 })
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         rows.push(Row {
             line: i + 1,
             gold,
+            label: row.get("label").unwrap_or(&row["answer"]).clone(),
+            data_source: row["data_source"].as_str().unwrap_or_default().to_string(),
+            question: row["question"].as_str().unwrap_or_default().to_string(),
             samples,
             json: row,
         });

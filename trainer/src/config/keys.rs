@@ -6,6 +6,7 @@ use std::fmt;
 
 use dppo_model::DeviceSpec;
 
+use super::reward::BUILT_IN_NAMES;
 use super::RunConfig;
 use crate::report::metrics_log::Logger;
 
@@ -118,6 +119,30 @@ pub const RULES: &[Rule] = &[
         },
     },
     Rule {
+        key: "reward.combine",
+        says: "naming only defined rewards",
+        broken: |cfg| unknown_reward(cfg, cfg.reward.combine.iter()),
+    },
+    Rule {
+        key: "reward.routes",
+        says: "naming only defined rewards",
+        broken: |cfg| unknown_reward(cfg, cfg.reward.routes.values()),
+    },
+    Rule {
+        key: "reward.functions",
+        says: "not named verifier, url or command",
+        broken: |cfg| {
+            let taken = cfg
+                .reward
+                .functions
+                .keys()
+                .find(|n| BUILT_IN_NAMES.contains(&n.as_str()))?;
+            Some(format!(
+                "{taken:?} is a built-in name (verifier, url, command): name it otherwise"
+            ))
+        },
+    },
+    Rule {
         key: "reward.overlong_buffer",
         says: "less than rollout.max_response_len",
         broken: |cfg| {
@@ -131,6 +156,49 @@ pub const RULES: &[Rule] = &[
         },
     },
 ];
+
+/// `reward.functions`: each entry a table of `url` (a string), `command` (strings) and
+/// `extract` (a mode), at most one of `url` and `command` (serde checks the values).
+fn functions_table(table: &toml::Table) -> bool {
+    table.values().all(|f| {
+        f.as_table().is_some_and(|f| {
+            let known = f
+                .keys()
+                .all(|k| ["url", "command", "extract"].contains(&k.as_str()));
+            known && !(f.contains_key("url") && f.contains_key("command"))
+        })
+    })
+}
+
+/// `reward.combine`: names to finite weights, at least one.
+fn weights_table(table: &toml::Table) -> bool {
+    let finite = |v: &toml::Value| match v {
+        toml::Value::Integer(_) => true,
+        toml::Value::Float(x) => x.is_finite(),
+        _ => false,
+    };
+    !table.is_empty() && table.values().all(finite)
+}
+
+/// `reward.routes`: data sources to weight tables.
+fn routes_table(table: &toml::Table) -> bool {
+    table
+        .values()
+        .all(|w| w.as_table().is_some_and(weights_table))
+}
+
+/// Why `weights` name a reward `cfg` does not define, if they do.
+fn unknown_reward<'a>(
+    cfg: &RunConfig,
+    mut weights: impl Iterator<Item = &'a super::reward::Weights>,
+) -> Option<String> {
+    let names = cfg.reward.names();
+    let unknown = weights.find_map(|w| w.keys().find(|n| !names.contains(&n.as_str())))?;
+    Some(format!(
+        "names {unknown:?}, which is not defined (defined: {})",
+        names.join(", ")
+    ))
+}
 
 /// One key of the configuration.
 pub struct KeyDoc {
@@ -147,7 +215,7 @@ pub struct KeyDoc {
 }
 
 /// The values one key accepts: printed as its "Allowed" text and checked by validation.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy)]
 pub enum Allowed {
     /// `true` or `false`.
     Bool,
@@ -171,6 +239,11 @@ pub enum Allowed {
     TextOrStrings(&'static str),
     /// A non-empty list of numbers above 0.
     PositiveFloats,
+    /// A table, checked by `admits`; the text says what it holds.
+    Table {
+        what: &'static str,
+        admits: fn(&toml::Table) -> bool,
+    },
 }
 
 /// One end of a float range.
@@ -205,6 +278,7 @@ impl Allowed {
                 !items.is_empty() && items.iter().all(V::is_str)
             }
             (Self::TextOrStrings(_), V::String(_)) => true,
+            (Self::Table { admits, .. }, V::Table(table)) => admits(table),
             (Self::PositiveFloats, V::Array(items)) => {
                 let positive = |v: &V| match v {
                     V::Integer(i) => *i > 0,
@@ -268,6 +342,7 @@ impl fmt::Display for Allowed {
             }
             Self::Strings(what) | Self::TextOrStrings(what) => f.write_str(what),
             Self::PositiveFloats => f.write_str("a list of numbers > 0"),
+            Self::Table { what, .. } => f.write_str(what),
         }
     }
 }
@@ -403,6 +478,9 @@ pub const KEYS: &[KeyDoc] = &[
     key("reward.timeout_s", "seconds one reward request may take (each attempt)", POSITIVE, None),
     key("reward.max_retries", "retries of a reward server request that failed in a way that may pass (no connection, timeout, HTTP 429 or 5xx), with exponential backoff", int(0), None),
     key("reward.concurrency", "reward server requests in flight at once", int(1), None),
+    optional("reward.functions", "named rewards beyond the verifier, reward.url and reward.command, for reward.combine and reward.routes: each a server (url), a process (command) or the verifier with its own extract mode", Allowed::Table { what: "{ name = { url = \"http://...\" } | { command = [\"program\", ...] } | { extract = \"boxed\" } }", admits: functions_table }, Some("verl custom_reward_function; TRL reward_funcs")),
+    optional("reward.combine", "every data source's reward as a weighted sum of named rewards (verifier, url, command or reward.functions), each logged as reward/<name>/mean (unset: the one of reward.url, reward.command or the verifier)", Allowed::Table { what: "{ name = weight, ... }", admits: weights_table }, Some("TRL reward_weights")),
+    optional("reward.routes", "a data source's reward as a weighted sum of named rewards, in place of reward.combine", Allowed::Table { what: "{ \"data_source\" = { name = weight, ... }, ... }", admits: routes_table }, Some("verl default_compute_score by data_source")),
     key("reward.on_error", "a failed or malformed reward answer stops the run naming the prompt and reason (fail), or scores the group 0 and counts in reward/errors (zero); a reward process that exits always stops the run, after a checkpoint", Allowed::OneOf(&["fail", "zero"]), None),
     key("rollout_correction.rollout_is", "importance weights from the learner-rollout ratio: none, per token, or per sequence (the product of its ratios), capped at rollout_is_threshold (TIS)", Allowed::OneOf(&["none", "token", "sequence"]), Some("verl algorithm.rollout_correction.rollout_is; TRL vllm_importance_sampling_correction")),
     key("rollout_correction.rollout_is_threshold", "the importance weight's cap", POSITIVE, Some("verl algorithm.rollout_correction.rollout_is_threshold; TRL vllm_importance_sampling_cap")),

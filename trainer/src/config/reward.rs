@@ -1,8 +1,31 @@
-//! `[reward]`: the verifier's settings and, optionally, an external reward (what
-//! `crate::reward` builds its scorer from).
+//! `[reward]`: the verifier's settings and, optionally, an external reward, named rewards,
+//! a weighted sum of them and a choice by data source (what `crate::reward` builds its
+//! scorer from).
 
-use dppo_rewards::RewardConfig;
+use std::collections::BTreeMap;
+
+use dppo_rewards::{ExtractMode, RewardConfig};
 use serde::{Deserialize, Serialize};
+
+/// Names that `reward.combine` and `reward.routes` may use without defining them: the
+/// verifier with `[reward]`'s settings, and `reward.url` and `reward.command` when set.
+pub const BUILT_IN_NAMES: [&str; 3] = ["verifier", "url", "command"];
+
+/// One named reward of `reward.functions`: a server, a process, or the verifier with an
+/// extraction mode of its own (the other settings are `[reward]`'s).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RewardFunction {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command: Option<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub extract: Option<ExtractMode>,
+}
+
+/// A weighted sum of named rewards.
+pub type Weights = BTreeMap<String, f64>;
 
 /// `[reward]`: the verifier's settings and, optionally, an external reward.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -31,6 +54,16 @@ pub struct RewardSettings {
     /// What a failed or malformed answer does: stop the run, or score 0 and count it.
     #[serde(default)]
     pub on_error: OnError,
+    /// Named rewards beyond the verifier, `url` and `command`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub functions: BTreeMap<String, RewardFunction>,
+    /// Every data source's reward as a weighted sum of named rewards (unset: the one of
+    /// `url`, `command` or the verifier).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub combine: Option<Weights>,
+    /// A data source's reward as a weighted sum of named rewards, in place of `combine`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub routes: BTreeMap<String, Weights>,
 }
 
 fn default_timeout_s() -> f64 {
@@ -54,14 +87,46 @@ impl Default for RewardSettings {
             max_retries: default_max_retries(),
             concurrency: default_concurrency(),
             on_error: OnError::default(),
+            functions: BTreeMap::new(),
+            combine: None,
+            routes: BTreeMap::new(),
         }
     }
 }
 
 impl RewardSettings {
-    /// Whether an external reward scores completions (the verifier does otherwise).
+    /// Whether an external reward scores some completions (then a label need not be a
+    /// math answer; where the verifier scores, an unparseable one is an error there).
     pub fn is_external(&self) -> bool {
-        self.url.is_some() || self.command.is_some()
+        let named = |w: &Weights| {
+            w.keys()
+                .any(|n| n != "verifier" && self.is_named_external(n))
+        };
+        match &self.combine {
+            Some(weights) => named(weights) || self.routes.values().any(named),
+            None => self.url.is_some() || self.command.is_some() || self.routes.values().any(named),
+        }
+    }
+
+    /// Whether the named reward `name` is a server or a process.
+    fn is_named_external(&self, name: &str) -> bool {
+        match name {
+            "url" | "command" => true,
+            other => self
+                .functions
+                .get(other)
+                .is_some_and(|f| f.url.is_some() || f.command.is_some()),
+        }
+    }
+
+    /// The names `combine` and `routes` may use: the built-in ones that are set, then
+    /// `functions`.
+    pub fn names(&self) -> Vec<&str> {
+        let mut names = vec!["verifier"];
+        names.extend(self.url.as_ref().map(|_| "url"));
+        names.extend(self.command.as_ref().map(|_| "command"));
+        names.extend(self.functions.keys().map(String::as_str));
+        names
     }
 }
 

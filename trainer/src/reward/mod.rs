@@ -5,10 +5,10 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use dppo_rewards::{overlong_penalty, rule_name, verify, Answer, RewardSpec, Rule};
+use dppo_rewards::{overlong_penalty, rule_name, verify, Answer, ExtractMode, RewardSpec, Rule};
 use serde::{Deserialize, Serialize};
 
-pub use crate::config::reward::{OnError, RewardSettings};
+pub use crate::config::reward::{OnError, RewardSettings, Weights};
 use crate::config::RunConfig;
 use crate::data::default_extract_mode;
 
@@ -106,14 +106,24 @@ pub struct ScoredGroup {
 
 /// What scores completions.
 enum Backend {
-    Verifier,
+    Verifier(ExtractMode),
     Http(HttpReward),
     Command(CommandReward),
 }
 
-/// The run's reward: its backend, the overlong penalty and `on_error`.
+/// A weighted sum of named backends.
+type Route = Vec<(String, f64)>;
+
+/// The run's reward: its named backends, the weighted sum each data source gets, the
+/// overlong penalty and `on_error`.
 pub struct Scorer {
-    backend: Backend,
+    backends: BTreeMap<String, Backend>,
+    /// Every data source's reward, unless `routes` has one for it.
+    default: Route,
+    routes: BTreeMap<String, Route>,
+    /// Whether rewards are composed (`reward.combine` or `reward.routes`): each part's mean
+    /// is logged as `reward/<name>/mean`.
+    composed: bool,
     spec: RewardSpec,
     on_error: OnError,
     concurrency: usize,
@@ -121,36 +131,42 @@ pub struct Scorer {
 
 impl Scorer {
     /// The reward `settings` describe, scoring completions of at most `spec.max_tokens`:
-    /// starts the reward process or reads the server's token.
+    /// starts the reward processes and reads the servers' token.
     pub fn new(settings: &RewardSettings, spec: RewardSpec) -> Result<Self, String> {
-        let timeout = Duration::from_secs_f64(settings.timeout_s);
-        let (backend, concurrency) = match (&settings.url, &settings.command) {
-            (Some(_), Some(_)) => {
-                return Err("reward.url and reward.command are both set: choose one".into())
+        let route = |w: &Weights| -> Route { w.iter().map(|(n, w)| (n.clone(), *w)).collect() };
+        let default = match (&settings.combine, &settings.url, &settings.command) {
+            (Some(weights), _, _) => route(weights),
+            (None, Some(_), Some(_)) => {
+                return Err(
+                    "reward.url and reward.command are both set: choose one, or \
+                            weigh both in reward.combine"
+                        .into(),
+                )
             }
-            (Some(url), None) => {
-                let token = match &settings.api_key_env {
-                    Some(var) => Some(std::env::var(var).map_err(|_| {
-                        format!(
-                            "reward.api_key_env names {var}, which is not set in the \
-                             environment"
-                        )
-                    })?),
-                    None => None,
-                };
-                let http = HttpReward::new(url, token, timeout, settings.max_retries)
-                    .map_err(|e| format!("reward.url: {e}"))?;
-                (Backend::Http(http), settings.concurrency.max(1))
+            (None, Some(_), None) => vec![("url".into(), 1.0)],
+            (None, None, Some(_)) => vec![("command".into(), 1.0)],
+            (None, None, None) => vec![("verifier".into(), 1.0)],
+        };
+        let routes: BTreeMap<String, Route> = settings
+            .routes
+            .iter()
+            .map(|(source, w)| (source.clone(), route(w)))
+            .collect();
+        let mut backends = BTreeMap::new();
+        for (name, _) in default.iter().chain(routes.values().flatten()) {
+            if !backends.contains_key(name) {
+                backends.insert(name.clone(), backend(settings, name, spec.mode)?);
             }
-            (None, Some(argv)) => {
-                let command = CommandReward::start(argv, timeout)
-                    .map_err(|e| format!("reward.command: {e}"))?;
-                (Backend::Command(command), 1)
-            }
-            (None, None) => (Backend::Verifier, 1),
+        }
+        let concurrency = match backends.values().any(|b| matches!(b, Backend::Http(_))) {
+            true => settings.concurrency.max(1),
+            false => 1,
         };
         Ok(Self {
-            backend,
+            backends,
+            default,
+            routes,
+            composed: settings.combine.is_some() || !settings.routes.is_empty(),
             spec,
             on_error: settings.on_error,
             concurrency,
@@ -160,31 +176,32 @@ impl Scorer {
     /// The built-in verifier with `spec`.
     pub fn verifier(spec: RewardSpec) -> Self {
         Self {
-            backend: Backend::Verifier,
+            backends: [("verifier".into(), Backend::Verifier(spec.mode))].into(),
+            default: vec![("verifier".into(), 1.0)],
+            routes: BTreeMap::new(),
+            composed: false,
             spec,
             on_error: OnError::Fail,
             concurrency: 1,
         }
     }
 
-    /// Groups worth scoring at once (requests in flight to a server).
+    /// Groups worth scoring at once (requests in flight to servers).
     pub fn concurrency(&self) -> usize {
         self.concurrency
     }
 
-    /// Whether completions go to an external reward (which needs no parsed gold answer).
+    /// Whether some completions go to an external reward (which needs the prompt's text).
     pub fn is_external(&self) -> bool {
-        !matches!(self.backend, Backend::Verifier)
+        self.backends
+            .values()
+            .any(|b| !matches!(b, Backend::Verifier(_)))
     }
 
-    /// The verifier's settings.
-    pub fn spec(&self) -> &RewardSpec {
-        &self.spec
-    }
-
-    /// Scores one prompt's completions `items` (`gold`: its parsed answer, which the
-    /// verifier needs; `what`: the prompt, for errors). `penalty`: add the overlong
-    /// penalty (training), or not (evaluation measures the task's score).
+    /// Scores one prompt's completions `items` (of one data source) with that source's
+    /// weighted sum (`gold`: the parsed answer, which the verifier needs; `what`: the
+    /// prompt, for errors). `penalty`: add the overlong penalty (training), or not
+    /// (evaluation measures the task's score).
     pub fn score(
         &self,
         items: &[RewardItem],
@@ -197,19 +214,67 @@ impl Scorer {
             what: what.to_string(),
             reason,
         };
-        let answer = match &self.backend {
-            Backend::Verifier => return self.verifier_scores(items, gold, penalty).map_err(fail),
-            Backend::Http(http) => self.external(http.url(), items, |b| http.exchange(b)),
-            Backend::Command(command) => {
-                self.external(&command.describe(), items, |b| command.exchange(b))
+        let route = items
+            .first()
+            .and_then(|i| self.routes.get(&i.data_source))
+            .unwrap_or(&self.default);
+        let n = items.len();
+        let mut scored = ScoredGroup {
+            rewards: vec![0.0; n],
+            extracted_by: vec![None; n],
+            tally: RewardTally::default(),
+        };
+        let mut verified = false;
+        for (name, weight) in route {
+            let part = match &self.backends[name] {
+                Backend::Verifier(mode) => {
+                    verified = true;
+                    let part = self.verifier_scores(items, gold, *mode).map_err(fail)?;
+                    scored.extracted_by = part.extracted_by;
+                    scored.tally.merge(part.tally);
+                    part.rewards
+                }
+                Backend::Http(http) => {
+                    let exchange = |b: &str| http.exchange(b);
+                    let part = self.external(http.url(), items, exchange).map_err(fail)?;
+                    self.answer_rewards(part, n, &mut scored.tally)
+                }
+                Backend::Command(command) => {
+                    let exchange = |b: &str| command.exchange(b);
+                    let part = self.external(&command.describe(), items, exchange);
+                    self.answer_rewards(part.map_err(fail)?, n, &mut scored.tally)
+                }
+            };
+            if self.composed {
+                let entry = scored.tally.logs.entry(name.clone()).or_default();
+                entry.0 += part.iter().sum::<f64>();
+                entry.1 += n;
+            }
+            for (total, r) in scored.rewards.iter_mut().zip(part) {
+                *total += weight * r;
             }
         }
-        .map_err(fail)?;
-        let mut tally = RewardTally {
-            num_external: items.len(),
-            ..RewardTally::default()
-        };
-        let mut rewards = match answer {
+        if !verified {
+            scored.tally.num_external = n;
+        }
+        if penalty {
+            for (reward, item) in scored.rewards.iter_mut().zip(items) {
+                *reward += overlong_penalty(item.num_tokens, &self.spec)
+                    .map_err(|e| fail(("overlong penalty".into(), e.to_string())))?;
+            }
+        }
+        Ok(scored)
+    }
+
+    /// An external answer's rewards (0s, counted as errors, when `on_error` forgave a
+    /// failure), its `extra_logs` added to `tally`.
+    fn answer_rewards(
+        &self,
+        answer: Option<protocol::Answer>,
+        n: usize,
+        tally: &mut RewardTally,
+    ) -> Vec<f64> {
+        match answer {
             Some(answer) => {
                 for (name, values) in answer.extra_logs {
                     let entry = tally.logs.entry(name).or_default();
@@ -219,29 +284,18 @@ impl Scorer {
                 answer.rewards
             }
             None => {
-                tally.errors = items.len();
-                vec![0.0; items.len()]
-            }
-        };
-        if penalty {
-            for (reward, item) in rewards.iter_mut().zip(items) {
-                *reward += overlong_penalty(item.num_tokens, &self.spec)
-                    .map_err(|e| fail(("overlong penalty".into(), e.to_string())))?;
+                tally.errors = n;
+                vec![0.0; n]
             }
         }
-        Ok(ScoredGroup {
-            extracted_by: vec![None; rewards.len()],
-            rewards,
-            tally,
-        })
     }
 
-    /// The verifier's rewards (with the overlong penalty when `penalty`, else the verdict).
+    /// The verifier's verdicts in extraction `mode` (1 when correct, else 0).
     fn verifier_scores(
         &self,
         items: &[RewardItem],
         gold: Option<&Answer>,
-        penalty: bool,
+        mode: ExtractMode,
     ) -> Result<ScoredGroup, (String, String)> {
         let fail = |reason: String| ("verifier".to_string(), reason);
         let gold = gold.ok_or_else(|| fail("no parseable gold answer to verify against".into()))?;
@@ -249,20 +303,12 @@ impl Scorer {
         let mut rewards = Vec::with_capacity(items.len());
         let mut extracted_by = Vec::with_capacity(items.len());
         for item in items {
-            let verdict = verify(&item.completion, item.is_truncated, gold, self.spec.mode);
-            let correct = f64::from(u8::from(verdict.is_correct));
+            let verdict = verify(&item.completion, item.is_truncated, gold, mode);
             let rule = rule_name(verdict.extracted_by).to_string();
             *tally.extracted_by.entry(rule).or_default() += 1;
             tally.num_correct += usize::from(verdict.is_correct);
             extracted_by.push(verdict.extracted_by);
-            rewards.push(match penalty {
-                true => {
-                    correct
-                        + overlong_penalty(item.num_tokens, &self.spec)
-                            .map_err(|e| fail(e.to_string()))?
-                }
-                false => correct,
-            });
+            rewards.push(f64::from(u8::from(verdict.is_correct)));
         }
         Ok(ScoredGroup {
             rewards,
@@ -292,5 +338,44 @@ impl Scorer {
                 Err((backend.to_string(), reason))
             }
         }
+    }
+}
+
+/// The backend of the reward `name`: the verifier (in `mode`, or a function's own), the
+/// server `reward.url` or the process `reward.command`, or a named function's.
+fn backend(settings: &RewardSettings, name: &str, mode: ExtractMode) -> Result<Backend, String> {
+    let timeout = Duration::from_secs_f64(settings.timeout_s);
+    let http = |url: &str, key: &str| {
+        let token = match &settings.api_key_env {
+            Some(var) => Some(std::env::var(var).map_err(|_| {
+                format!("reward.api_key_env names {var}, which is not set in the environment")
+            })?),
+            None => None,
+        };
+        HttpReward::new(url, token, timeout, settings.max_retries)
+            .map(Backend::Http)
+            .map_err(|e| format!("{key}: {e}"))
+    };
+    let command = |argv: &[String], key: &str| {
+        CommandReward::start(argv, timeout)
+            .map(Backend::Command)
+            .map_err(|e| format!("{key}: {e}"))
+    };
+    match (name, settings.functions.get(name)) {
+        ("verifier", _) => Ok(Backend::Verifier(mode)),
+        ("url", _) => http(settings.url.as_deref().unwrap_or_default(), "reward.url"),
+        ("command", _) => command(
+            settings.command.as_deref().unwrap_or_default(),
+            "reward.command",
+        ),
+        (_, Some(f)) => {
+            let key = format!("reward.functions.{name}");
+            match (&f.url, &f.command) {
+                (Some(url), _) => http(url, &key),
+                (None, Some(argv)) => command(argv, &key),
+                (None, None) => Ok(Backend::Verifier(f.extract.unwrap_or(mode))),
+            }
+        }
+        (_, None) => Err(format!("no reward named {name:?}")),
     }
 }
