@@ -6,8 +6,10 @@ the same device, for `scripts/gpu-check`'s baseline: a random-init model of a sh
 - rollout: HF `generate` with its static cache (`cache_implementation="static"`), P prompts x G
   samples x T new tokens, temperature 1, EOS ignored (`min_new_tokens` = T); the prompts are
   `--prompt-len` fixed token ids, as there is no real tokenizer for a random shape;
-- train: `benches/learner_pytorch.py`'s step (forward, clipped token-level PG loss, backward,
-  grad clip, AdamW) on its batch, under bf16 autocast on a GPU (f32 on the CPU).
+- train: `benches/learner_pytorch.py`'s step and optimizer (micro-batches of
+  `--micro-batch-tokens` as dppo's packed buffers, logits at completion positions only, no KV
+  cache, fused AdamW; clipped token-level PG loss, grad clip) on its batch, under bf16
+  autocast on a GPU (f32 on the CPU).
 
     python3 benches/gpu_baseline.py --shape model/shapes/qwen2.5-0.5b.json --device cuda
 
@@ -21,7 +23,7 @@ import time
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from learner_pytorch import batch, step
+from learner_pytorch import batch, optimizer, step
 
 
 def sync(device):
@@ -56,14 +58,15 @@ def train(model, args, device):
     model.train()
     ids, adv, old = (t.to(device) for t in batch(model.config.vocab_size, args.seqs,
                                                   args.train_prompt_len, args.completion_len))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
+    opt, _ = optimizer(model)
+    micro = max(1, args.micro_batch_tokens // (args.train_prompt_len + args.completion_len))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
-        step(model, opt, ids, adv, old, args.train_prompt_len)  # warm-up
+        step(model, opt, ids, adv, old, args.train_prompt_len, micro)  # warm-up
         sync(device)
         start = time.perf_counter()
         for _ in range(args.steps):
-            step(model, opt, ids, adv, old, args.train_prompt_len)
+            step(model, opt, ids, adv, old, args.train_prompt_len, micro)
         sync(device)
     return (time.perf_counter() - start) / args.steps
 
@@ -78,6 +81,8 @@ def main():
     parser.add_argument("--prompt-len", type=int, default=48)
     parser.add_argument("--warmup-runs", type=int, default=0)
     parser.add_argument("--seqs", type=int, default=32)
+    parser.add_argument("--micro-batch-tokens", type=int, default=1024,
+                        help="tokens per training micro-batch (dppo's pack.tokens)")
     parser.add_argument("--train-prompt-len", type=int, default=64)
     parser.add_argument("--completion-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=2)

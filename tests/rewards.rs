@@ -590,24 +590,45 @@ fn eval_and_score_use_the_configured_reward() {
     let samples_arg = samples.display().to_string();
     let command = |script: &str| format!("reward.command={script}");
     let (code, stdout, stderr) = crate::util::run_dppo(&[
-        "eval", "--model", "builtin:tiny", "--data", "builtin:arithmetic", "--limit", "6",
-        "--n", "2", "--k", "2", "--max-tokens", "8", "--temperature", "1.0",
-        "--samples", &samples_arg, "--set", &command(&quarter),
+        "eval",
+        "--model",
+        "builtin:tiny",
+        "--data",
+        "builtin:arithmetic",
+        "--limit",
+        "6",
+        "--n",
+        "2",
+        "--k",
+        "2",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "1.0",
+        "--samples",
+        &samples_arg,
+        "--set",
+        &command(&quarter),
     ]);
     assert_eq!(code, Some(0), "{stderr}");
     let report: Value = serde_json::from_str(stdout.trim()).unwrap();
     assert_eq!(report["avg@2"], json!(0.25), "{report}");
     assert_eq!(report["pass@2"], json!(0.0), "no reward reaches 1");
     let score = |script: &str| {
-        let (code, stdout, stderr) = crate::util::run_dppo(&[
-            "score", "--data", &samples_arg, "--set", &command(script),
-        ]);
+        let (code, stdout, stderr) =
+            crate::util::run_dppo(&["score", "--data", &samples_arg, "--set", &command(script)]);
         assert_eq!(code, Some(0), "{stderr}");
         serde_json::from_str::<Value>(stdout.trim()).unwrap()
     };
     let same = score(&quarter);
-    assert_eq!((&same["agreement"], &same["samples"]), (&json!(1.0), &json!(12)));
+    assert_eq!(
+        (&same["agreement"], &same["samples"]),
+        (&json!(1.0), &json!(12))
+    );
     let other = score(&half);
-    assert_eq!((&other["disagreements"], &other["mean_reward"]), (&json!(12), &json!(0.5)));
+    assert_eq!(
+        (&other["disagreements"], &other["mean_reward"]),
+        (&json!(12), &json!(0.5))
+    );
     assert_eq!(other["saved_mean_reward"], json!(0.25));
 }

@@ -336,8 +336,9 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
     let tokens = args.seqs * (args.prompt_len + args.completion_len);
     let tokens_per_s = tokens as f64 / seconds;
     let flops_per_s = matmul_rate(&config, &device)?;
-    // Forward + backward: about 6 FLOPs per parameter per token.
-    let limit = flops_per_s / (6.0 * config.num_parameters() as f64);
+    // The FLOPs the step needs: the lm-head only at completion positions.
+    let needed = config.train_flops(tokens, args.seqs * args.completion_len);
+    let limit = flops_per_s * tokens as f64 / needed;
     let report = json!({
         "model": args.model,
         "cpu_kernel": dppo_model::cpu_kernel()?.name(),

@@ -272,6 +272,21 @@ impl ModelConfig {
         };
         self.vocab_size * h + self.num_hidden_layers * layer + h + head
     }
+
+    /// FLOPs of one training step's forward and backward (about 6 per parameter per token)
+    /// over `tokens` tokens of which only `lm_head_tokens` need the lm-head: the decoder
+    /// layers and final norm for every token, the vocabulary projection for those alone
+    /// (the embedding lookup costs no matmul; attention's own FLOPs are left out).
+    pub fn train_flops(&self, tokens: usize, lm_head_tokens: usize) -> f64 {
+        let projection = self.vocab_size * self.hidden_size;
+        let untied_head = if self.tie_word_embeddings {
+            0
+        } else {
+            projection
+        };
+        let body = self.num_parameters() - projection - untied_head;
+        6.0 * (body * tokens + projection * lm_head_tokens) as f64
+    }
 }
 
 fn resolve_arch(hf: &HfConfig) -> std::result::Result<Arch, String> {
