@@ -137,7 +137,10 @@ fn rollout(args: RolloutArgs) -> anyhow::Result<()> {
     let device = args.device.open()?;
     let policy = Policy::load(&args.model, &device)
         .with_context(|| format!("loading --model {}", args.model))?;
-    let reqs: Vec<GenerateRequest> = prompts(&policy, args.prompts)?
+    let prompt_ids = prompts(&policy, args.prompts)?;
+    let prompt_tokens_mean =
+        prompt_ids.iter().map(Vec::len).sum::<usize>() as f64 / prompt_ids.len().max(1) as f64;
+    let reqs: Vec<GenerateRequest> = prompt_ids
         .into_iter()
         .enumerate()
         .map(|(i, ids)| GenerateRequest {
@@ -193,6 +196,9 @@ fn rollout(args: RolloutArgs) -> anyhow::Result<()> {
         "prompts": args.prompts,
         "samples": args.samples,
         "new_tokens": args.new_tokens,
+        "prompt_tokens_mean": prompt_tokens_mean,
+        "temperature": 1.0,
+        "top_p": 1.0,
         "warmup_runs": args.warmup_runs,
         "tokens_per_s": tokens_per_s,
         "requests_per_s": (args.prompts * args.samples) as f64 / ours_s,
