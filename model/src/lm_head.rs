@@ -149,8 +149,10 @@ impl FusedLmHead {
         let mut outs = Vec::new();
         for (start, len) in self.chunks(rows) {
             let chunk_targets = self.targets.narrow(0, start, len)?;
+            // The softmax in f32 at least, as the composite path and PyTorch's autocast do: a
+            // bf16 sum over the vocabulary is too coarse for the loss and its gradient.
             let logits = linear(&self.hidden.narrow(0, start, len)?, &self.weight, None)?;
-            let logits = truncated(logits, &chunk_targets, self.top_p)?;
+            let logits = truncated(at_least_f32(&logits)?, &chunk_targets, self.top_p)?;
             let targets = chunk_targets.unsqueeze(1)?;
             // The same arithmetic as the composite log-softmax, for the target column only.
             let shifted = logits.broadcast_sub(&logits.max_keepdim(D::Minus1)?)?;
@@ -209,15 +211,21 @@ impl CustomOp2 for FusedLmHead {
         let mut grad_weight: Option<Tensor> = None;
         for (start, len) in self.chunks(hidden.dim(0)?) {
             let h = hidden.narrow(0, start, len)?;
-            let g = grad.narrow(0, start, len)?.contiguous()?;
             let chunk_targets = self.targets.narrow(0, start, len)?;
             let targets = chunk_targets.unsqueeze(1)?;
-            // d logprob / d logits = onehot(target) - softmax(logits), 0 off the nucleus.
-            let logits = truncated(linear(&h, &weight, None)?, &chunk_targets, self.top_p)?;
+            // d logprob / d logits = onehot(target) - softmax(logits), 0 off the nucleus; in
+            // the forward's precision, then back to the operands' dtype for the matmuls.
+            let logits = at_least_f32(&linear(&h, &weight, None)?)?;
+            let logits = truncated(logits, &chunk_targets, self.top_p)?;
+            let g = grad
+                .narrow(0, start, len)?
+                .to_dtype(logits.dtype())?
+                .contiguous()?;
             let probs = candle_nn::ops::softmax_last_dim(&logits)?;
             let grad_logits = probs
                 .broadcast_mul(&g.neg()?)?
-                .scatter_add(&targets, &g, 1)?;
+                .scatter_add(&targets, &g, 1)?
+                .to_dtype(h.dtype())?;
             grad_hidden.push(grad_logits.matmul(&weight)?);
             let gw = grad_logits.t()?.matmul(&h)?;
             grad_weight = Some(match grad_weight {
@@ -269,6 +277,7 @@ mod tests {
     ) -> [Vec<f64>; 5] {
         let (h, w, targets, coef) = inputs(dtype);
         let s = stats(h.as_tensor(), w.as_tensor(), &targets).unwrap();
+        let coef = coef.to_dtype(s.logprobs.dtype()).unwrap();
         let loss = (&s.logprobs * &coef).unwrap().sum_all().unwrap();
         let grads = loss.backward().unwrap();
         assert!(
@@ -293,18 +302,26 @@ mod tests {
 
     #[test]
     fn fused_matches_the_composite_path_in_value_and_gradient() {
-        // Chunks of 4, 4 and 3 rows; one chunk of all rows; f32 and f64.
-        for dtype in [DType::F32, DType::F64] {
+        // Chunks of 4, 4 and 3 rows; one chunk of all rows; f32, f64, and bf16, whose
+        // softmax both paths compute in f32 (the gradients' matmuls stay bf16).
+        for (dtype, tol) in [(DType::F32, 1e-5), (DType::F64, 1e-5), (DType::BF16, 2e-2)] {
             let want = run(|h, w, t| composite(h, w, t, 1.0), dtype);
             for chunk_rows in [4, ROWS, 64] {
                 let got = run(|h, w, t| fused(h, w, t, chunk_rows, 1.0), dtype);
                 let what = ["logprobs", "entropy", "loss", "grad hidden", "grad weight"];
                 for ((g, w), what) in got.iter().zip(&want).zip(what) {
                     assert_eq!(g.len(), w.len(), "{what}");
-                    assert_rel_close(g, w, 1e-5, &format!("{dtype:?} chunk {chunk_rows} {what}"));
+                    assert_rel_close(g, w, tol, &format!("{dtype:?} chunk {chunk_rows} {what}"));
                 }
             }
         }
+        let (h, w, targets, _) = inputs(DType::BF16);
+        let stats = fused(h.as_tensor(), w.as_tensor(), &targets, 4, 1.0).unwrap();
+        assert_eq!(
+            stats.logprobs.dtype(),
+            DType::F32,
+            "bf16 logits softmaxed in f32"
+        );
     }
 
     /// With a nucleus, the fused op still matches the composite in value and gradient, and
