@@ -367,22 +367,24 @@ fn the_example_code_reward_runs_unit_tests_with_a_timeout() {
     assert!(started.elapsed() < Duration::from_secs(30));
 }
 
-/// A reward script that answers `answers` requests (each reward 0.25), then exits 3.
-fn dying_script(dir: &Path, answers: usize) -> String {
-    let path = dir.join(format!("reward_{answers}.py"));
+/// A reward script (its `reward.command` argv) answering each completion with `value`; with
+/// `exit_after`, it exits 3 on the request after that many answers.
+fn reward_script(dir: &Path, name: &str, value: f64, exit_after: Option<usize>) -> String {
+    let path = dir.join(format!("{name}.py"));
+    let exit_at = exit_after.map_or(-1, |k| k as i64);
     std::fs::write(
         &path,
         format!(
             "import json, sys\n\
              for k, line in enumerate(sys.stdin):\n\
-             \x20   if k == {answers}:\n\
+             \x20   if k == {exit_at}:\n\
              \x20       sys.exit(3)\n\
              \x20   n = len(json.loads(line)['completions'])\n\
-             \x20   print(json.dumps({{'rewards': [0.25] * n}}), flush=True)\n"
+             \x20   print(json.dumps({{'rewards': [{value}] * n}}), flush=True)\n"
         ),
     )
     .unwrap();
-    format!("reward.command=[\"python3\", \"{}\"]", path.display())
+    format!("[\"python3\", \"{}\"]", path.display())
 }
 
 #[test]
@@ -390,7 +392,10 @@ fn a_reward_process_that_dies_stops_the_run_after_a_checkpoint_and_resume_contin
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("run");
     // 8 prompts a step (plus over-drawing), 8 held-out problems: it dies in step 3 or so.
-    let dies = dying_script(dir.path(), 30);
+    let dies = format!(
+        "reward.command={}",
+        reward_script(dir.path(), "dies", 0.25, Some(30))
+    );
     let base = [
         "warmup.steps=0",
         "data.num_eval=8",
@@ -413,7 +418,10 @@ fn a_reward_process_that_dies_stops_the_run_after_a_checkpoint_and_resume_contin
         .filter(|l| l.get("step").is_some())
         .count();
     assert!((1..6).contains(&done), "{done} steps before it died");
-    let lives = dying_script(dir.path(), 1_000_000);
+    let lives = format!(
+        "reward.command={}",
+        reward_script(dir.path(), "lives", 0.25, None)
+    );
     let out_arg = out.display().to_string();
     let (code, stdout, stderr) = crate::util::run_dppo(&[
         "run", "--out", &out_arg, "--resume", "latest", "--set", &lives,
@@ -474,22 +482,6 @@ fn verl_and_trl_reward_functions_run_through_the_example_adapter() {
     assert_eq!(trl.rewards, vec![1.0, 0.0, 0.0]);
 }
 
-/// A reward script answering each completion with `value`, and 1 for its format check.
-fn constant_script(dir: &Path, name: &str, value: f64) -> String {
-    let path = dir.join(format!("{name}.py"));
-    std::fs::write(
-        &path,
-        format!(
-            "import json, sys\n\
-             for line in sys.stdin:\n\
-             \x20   n = len(json.loads(line)['completions'])\n\
-             \x20   print(json.dumps({{'rewards': [{value}] * n}}), flush=True)\n"
-        ),
-    )
-    .unwrap();
-    format!("[\"python3\", \"{}\"]", path.display())
-}
-
 /// `reward.combine` weighs named rewards (each part logged), and `reward.routes` gives a
 /// data source its own: the dumped rollouts show each source scored by its route.
 #[test]
@@ -498,8 +490,8 @@ fn rewards_combine_by_weight_and_route_by_data_source() {
     let data = dir.path().join("sums.jsonl");
     crate::datasets::verl_file(&data, 48, 0);
     let (quarter, half) = (
-        constant_script(dir.path(), "quarter", 0.25),
-        constant_script(dir.path(), "half", 0.5),
+        reward_script(dir.path(), "quarter", 0.25, None),
+        reward_script(dir.path(), "half", 0.5, None),
     );
     let functions = format!(
         "reward.functions={{ quarter = {{ command = {quarter} }}, half = {{ command = {half} }} }}"
@@ -583,8 +575,8 @@ fn rewards_combine_by_weight_and_route_by_data_source() {
 fn eval_and_score_use_the_configured_reward() {
     let dir = tempfile::tempdir().unwrap();
     let (quarter, half) = (
-        constant_script(dir.path(), "quarter", 0.25),
-        constant_script(dir.path(), "half", 0.5),
+        reward_script(dir.path(), "quarter", 0.25, None),
+        reward_script(dir.path(), "half", 0.5, None),
     );
     let samples = dir.path().join("samples.jsonl");
     let samples_arg = samples.display().to_string();

@@ -5,12 +5,13 @@ use anyhow::Context;
 use dppo_engine::{Engine, EngineConfig, SamplingParams};
 use dppo_model::weights::write_atomic;
 use dppo_model::DeviceSpec;
-use dppo_rewards::{rule_name, ExtractMode};
+use dppo_rewards::rule_name;
 use dppo_trainer::config::RunConfig;
 use dppo_trainer::data::{default_extract_mode, held_out, Fields, Problem};
 use dppo_trainer::eval::{evaluate, EvalSet, EvalSpec, Graded};
-use dppo_trainer::reward::Scorer;
 use serde_json::json;
+
+use super::reward_args::RewardArgs;
 use std::path::{Path, PathBuf};
 
 /// Arguments of `dppo eval`.
@@ -56,31 +57,15 @@ pub struct Args {
     /// Also write every problem's samples, decoded and scored, to this JSONL file.
     #[arg(long)]
     samples: Option<PathBuf>,
-    /// How final answers are extracted: boxed, strict, flexible or answer (default: answer
-    /// for built-in tasks, strict for JSONL files).
-    #[arg(long)]
-    extract: Option<ExtractMode>,
-    /// Score with this run config's `[reward]` (an external reward, `reward.url` or
-    /// `reward.command`, or the verifier's settings), as training would.
-    #[arg(long)]
-    config: Option<PathBuf>,
-    /// Override a key of that config (or of the built-in default), e.g.
-    /// `--set 'reward.command=["python3", "my_reward.py"]'` (repeatable).
-    #[arg(long = "set")]
-    sets: Vec<String>,
+    #[command(flatten)]
+    reward: RewardArgs,
 }
 
 /// Evaluates and prints one JSON object.
 pub fn run(args: Args) -> anyhow::Result<()> {
     let device = args.device.open()?;
     let policy = super::load_policy(&args.model, args.revision.as_deref(), &device)?;
-    let cfg = RunConfig::load(args.config.as_deref(), &args.sets)?;
-    let mut reward_spec = dppo_trainer::reward::spec(&cfg);
-    reward_spec.mode = args
-        .extract
-        .or(cfg.reward.verifier.extract)
-        .unwrap_or_else(|| default_extract_mode(&args.data));
-    let scorer = Scorer::new(&cfg.reward, reward_spec).map_err(anyhow::Error::msg)?;
+    let (cfg, reward_spec, scorer) = args.reward.scorer(default_extract_mode(&args.data))?;
     let fields = Fields {
         question: args.question_field.clone(),
         answer: args.answer_field.clone(),

@@ -10,6 +10,7 @@ pub mod eval;
 pub mod generate;
 pub mod memory;
 pub mod ranks;
+pub mod reward_args;
 pub mod run;
 pub mod score;
 pub mod serve;

@@ -8,9 +8,10 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use dppo_model::weights::write_atomic;
 use dppo_rewards::{parse_gold, rule_name, Answer, ExtractMode};
-use dppo_trainer::config::RunConfig;
-use dppo_trainer::reward::{RewardItem, Scorer};
+use dppo_trainer::reward::RewardItem;
 use serde_json::{json, Value};
+
+use super::reward_args::RewardArgs;
 
 /// Arguments of `dppo score`.
 #[derive(Debug, clap::Args)]
@@ -18,19 +19,8 @@ pub struct Args {
     /// A samples file written by `dppo eval --samples`.
     #[arg(long)]
     data: PathBuf,
-    /// How final answers are extracted: boxed, strict, flexible or answer (default: the
-    /// config's `reward.extract`, else strict).
-    #[arg(long)]
-    extract: Option<ExtractMode>,
-    /// Score with this run config's `[reward]` (a server, a process, named rewards and
-    /// their weights, or the verifier's settings), as training would, without the overlong
-    /// penalty.
-    #[arg(long)]
-    config: Option<PathBuf>,
-    /// Override a key of that config (or of the built-in default), e.g.
-    /// `--set 'reward.command=["python3", "my_reward.py"]'` (repeatable).
-    #[arg(long = "set")]
-    sets: Vec<String>,
+    #[command(flatten)]
+    reward: RewardArgs,
     /// Also print each sample whose new reward differs from its saved one, one JSON line
     /// each, before the summary.
     #[arg(long)]
@@ -64,13 +54,7 @@ struct Row {
 /// Re-scores every sample and prints one JSON summary (agreement with the saved rewards,
 /// accuracy and mean reward before and after, which rules extracted the answers).
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let cfg = RunConfig::load(args.config.as_deref(), &args.sets)?;
-    let mut spec = dppo_trainer::reward::spec(&cfg);
-    spec.mode = args
-        .extract
-        .or(cfg.reward.verifier.extract)
-        .unwrap_or(ExtractMode::Strict);
-    let scorer = Scorer::new(&cfg.reward, spec).map_err(anyhow::Error::msg)?;
+    let (_, spec, scorer) = args.reward.scorer(ExtractMode::Strict)?;
     let mut rows = read_samples(&args.data, !scorer.is_external())?;
     let (mut total, mut agree, mut correct, mut saved_correct) = (0usize, 0usize, 0usize, 0usize);
     let (mut sum, mut saved_sum) = (0.0, 0.0);

@@ -173,19 +173,6 @@ impl Scorer {
         })
     }
 
-    /// The built-in verifier with `spec`.
-    pub fn verifier(spec: RewardSpec) -> Self {
-        Self {
-            backends: [("verifier".into(), Backend::Verifier(spec.mode))].into(),
-            default: vec![("verifier".into(), 1.0)],
-            routes: BTreeMap::new(),
-            composed: false,
-            spec,
-            on_error: OnError::Fail,
-            concurrency: 1,
-        }
-    }
-
     /// Groups worth scoring at once (requests in flight to servers).
     pub fn concurrency(&self) -> usize {
         self.concurrency
