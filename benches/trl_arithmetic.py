@@ -27,14 +27,13 @@ import glob
 import json
 import os
 import re
-import time
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
-from trl_grpo import flexible
+from trl_grpo import StepTimer, flexible
 
 SUM = re.compile(r"What is (\d+)([+-])(\d+)\?")
 
@@ -53,29 +52,6 @@ def prompts_in_draw_order(dump):
             value = int(a) + int(b) if op == "+" else int(a) - int(b)
             rows.append({"prompt": row["prompt"], "answer": str(value)})
     return rows
-
-
-class StepTimer(TrainerCallback):
-    """Wall-clock seconds of every optimizer step, and the generation part of each."""
-
-    def __init__(self, model):
-        self.start, self.seconds, self.gen_seconds, self.gen = None, [], [], 0.0
-        generate = model.generate
-
-        def timed_generate(*args, **kwargs):
-            t = time.perf_counter()
-            out = generate(*args, **kwargs)
-            self.gen += time.perf_counter() - t
-            return out
-
-        model.generate = timed_generate
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.start, self.gen = time.perf_counter(), 0.0
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.seconds.append(time.perf_counter() - self.start)
-        self.gen_seconds.append(self.gen)
 
 
 def main():

@@ -98,17 +98,27 @@ def make_reward(eos_token_id, max_tokens):
 
 
 class StepTimer(TrainerCallback):
-    """Wall-clock seconds of every optimizer step, generation included."""
+    """Wall-clock seconds of every optimizer step, and the part of each spent in `model`'s
+    `generate` (which it wraps)."""
 
-    def __init__(self):
-        self.start = None
-        self.seconds = []
+    def __init__(self, model):
+        self.start, self.seconds, self.gen_seconds, self.gen = None, [], [], 0.0
+        generate = model.generate
+
+        def timed_generate(*args, **kwargs):
+            t = time.perf_counter()
+            out = generate(*args, **kwargs)
+            self.gen += time.perf_counter() - t
+            return out
+
+        model.generate = timed_generate
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.start = time.perf_counter()
+        self.start, self.gen = time.perf_counter(), 0.0
 
     def on_step_end(self, args, state, control, **kwargs):
         self.seconds.append(time.perf_counter() - self.start)
+        self.gen_seconds.append(self.gen)
 
 
 def main():
@@ -154,7 +164,7 @@ def main():
         report_to=[],
         seed=0,
     )
-    timer = StepTimer()
+    timer = StepTimer(model)
     reward = make_reward(tokenizer.eos_token_id, config.max_completion_length)
     trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=reward,
                           args=config, train_dataset=data, callbacks=[timer])
