@@ -92,7 +92,7 @@ def key_numbers(name, text, outdir):
         return {"shapes": data.get("shapes", {})}
     keys = ["tokens_per_s", "fraction_of_compute_limit", "train_tokens_per_s", "step_s",
             "rollout_s", "prompts", "samples", "new_tokens", "compute_dtype", "gpu", "steps",
-            "seconds"]
+            "seconds", "decode_step"]
     return {k: data[k] for k in keys if data.get(k) is not None}
 
 
@@ -133,9 +133,13 @@ def brief(numbers):
             parts.append(f"{numbers[key]:,.0f} {unit}")
     if "fraction_of_compute_limit" in numbers:
         parts.append(f"{100 * numbers['fraction_of_compute_limit']:.1f}% of limit")
+    step = numbers.get("decode_step") or {}
+    if step.get("count"):
+        parts.append(f"decode step {step['forward_ms'] + step['fetch_ms']:.1f} ms, "
+                     f"{step['attention_ops']:.0f} attn ops, {step['h2d_kib']:.0f} KiB up")
     if not parts:
         parts = [f"{k}: {v}" for k, v in numbers.items()]
-    return "; ".join(parts)[:90]
+    return "; ".join(parts)[:130]
 
 
 def summary(args):

@@ -455,6 +455,18 @@ fn smollm2_greedy_paged_equals_contiguous_reference() {
 }
 
 #[test]
+fn the_cuda_kernels_asked_for_on_the_cpu_are_a_clear_error() {
+    let err = Engine::new(&policy(), config(16, 256, AttentionMode::Cuda), Device::Cpu)
+        .err()
+        .unwrap();
+    assert!(
+        err.to_string()
+            .contains("engine.attention = \"cuda\" runs on a GPU of a CUDA build"),
+        "{err}"
+    );
+}
+
+#[test]
 fn the_cpu_kernel_asked_for_where_it_cannot_run_is_a_clear_error() {
     let cfg = EngineConfig {
         dtype: Some(DType::BF16),

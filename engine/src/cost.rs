@@ -22,6 +22,11 @@ pub struct IterationCost {
     pub h2d_bytes: u64,
     /// Bytes the engine downloads (the logits rows).
     pub d2h_bytes: u64,
+    /// Tensor ops or kernels the attention backend issues, counted where it issues them
+    /// (the model's matmuls and norms, the same on every backend, are not counted).
+    pub attention_ops: u64,
+    /// Times the host waits for the device (copies to the host).
+    pub syncs: u64,
 }
 
 impl IterationCost {
@@ -35,6 +40,8 @@ impl IterationCost {
             emit_ns: self.emit_ns - earlier.emit_ns,
             h2d_bytes: self.h2d_bytes - earlier.h2d_bytes,
             d2h_bytes: self.d2h_bytes - earlier.d2h_bytes,
+            attention_ops: self.attention_ops - earlier.attention_ops,
+            syncs: self.syncs - earlier.syncs,
         }
     }
 
@@ -47,6 +54,8 @@ impl IterationCost {
         self.emit_ns += other.emit_ns;
         self.h2d_bytes += other.h2d_bytes;
         self.d2h_bytes += other.d2h_bytes;
+        self.attention_ops += other.attention_ops;
+        self.syncs += other.syncs;
     }
 }
 

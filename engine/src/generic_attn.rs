@@ -42,6 +42,29 @@ impl TensorKvCache {
         self.shape
     }
 
+    /// A one-layer cache holding `k` and `v` ((slots, kv_heads * head_dim) each) in `dtype`.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn from_host(
+        shape: CacheShape,
+        (k, v): (&[f32], &[f32]),
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let dims = (shape.num_blocks * shape.block_size, shape.slot_len());
+        let tensor = |x: &[f32]| Tensor::from_slice(x, dims, device)?.to_dtype(dtype);
+        Ok(Self {
+            shape,
+            k: vec![tensor(k)?],
+            v: vec![tensor(v)?],
+        })
+    }
+
+    /// Layer `i`'s K and V pool tensors, written in place by the CUDA backend.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn layer(&self, i: usize) -> (&Tensor, &Tensor) {
+        (&self.k[i], &self.v[i])
+    }
+
     /// Carries out copy-on-write orders in every layer (a gather of the source slots, then
     /// a scatter into the destination slots; a destination is never another's source).
     pub fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<()> {
@@ -199,40 +222,64 @@ impl Group {
         })
     }
 
-    /// Attention output (num_seqs * q_len, heads, d) of the group's (padded) queries.
+    /// Attention output (num_seqs * q_len, heads, d) of the group's (padded) queries,
+    /// counting in `ops` the tensor ops that move data (views are free).
     fn attend(
         &self,
         q: &Tensor,
         k_cache: &Tensor,
         v_cache: &Tensor,
         kv_heads: usize,
+        ops: &mut u64,
     ) -> Result<Tensor> {
         let (_, num_heads, head_dim) = q.dims3()?;
         let (s, lq, lk) = (self.num_seqs, self.q_len, self.k_len);
+        let mut op = |t: Result<Tensor>| {
+            *ops += 1;
+            t
+        };
         // 1. Gather: (s * len, heads, d) -> (s, heads, len, d)
         let split = |x: Tensor, len: usize| {
             x.reshape((s, len, num_heads, head_dim))?
                 .transpose(1, 2)?
                 .contiguous()
         };
-        let q = split(q.index_select(&self.q_rows, 0)?, lq)?;
-        let keys = |cache: &Tensor| -> Result<Tensor> {
-            let x = cache
-                .index_select(&self.kv_slots, 0)?
-                .reshape((s * lk, kv_heads, head_dim))?;
-            split(repeat_kv(&x, num_heads)?, lk)
+        let q = op(q.index_select(&self.q_rows, 0))?;
+        let q = op(split(q, lq))?;
+        let mut keys = |cache: &Tensor| -> Result<Tensor> {
+            let x =
+                op(cache.index_select(&self.kv_slots, 0))?.reshape((s * lk, kv_heads, head_dim))?;
+            // Expanding the KV heads copies (a broadcast made contiguous).
+            let x = if num_heads > kv_heads {
+                op(repeat_kv(&x, num_heads))?
+            } else {
+                x
+            };
+            op(split(x, lk))
         };
         let (k, v) = (keys(k_cache)?, keys(v_cache)?);
         // 2. Masked softmax in at least f32 whatever the cache's dtype: (s, heads, lq, lk)
         let scale = 1.0 / (head_dim as f64).sqrt();
-        let scores = at_least_f32(&(q.matmul(&k.t()?)? * scale)?)?;
+        let scores = op(q.matmul(&k.t()?))?;
+        let scores = op(scores * scale)?;
+        // A 16-bit cache's scores are widened, its probabilities narrowed: two casts.
+        let widen = matches!(scores.dtype(), DType::BF16 | DType::F16);
+        let scores = if widen {
+            op(at_least_f32(&scores))?
+        } else {
+            scores
+        };
         let mask = self.mask.to_dtype(scores.dtype())?;
-        let probs = softmax_last_dim(&scores.broadcast_add(&mask)?)?.to_dtype(v.dtype())?;
-        // 3. (s, heads, lq, d) -> (s * lq, heads, d)
-        probs
-            .matmul(&v)?
-            .transpose(1, 2)?
-            .reshape((s * lq, num_heads, head_dim))
+        let probs = op(scores.broadcast_add(&mask))?;
+        let probs = op(softmax_last_dim(&probs))?;
+        let probs = if widen {
+            op(probs.to_dtype(v.dtype()))?
+        } else {
+            probs
+        };
+        // 3. (s, heads, lq, d) -> (s * lq, heads, d), the reshape copying the transpose.
+        let out = op(probs.matmul(&v))?;
+        op(out.transpose(1, 2)?.reshape((s * lq, num_heads, head_dim)))
     }
 }
 
@@ -240,6 +287,8 @@ impl Group {
 pub struct GenericPagedAttention<'a> {
     pub cache: &'a mut TensorKvCache,
     pub index: &'a BatchIndex,
+    /// Tensor ops that moved data, summed over the layers (see `IterationCost`).
+    pub ops: u64,
 }
 
 impl AttentionBackend for GenericPagedAttention<'_> {
@@ -258,14 +307,15 @@ impl AttentionBackend for GenericPagedAttention<'_> {
             &v.reshape((tokens, row))?.contiguous()?,
             0,
         )?;
+        // A copy where the model's K or V rows are a strided view.
+        self.ops += 2 + !k.is_contiguous() as u64 + !v.is_contiguous() as u64;
         // 2. Attend group by group, reading K/V through the block tables.
         let kv_heads = self.cache.shape.num_kv_heads;
-        let outs = self
-            .index
-            .groups
-            .iter()
-            .map(|g| g.attend(q, kc, vc, kv_heads))
-            .collect::<Result<Vec<_>>>()?;
+        let mut outs = Vec::with_capacity(self.index.groups.len());
+        for g in &self.index.groups {
+            outs.push(g.attend(q, kc, vc, kv_heads, &mut self.ops)?);
+        }
+        self.ops += 2;
         Tensor::cat(&outs, 0)?.index_select(&self.index.out_rows, 0)
     }
 }

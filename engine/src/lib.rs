@@ -1,8 +1,10 @@
 //! dppo-engine: the generation engine. A paged KV cache ([`KvPool`] bookkeeping, blocks
-//! read in place by [`paged_attn`] on the CPU, by [`generic_attn`] on any device), a
+//! read in place by [`paged_attn`] on the CPU, by [`cuda_attn`] on a GPU, by [`generic_attn`]
+//! on any device), a
 //! continuous-batching [`Scheduler`], a per-sequence [`sampler`], and an [`Engine`] handle that takes requests from any thread.
 
 mod cost;
+pub mod cuda_attn;
 pub mod device_sample;
 pub mod engine;
 mod fast_exp;

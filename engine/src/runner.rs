@@ -8,6 +8,7 @@ use dppo_model::CausalLm;
 use serde::{Deserialize, Serialize};
 
 use crate::cost::{nanos, IterationCost};
+use crate::cuda_attn::{Heads, KernelPlan, LAUNCHES_PER_LAYER};
 use crate::generic_attn::{BatchIndex, GenericPagedAttention, TensorKvCache};
 use crate::paged_attn::{CacheShape, KvCache, PagedAttention, SeqAttnMeta};
 use crate::plan::Plan;
@@ -25,6 +26,9 @@ pub enum AttentionMode {
     Cpu,
     /// The device-generic path made of tensor ops, on any device and dtype.
     Generic,
+    /// The paged CUDA kernels (kernels/paged_attention.cu): f32, bf16 or f16 on a GPU of a
+    /// CUDA build. Not yet checked on a GPU, so `auto` does not pick it.
+    Cuda,
 }
 
 impl AttentionMode {
@@ -39,6 +43,12 @@ impl AttentionMode {
             Self::Cpu => Err(EngineError::InvalidConfig(format!(
                 "engine.attention = \"cpu\" runs f32 on the CPU only, not {dtype:?} on {:?}; \
                  use \"auto\" or \"generic\"",
+                device.location()
+            ))),
+            Self::Cuda if device.is_cuda() && cfg!(feature = "cuda") => Ok(Self::Cuda),
+            Self::Cuda => Err(EngineError::InvalidConfig(format!(
+                "engine.attention = \"cuda\" runs on a GPU of a CUDA build, not on {:?}; use \
+                 \"auto\" or \"generic\"",
                 device.location()
             ))),
         }
@@ -57,6 +67,8 @@ enum Cache {
 pub struct Runner {
     model: CausalLm,
     cache: Cache,
+    /// The backend `engine.attention` resolved to.
+    attention: AttentionMode,
     device: Device,
 }
 
@@ -78,13 +90,18 @@ impl Runner {
             num_kv_heads: cfg.num_key_value_heads,
             head_dim: cfg.head_dim,
         };
-        let cache = match attention.resolve(&device, model.dtype())? {
+        let attention = attention.resolve(&device, model.dtype())?;
+        if attention == AttentionMode::Cuda {
+            heads(&model).check()?;
+        }
+        let cache = match attention {
             AttentionMode::Cpu => Cache::Cpu(KvCache::new(shape)),
             _ => Cache::Tensor(TensorKvCache::new(shape, model.dtype(), &device)?),
         };
         Ok(Self {
             model,
             cache,
+            attention,
             device,
         })
     }
@@ -156,6 +173,22 @@ impl Runner {
                 };
                 self.model.forward(&input_ids, &positions, &mut backend)?
             }
+            Cache::Tensor(cache) if self.attention == AttentionMode::Cuda => {
+                cache.copy_blocks(&plan.block_copies)?;
+                let kernel_plan =
+                    cuda_plan(&self.model, &self.device, cache, &metas, &slot_mapping)?;
+                cost.h2d_bytes += kernel_plan.upload_bytes();
+                cost.attention_ops +=
+                    LAUNCHES_PER_LAYER * self.model.config().num_hidden_layers as u64;
+                cuda_forward(
+                    &self.model,
+                    &self.device,
+                    cache,
+                    kernel_plan,
+                    &input_ids,
+                    &positions,
+                )?
+            }
             Cache::Tensor(cache) => {
                 cache.copy_blocks(&plan.block_copies)?;
                 let index = BatchIndex::new(&metas, &slot_mapping, cache.shape(), &self.device)?;
@@ -163,8 +196,11 @@ impl Runner {
                 let mut backend = GenericPagedAttention {
                     cache,
                     index: &index,
+                    ops: 0,
                 };
-                self.model.forward(&input_ids, &positions, &mut backend)?
+                let hidden = self.model.forward(&input_ids, &positions, &mut backend)?;
+                cost.attention_ops += backend.ops;
+                hidden
             }
         };
         // Logits only where a token is sampled: the lm_head is a large share of the FLOPs.
@@ -183,6 +219,7 @@ impl Runner {
                 let rows = logits.to_device(&Device::Cpu)?.contiguous()?;
                 cost.fetch_ns += nanos(fetching);
                 cost.d2h_bytes += (4 * rows.elem_count()) as u64;
+                cost.syncs += 1;
                 Some(rows)
             }
         };
@@ -197,6 +234,76 @@ impl Runner {
             .collect();
         Ok(Logits { rows, row_of })
     }
+}
+
+/// The heads of `model`, as the CUDA kernels see them.
+fn heads(model: &CausalLm) -> Heads {
+    let cfg = model.config();
+    Heads {
+        num_heads: cfg.num_attention_heads,
+        num_kv_heads: cfg.num_key_value_heads,
+        head_dim: cfg.head_dim,
+    }
+}
+
+/// The CUDA kernels' plan for an iteration, split to fill the GPU's multiprocessors twice.
+fn cuda_plan(
+    model: &CausalLm,
+    device: &Device,
+    cache: &TensorKvCache,
+    metas: &[SeqAttnMeta],
+    slot_mapping: &[usize],
+) -> Result<KernelPlan> {
+    let min_blocks = 2 * multiprocessors(device)?;
+    KernelPlan::new(metas, slot_mapping, cache.shape(), heads(model), min_blocks)
+        .map_err(candle_core::Error::wrap)
+}
+
+/// Multiprocessors of the model's GPU (none in a CPU build: it never plans CUDA kernels).
+#[cfg(feature = "cuda")]
+fn multiprocessors(device: &Device) -> Result<usize> {
+    match device {
+        Device::Cuda(d) => crate::cuda_attn::multiprocessors(d),
+        _ => candle_core::bail!("cuda attention on {:?}", device.location()),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn multiprocessors(device: &Device) -> Result<usize> {
+    candle_core::bail!(
+        "cuda attention in a build without CUDA, on {:?}",
+        device.location()
+    )
+}
+
+/// The forward pass through the CUDA kernels.
+#[cfg(feature = "cuda")]
+fn cuda_forward(
+    model: &CausalLm,
+    device: &Device,
+    cache: &mut TensorKvCache,
+    plan: KernelPlan,
+    input_ids: &Tensor,
+    positions: &Tensor,
+) -> Result<Tensor> {
+    let index = crate::cuda_attn::CudaIndex::new(plan, device)?;
+    let mut backend = crate::cuda_attn::CudaPagedAttention {
+        cache,
+        index: &index,
+    };
+    model.forward(input_ids, positions, &mut backend)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_forward(
+    _: &CausalLm,
+    _: &Device,
+    _: &mut TensorKvCache,
+    _: KernelPlan,
+    _: &Tensor,
+    _: &Tensor,
+) -> Result<Tensor> {
+    candle_core::bail!("cuda attention in a build without CUDA")
 }
 
 /// An iteration's logits: (rows, vocab) f32 on the host (on the device when sampled

@@ -49,6 +49,9 @@ pub struct EngineStats {
     pub blocks_used: usize,
     /// Where the iterations' time went and what they moved, summed over iterations.
     pub cost: IterationCost,
+    /// The same over decode steps only (every scheduled sequence adds one token).
+    pub decode_cost: IterationCost,
+    pub num_decode_iterations: usize,
 }
 
 /// A request on its way to the worker.
@@ -346,6 +349,8 @@ impl Worker {
         // logprobs down.
         cost.h2d_bytes += (24 * draws.len()) as u64;
         cost.d2h_bytes += (12 * draws.len()) as u64;
+        // The three result copies, each waiting for the kernel.
+        cost.syncs += 3;
         let mut sampled = vec![Vec::new(); plan.seqs.len()];
         for ((p, model_logprobs), d) in owners.into_iter().zip(drawn) {
             sampled[p].push(gumbel::sampled(d, model_logprobs));
@@ -441,6 +446,10 @@ impl Worker {
         let mut stats = self.stats.lock();
         stats.cost.add(cost);
         stats.num_iterations += 1;
+        if plan.seqs.iter().all(|s| s.num_new_tokens == 1) {
+            stats.decode_cost.add(cost);
+            stats.num_decode_iterations += 1;
+        }
         stats.busy_ns += busy.as_nanos() as u64;
         stats.num_preemptions += plan.preempted.len();
         stats.num_generated_tokens += num_new;

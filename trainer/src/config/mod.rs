@@ -436,7 +436,7 @@ pub struct EngineSettings {
     /// Default 0.5, the engine being co-located with the learner (`dppo serve` uses 0.9).
     pub gpu_memory_utilization: f64,
     /// The attention backend: `auto` (the CPU kernel for f32 on the CPU, the device-generic
-    /// path elsewhere), `cpu` or `generic`.
+    /// path elsewhere), `cpu`, `generic` or `cuda` (the paged CUDA kernels).
     pub attention: AttentionMode,
     /// Dtype of the engine's weights and KV cache (`auto`: f32 on the CPU, bf16 on a GPU).
     pub dtype: DtypeChoice,

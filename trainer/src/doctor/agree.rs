@@ -117,6 +117,7 @@ fn run_checks(
         &on_device, device, &reqs, &batch,
     )?);
     checks.push(super::sampling::device_sampling(device)?);
+    checks.push(super::paged::paged_attention(device)?);
     checks.push(timed_rollout(&on_device, device, work.rollout)?);
     Ok(())
 }

@@ -10,6 +10,7 @@ mod agree;
 mod compare;
 mod full;
 mod handoff;
+mod paged;
 pub mod probe;
 mod sampling;
 

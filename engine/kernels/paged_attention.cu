@@ -1,0 +1,205 @@
+// Paged attention over the engine's KV pool, read in place through the block tables
+// (`engine.attention = "cuda"`). Compiled at run time by NVRTC, header-free; the host side and
+// its CPU twin (engine/src/cuda_attn) follow the same work split and reduction order.
+//
+// The pool of a layer is one (slots, kv_heads * head_dim) array per K and V; slot = block *
+// block_size + offset. Three kernels per layer:
+// - write_slots: a token's K (or V) row into its slot (one block per token).
+// - paged_attention: one block per (tile, KV head, split). A tile is up to a few consecutive
+//   query rows of one sequence (one row when decoding); the block serves every query head of
+//   its KV head for those rows (a "pair" is a row and a query head), over one split of the
+//   context, in chunks of CHUNK keys with an online softmax. It writes each pair's partial
+//   output (unnormalised), maximum and sum: FlashDecoding's split-K.
+// - paged_reduce: merges a pair's splits (one block per row and query head).
+
+#define NEG_INF __int_as_float(0xff800000)
+#define WARP 32
+#define THREADS 128
+#define NWARPS (THREADS / WARP)
+#define CHUNK 128
+// head_dim <= 32 * MAX_LANE_DIMS, a multiple of 32.
+#define MAX_LANE_DIMS 8
+#define FULL_MASK 0xffffffffu
+
+struct bf16 { unsigned short x; };
+struct f16 { unsigned short x; };
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(bf16 v) { return __uint_as_float(((unsigned int)v.x) << 16); }
+__device__ __forceinline__ float to_f32(f16 v) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.x));
+    return f;
+}
+__device__ __forceinline__ void from_f32(float &o, float v) { o = v; }
+// Round to nearest even, as candle's (the half crate's) conversion.
+__device__ __forceinline__ void from_f32(bf16 &o, float v) {
+    unsigned int u = __float_as_uint(v);
+    if ((u & 0x7fffffffu) > 0x7f800000u) { o.x = 0x7fc0; return; }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    o.x = (unsigned short)(u >> 16);
+}
+__device__ __forceinline__ void from_f32(f16 &o, float v) {
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(o.x) : "f"(v));
+}
+
+template <typename T>
+__device__ void write_slots(const T *src, T *cache, const unsigned int *slots, unsigned int row) {
+    const size_t from = (size_t)blockIdx.x * row, to = (size_t)slots[blockIdx.x] * row;
+    for (unsigned int i = threadIdx.x; i < row; i += blockDim.x) cache[to + i] = src[from + i];
+}
+
+// tiles: 4 words per tile (sequence, first row, rows, position of the first row); a row at
+// position p sees keys 0..=p. block_tables: (sequences, max_blocks). Shared memory, floats:
+// q (pairs * head_dim, pre-scaled), acc (pairs * head_dim), scores (pairs * CHUNK), the
+// chunk's slots (CHUNK words), then per pair its running max, sum and rescale factor.
+template <typename T>
+__device__ void paged_attention(
+    const T *q, const T *k_cache, const T *v_cache, const unsigned int *tiles,
+    const unsigned int *block_tables, unsigned int heads, unsigned int kv_heads,
+    unsigned int head_dim, unsigned int block_size, unsigned int max_blocks,
+    unsigned int split_len, float scale, float *part_acc, float *part_max, float *part_sum) {
+    extern __shared__ float smem[];
+    const unsigned int tile = blockIdx.x, kh = blockIdx.y, split = blockIdx.z;
+    const unsigned int splits = gridDim.z;
+    const unsigned int seq = tiles[4 * tile], first_row = tiles[4 * tile + 1];
+    const unsigned int rows = tiles[4 * tile + 2], first_pos = tiles[4 * tile + 3];
+    const unsigned int group = heads / kv_heads, pairs = rows * group;
+    const unsigned int d = head_dim, row_len = kv_heads * head_dim;
+    const unsigned int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
+    float *q_s = smem;
+    float *acc_s = q_s + pairs * d;
+    float *s_s = acc_s + pairs * d;
+    unsigned int *slot_s = (unsigned int *)(s_s + pairs * CHUNK);
+    float *m_s = (float *)(slot_s + CHUNK);
+    float *l_s = m_s + pairs;
+    float *a_s = l_s + pairs;
+
+    for (unsigned int i = tid; i < pairs * d; i += THREADS) {
+        const unsigned int p = i / d, e = i % d;
+        const unsigned int row = first_row + p / group, h = kh * group + p % group;
+        q_s[i] = to_f32(q[((size_t)row * heads + h) * d + e]) * scale;
+        acc_s[i] = 0.0f;
+    }
+    for (unsigned int p = tid; p < pairs; p += THREADS) { m_s[p] = NEG_INF; l_s[p] = 0.0f; }
+    __syncthreads();
+
+    const unsigned int keys = first_pos + rows;  // the tile's last row sees keys < this
+    const unsigned int start = split * split_len;
+    const unsigned int end = min(start + split_len, keys);
+    const unsigned int lane_dims = d / WARP;
+    const unsigned int *table = block_tables + (size_t)seq * max_blocks;
+    for (unsigned int c0 = start; c0 < end; c0 += CHUNK) {
+        const unsigned int n = min(CHUNK, end - c0);
+        // 1. Scores: a warp per key, its lanes splitting head_dim, a butterfly sum.
+        for (unsigned int jj = warp; jj < n; jj += NWARPS) {
+            const unsigned int j = c0 + jj;
+            const unsigned int slot = table[j / block_size] * block_size + j % block_size;
+            const T *k = k_cache + (size_t)slot * row_len + kh * d;
+            float kr[MAX_LANE_DIMS];
+            for (unsigned int i = 0; i < lane_dims; ++i) kr[i] = to_f32(k[lane + WARP * i]);
+            for (unsigned int p = 0; p < pairs; ++p) {
+                float dot = 0.0f;
+                for (unsigned int i = 0; i < lane_dims; ++i)
+                    dot = fmaf(q_s[p * d + lane + WARP * i], kr[i], dot);
+                for (unsigned int off = WARP / 2; off > 0; off /= 2)
+                    dot += __shfl_xor_sync(FULL_MASK, dot, off);
+                if (lane == 0) s_s[p * CHUNK + jj] = j <= first_pos + p / group ? dot : NEG_INF;
+            }
+            if (lane == 0) slot_s[jj] = slot;
+        }
+        __syncthreads();
+        // 2. Online softmax: a thread per pair, keys in order.
+        for (unsigned int p = tid; p < pairs; p += THREADS) {
+            float *s = s_s + p * CHUNK;
+            float mc = NEG_INF;
+            for (unsigned int jj = 0; jj < n; ++jj) mc = fmaxf(mc, s[jj]);
+            const float m_old = m_s[p], m_new = fmaxf(m_old, mc);
+            float l = l_s[p], alpha = 0.0f;
+            if (m_new == NEG_INF) {
+                for (unsigned int jj = 0; jj < n; ++jj) s[jj] = 0.0f;
+            } else {
+                alpha = expf(m_old - m_new);
+                l *= alpha;
+                for (unsigned int jj = 0; jj < n; ++jj) {
+                    const float e = expf(s[jj] - m_new);
+                    s[jj] = e;
+                    l += e;
+                }
+            }
+            m_s[p] = m_new; l_s[p] = l; a_s[p] = alpha;
+        }
+        __syncthreads();
+        // 3. Values: a thread per (pair, dimension), keys in order.
+        for (unsigned int i = tid; i < pairs * d; i += THREADS) {
+            const unsigned int p = i / d, e = i % d;
+            const float *w = s_s + p * CHUNK;
+            float a = acc_s[i] * a_s[p];
+            for (unsigned int jj = 0; jj < n; ++jj)
+                a = fmaf(w[jj], to_f32(v_cache[(size_t)slot_s[jj] * row_len + kh * d + e]), a);
+            acc_s[i] = a;
+        }
+        __syncthreads();
+    }
+    for (unsigned int i = tid; i < pairs * d; i += THREADS) {
+        const unsigned int p = i / d, e = i % d;
+        const unsigned int row = first_row + p / group, h = kh * group + p % group;
+        part_acc[(((size_t)row * heads + h) * splits + split) * d + e] = acc_s[i];
+    }
+    for (unsigned int p = tid; p < pairs; p += THREADS) {
+        const unsigned int row = first_row + p / group, h = kh * group + p % group;
+        const size_t at = ((size_t)row * heads + h) * splits + split;
+        part_max[at] = m_s[p];
+        part_sum[at] = l_s[p];
+    }
+}
+
+template <typename T>
+__device__ void paged_reduce(const float *part_acc, const float *part_max, const float *part_sum,
+                             unsigned int heads, unsigned int head_dim, unsigned int splits,
+                             T *out) {
+    const unsigned int row = blockIdx.x, h = blockIdx.y;
+    const size_t base = ((size_t)row * heads + h) * splits;
+    float m = NEG_INF;
+    for (unsigned int s = 0; s < splits; ++s) m = fmaxf(m, part_max[base + s]);
+    float l = 0.0f;
+    for (unsigned int s = 0; s < splits; ++s) {
+        const float ms = part_max[base + s];
+        const float w = ms == NEG_INF ? 0.0f : expf(ms - m);
+        l = fmaf(part_sum[base + s], w, l);
+    }
+    for (unsigned int e = threadIdx.x; e < head_dim; e += blockDim.x) {
+        float a = 0.0f;
+        for (unsigned int s = 0; s < splits; ++s) {
+            const float ms = part_max[base + s];
+            const float w = ms == NEG_INF ? 0.0f : expf(ms - m);
+            a = fmaf(part_acc[(base + s) * head_dim + e], w, a);
+        }
+        from_f32(out[((size_t)row * heads + h) * head_dim + e], l > 0.0f ? a / l : 0.0f);
+    }
+}
+
+#define INSTANTIATE(NAME, T)                                                                    \
+    extern "C" __global__ void write_slots_##NAME(const T *src, T *cache,                      \
+                                                  const unsigned int *slots, unsigned int row) { \
+        write_slots<T>(src, cache, slots, row);                                                 \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(THREADS) paged_attention_##NAME(              \
+        const T *q, const T *k_cache, const T *v_cache, const unsigned int *tiles,             \
+        const unsigned int *block_tables, unsigned int heads, unsigned int kv_heads,           \
+        unsigned int head_dim, unsigned int block_size, unsigned int max_blocks,               \
+        unsigned int split_len, float scale, float *part_acc, float *part_max,                 \
+        float *part_sum) {                                                                      \
+        paged_attention<T>(q, k_cache, v_cache, tiles, block_tables, heads, kv_heads, head_dim, \
+                           block_size, max_blocks, split_len, scale, part_acc, part_max,       \
+                           part_sum);                                                           \
+    }                                                                                           \
+    extern "C" __global__ void paged_reduce_##NAME(                                            \
+        const float *part_acc, const float *part_max, const float *part_sum,                   \
+        unsigned int heads, unsigned int head_dim, unsigned int splits, T *out) {               \
+        paged_reduce<T>(part_acc, part_max, part_sum, heads, head_dim, splits, out);            \
+    }
+
+INSTANTIATE(f32, float)
+INSTANTIATE(bf16, bf16)
+INSTANTIATE(f16, f16)

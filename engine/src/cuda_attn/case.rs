@@ -1,0 +1,175 @@
+//! Random batches for checking paged attention: sequences with cached and new tokens
+//! scattered over a pool with holes, forked sequences sharing blocks, and their contiguous
+//! K/V for [`super::reference`]. The CPU twin's tests and `dppo doctor`'s GPU check use them.
+
+use rand::rngs::StdRng;
+use rand::Rng;
+
+use super::reference::{self, RefSeq};
+use super::{Heads, KernelPlan};
+use crate::paged_attn::{CacheShape, SeqAttnMeta};
+use crate::EngineError;
+
+/// Tokens per block of the cases' pools.
+const BLOCK_SIZE: usize = 16;
+
+/// One random batch.
+#[derive(Debug, Clone)]
+pub struct Case {
+    pub heads: Heads,
+    pub shape: CacheShape,
+    pub metas: Vec<SeqAttnMeta>,
+    /// Cache slot of each new row.
+    pub slots: Vec<usize>,
+    /// Contiguous K/V of every sequence, (keys, kv_heads, head_dim), cached tokens first.
+    pub kv: Vec<(Vec<f32>, Vec<f32>)>,
+    /// (rows, heads, head_dim) queries of the new rows.
+    pub q: Vec<f32>,
+}
+
+impl Case {
+    /// `lens[i]` = (cached, new) tokens of sequence `i`. Blocks are drawn from a shuffled
+    /// pool twice the size needed, leaving holes; with `fork`, sequence 1 shares sequence
+    /// 0's full cached blocks and their contents (a forked sample). Values are rounded by
+    /// `round` (to the dtype the check runs in).
+    pub fn new(
+        rng: &mut StdRng,
+        heads: Heads,
+        lens: &[(usize, usize)],
+        fork: bool,
+        round: impl Fn(f32) -> f32,
+    ) -> Self {
+        let bs = BLOCK_SIZE;
+        let need: usize = lens.iter().map(|(c, n)| (c + n).div_ceil(bs)).sum();
+        let num_blocks = 2 * need + 3;
+        let mut free: Vec<u32> = (0..num_blocks as u32).collect();
+        for i in (1..free.len()).rev() {
+            free.swap(i, rng.random_range(0..=i));
+        }
+        free.truncate(need);
+        let row_len = heads.num_kv_heads * heads.head_dim;
+        let mut kv: Vec<(Vec<f32>, Vec<f32>)> = Vec::new();
+        let mut metas: Vec<SeqAttnMeta> = Vec::new();
+        let (mut slots, mut first_row) = (Vec::new(), 0);
+        for (s, &(cached, new)) in lens.iter().enumerate() {
+            let keys = cached + new;
+            let mut table: Vec<u32> = (0..keys.div_ceil(bs))
+                .map(|_| free.pop().unwrap())
+                .collect();
+            let mut draw = |n| -> Vec<f32> {
+                (0..n)
+                    .map(|_| round(rng.random_range(-1.0f32..1.0)))
+                    .collect()
+            };
+            let (mut k, mut v) = (draw(keys * row_len), draw(keys * row_len));
+            if fork && s == 1 {
+                let shared = (cached / bs).min(metas[0].num_computed_tokens / bs);
+                table[..shared].copy_from_slice(&metas[0].block_table[..shared]);
+                let n = shared * bs * row_len;
+                k[..n].copy_from_slice(&kv[0].0[..n]);
+                v[..n].copy_from_slice(&kv[0].1[..n]);
+            }
+            for p in cached..keys {
+                slots.push(table[p / bs] as usize * bs + p % bs);
+            }
+            metas.push(SeqAttnMeta {
+                first_row,
+                num_new_tokens: new,
+                num_computed_tokens: cached,
+                block_table: table,
+            });
+            first_row += new;
+            kv.push((k, v));
+        }
+        let q = (0..first_row * heads.num_heads * heads.head_dim)
+            .map(|_| round(rng.random_range(-2.0f32..2.0)))
+            .collect();
+        let shape = CacheShape {
+            num_layers: 1,
+            num_blocks,
+            block_size: bs,
+            num_kv_heads: heads.num_kv_heads,
+            head_dim: heads.head_dim,
+        };
+        Self {
+            heads,
+            shape,
+            metas,
+            slots,
+            kv,
+            q,
+        }
+    }
+
+    /// The kernels' plan for the batch.
+    pub fn plan(&self, min_blocks: usize) -> Result<KernelPlan, EngineError> {
+        KernelPlan::new(&self.metas, &self.slots, self.shape, self.heads, min_blocks)
+    }
+
+    /// The new rows' K and V, (rows, kv_heads, head_dim) each, in batch order.
+    pub fn new_kv(&self) -> (Vec<f32>, Vec<f32>) {
+        let row = self.heads.num_kv_heads * self.heads.head_dim;
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        for (m, (sk, sv)) in self.metas.iter().zip(&self.kv) {
+            let new = m.num_computed_tokens..m.num_computed_tokens + m.num_new_tokens;
+            k.extend_from_slice(&sk[new.start * row..new.end * row]);
+            v.extend_from_slice(&sv[new.start * row..new.end * row]);
+        }
+        (k, v)
+    }
+
+    /// The pool, (slots, kv_heads * head_dim) per K and V, with every sequence's cached
+    /// tokens in their slots and NaN everywhere else (a read outside the block tables
+    /// poisons the output); the new rows are not written yet.
+    pub fn cached_pool(&self) -> (Vec<f32>, Vec<f32>) {
+        let row = self.heads.num_kv_heads * self.heads.head_dim;
+        let size = self.shape.num_blocks * self.shape.block_size * row;
+        let (mut k, mut v) = (vec![f32::NAN; size], vec![f32::NAN; size]);
+        let bs = self.shape.block_size;
+        for (m, (sk, sv)) in self.metas.iter().zip(&self.kv) {
+            for p in 0..m.num_computed_tokens {
+                let slot = m.block_table[p / bs] as usize * bs + p % bs;
+                k[slot * row..][..row].copy_from_slice(&sk[p * row..][..row]);
+                v[slot * row..][..row].copy_from_slice(&sv[p * row..][..row]);
+            }
+        }
+        (k, v)
+    }
+
+    /// Contiguous attention of the new rows in f64.
+    pub fn reference(&self) -> Vec<f64> {
+        let seqs: Vec<RefSeq<'_>> = self
+            .metas
+            .iter()
+            .zip(&self.kv)
+            .map(|(m, (k, v))| RefSeq {
+                first_row: m.first_row,
+                num_new_tokens: m.num_new_tokens,
+                num_computed_tokens: m.num_computed_tokens,
+                k,
+                v,
+            })
+            .collect();
+        reference::attention(&self.q, &seqs, self.heads)
+    }
+
+    /// The largest |got - reference|, infinite where `got` holds a NaN.
+    pub fn worst_error(&self, got: &[f32]) -> f64 {
+        worst(got, &self.reference())
+    }
+}
+
+/// The largest |a - b|, infinite where either is NaN or the lengths differ.
+pub fn worst(a: &[f32], b: &[f64]) -> f64 {
+    if a.len() != b.len() {
+        return f64::INFINITY;
+    }
+    a.iter().zip(b).fold(0.0, |acc: f64, (&x, &y)| {
+        let d = (x as f64 - y).abs();
+        if d.is_nan() {
+            f64::INFINITY
+        } else {
+            acc.max(d)
+        }
+    })
+}

@@ -1,0 +1,141 @@
+//! The kernels on a GPU against the generic path and the f64 reference, on random batches
+//! (GQA ratios 1, 3, 4 and 8; head_dim 64 and 128; pools with holes; forked sequences;
+//! decoding, prefill and chunked prefill; contexts split several ways), for `dppo doctor`.
+
+use candle_core::{DType, Device, Result, Tensor};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+use super::case::{worst, Case};
+use super::{multiprocessors, CudaIndex, CudaPagedAttention, Heads};
+use crate::generic_attn::{BatchIndex, GenericPagedAttention, TensorKvCache};
+use dppo_model::AttentionBackend;
+
+/// (cached, new) tokens of each sequence: long and short decodes, a fresh prefill, a chunk
+/// of a prefill, a one-token context.
+const LENS: [(usize, usize); 6] = [(600, 1), (0, 37), (150, 21), (0, 1), (17, 1), (129, 1)];
+/// A forking group: three samples, two sharing their prompt's blocks.
+const FORK_LENS: [(usize, usize); 3] = [(64, 1), (80, 1), (5, 1)];
+
+/// What the check found for one dtype.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DtypeReport {
+    pub dtype: DType,
+    pub cases: usize,
+    /// Largest |kernel - f64 reference| and |kernel - generic path| over every output.
+    pub vs_reference: f64,
+    pub vs_generic: f64,
+    /// Pools after the writes that differ from the generic path's, bit for bit.
+    pub pools_differing: usize,
+    /// The bound both differences must stay under.
+    pub tolerance: f64,
+}
+
+impl DtypeReport {
+    pub fn passed(&self) -> bool {
+        self.vs_reference <= self.tolerance
+            && self.vs_generic <= self.tolerance
+            && self.pools_differing == 0
+    }
+}
+
+/// Runs every case in f32, bf16 and f16 on `device`.
+pub fn run(device: &Device) -> Result<Vec<DtypeReport>> {
+    let Device::Cuda(cuda) = device else {
+        candle_core::bail!("the paged kernels' check needs a GPU");
+    };
+    let min_blocks = 2 * multiprocessors(cuda)?;
+    let mut reports = Vec::new();
+    for (dtype, tolerance) in [(DType::F32, 1e-4), (DType::BF16, 2e-2), (DType::F16, 4e-3)] {
+        let mut report = DtypeReport {
+            dtype,
+            cases: 0,
+            vs_reference: 0.0,
+            vs_generic: 0.0,
+            pools_differing: 0,
+            tolerance,
+        };
+        let mut rng = StdRng::seed_from_u64(17);
+        let round = |x: f32| round_to(x, dtype);
+        for group in [1, 3, 4, 8] {
+            for head_dim in [64, 128] {
+                let heads = Heads {
+                    num_heads: 2 * group,
+                    num_kv_heads: 2,
+                    head_dim,
+                };
+                for (lens, fork) in [(&LENS[..], false), (&FORK_LENS[..], true)] {
+                    let case = Case::new(&mut rng, heads, lens, fork, round);
+                    // Split as the engine would, and into as many splits as there are chunks.
+                    for blocks in [min_blocks, usize::MAX / 2] {
+                        one_case(&case, dtype, device, blocks, &mut report)?;
+                    }
+                }
+            }
+        }
+        reports.push(report);
+    }
+    Ok(reports)
+}
+
+/// `x` as stored in `dtype` and read back.
+fn round_to(x: f32, dtype: DType) -> f32 {
+    match dtype {
+        DType::BF16 => half::bf16::from_f32(x).to_f32(),
+        DType::F16 => half::f16::from_f32(x).to_f32(),
+        _ => x,
+    }
+}
+
+fn one_case(
+    case: &Case,
+    dtype: DType,
+    device: &Device,
+    min_blocks: usize,
+    report: &mut DtypeReport,
+) -> Result<()> {
+    let heads = case.heads;
+    let rows = case.metas.iter().map(|m| m.num_new_tokens).sum::<usize>();
+    let upload = |x: &[f32], dims: (usize, usize, usize)| {
+        Tensor::from_slice(x, dims, device)?.to_dtype(dtype)
+    };
+    let q = upload(&case.q, (rows, heads.num_heads, heads.head_dim))?;
+    let (new_k, new_v) = case.new_kv();
+    let kv_dims = (rows, heads.num_kv_heads, heads.head_dim);
+    let (k, v) = (upload(&new_k, kv_dims)?, upload(&new_v, kv_dims)?);
+    let (pool_k, pool_v) = case.cached_pool();
+    let pool = (&pool_k[..], &pool_v[..]);
+
+    let mut cuda_cache = TensorKvCache::from_host(case.shape, pool, dtype, device)?;
+    let index = CudaIndex::new(
+        case.plan(min_blocks).map_err(candle_core::Error::wrap)?,
+        device,
+    )?;
+    let got = CudaPagedAttention {
+        cache: &mut cuda_cache,
+        index: &index,
+    }
+    .attend(0, &q, &k, &v)?;
+
+    let mut generic_cache = TensorKvCache::from_host(case.shape, pool, dtype, device)?;
+    let generic_index = BatchIndex::new(&case.metas, &case.slots, case.shape, device)?;
+    let want = GenericPagedAttention {
+        cache: &mut generic_cache,
+        index: &generic_index,
+        ops: 0,
+    }
+    .attend(0, &q, &k, &v)?;
+
+    let host = |t: &Tensor| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
+    let (got, want) = (host(&got)?, host(&want)?);
+    let want: Vec<f64> = want.iter().map(|&x| x as f64).collect();
+    report.vs_reference = report.vs_reference.max(case.worst_error(&got));
+    report.vs_generic = report.vs_generic.max(worst(&got, &want));
+    let bits =
+        |t: &Tensor| -> Result<Vec<u32>> { Ok(host(t)?.iter().map(|x| x.to_bits()).collect()) };
+    let (ck, cv) = cuda_cache.layer(0);
+    let (gk, gv) = generic_cache.layer(0);
+    report.pools_differing += (bits(ck)? != bits(gk)?) as usize + (bits(cv)? != bits(gv)?) as usize;
+    report.cases += 1;
+    Ok(())
+}

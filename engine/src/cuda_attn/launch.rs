@@ -1,0 +1,316 @@
+//! Queues kernels/paged_attention.cu on candle's CUDA stream: the K/V writes as in-place ops
+//! on the pool's tensors, the attention and the merge of its splits as one custom op whose
+//! output is a new tensor. The plan's index arrays go to the device once per iteration.
+
+use std::sync::OnceLock;
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDType, CudaStorage, WrapErr};
+use candle_core::{
+    bail, CpuStorage, CudaDevice, CustomOp3, DType, Device, InplaceOp2, Layout, Result, Shape,
+    Tensor,
+};
+use dppo_model::AttentionBackend;
+
+use super::{KernelPlan, LAUNCHES_PER_LAYER, SOURCE, THREADS};
+use crate::generic_attn::TensorKvCache;
+
+/// Threads of a write block and of a merge block.
+const WRITE_THREADS: u32 = 128;
+
+/// A plan and its index arrays on the device, for one iteration.
+pub struct CudaIndex {
+    plan: KernelPlan,
+    tiles: CudaSlice<u32>,
+    tables: CudaSlice<u32>,
+    slots: CudaSlice<u32>,
+}
+
+impl CudaIndex {
+    /// Uploads `plan`'s tiles, block tables and slots to `device`.
+    pub fn new(plan: KernelPlan, device: &Device) -> Result<Self> {
+        let Device::Cuda(device) = device else {
+            bail!("cuda attention on {:?}", device.location());
+        };
+        let stream = device.cuda_stream();
+        Ok(Self {
+            tiles: stream.clone_htod(&plan.tile_words()).w()?,
+            tables: stream.clone_htod(&plan.block_tables).w()?,
+            slots: stream.clone_htod(&plan.slots).w()?,
+            plan,
+        })
+    }
+
+    /// The plan it holds.
+    pub fn plan(&self) -> &KernelPlan {
+        &self.plan
+    }
+
+    /// Kernel launches per forward pass of `layers` layers.
+    pub fn launches(&self, layers: usize) -> u64 {
+        LAUNCHES_PER_LAYER * layers as u64
+    }
+}
+
+/// Multiprocessors of `device`: the plan splits contexts until the grid fills them twice.
+pub fn multiprocessors(device: &CudaDevice) -> Result<usize> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
+    let context = device.cuda_stream().context().clone();
+    let n = context
+        .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .w()?;
+    Ok(n as usize)
+}
+
+/// The backend over the pool's tensors for one iteration.
+pub struct CudaPagedAttention<'a> {
+    pub cache: &'a mut TensorKvCache,
+    pub index: &'a CudaIndex,
+}
+
+impl AttentionBackend for CudaPagedAttention<'_> {
+    fn attend(&mut self, layer_idx: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        let (kc, vc) = self.cache.layer(layer_idx);
+        kc.inplace_op2(&k.contiguous()?, &WriteSlots(self.index))?;
+        vc.inplace_op2(&v.contiguous()?, &WriteSlots(self.index))?;
+        q.contiguous()?
+            .apply_op3_no_bwd(kc, vc, &Attend(self.index))
+    }
+}
+
+/// The kernels' suffix for `dtype`.
+fn suffix(dtype: DType) -> Result<&'static str> {
+    Ok(match dtype {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        other => bail!("cuda attention: no kernels for {other:?}"),
+    })
+}
+
+/// Loads `name` for `dtype` from the module, compiling it (once per process) on first use.
+fn function(device: &CudaDevice, name: &str, dtype: DType) -> Result<CudaFunction> {
+    let name = format!("{name}_{}", suffix(dtype)?);
+    let func = device.get_or_load_custom_func(&name, "dppo_paged_attention", &ptx(device)?)?;
+    Ok(func.into_cuda_function())
+}
+
+/// The module's PTX for `device`'s compute capability, compiled once per process.
+fn ptx(device: &CudaDevice) -> Result<String> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
+    use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+
+    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
+    let context = device.cuda_stream().context().clone();
+    PTX.get_or_init(|| {
+        let cap = |a| context.attribute(a).map_err(|e| e.to_string());
+        let major = cap(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+        let minor = cap(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        let arch: &'static str = Box::leak(format!("compute_{major}{minor}").into_boxed_str());
+        let opts = CompileOptions {
+            arch: Some(arch),
+            ..CompileOptions::default()
+        };
+        compile_ptx_with_opts(SOURCE, opts)
+            .map(|ptx| ptx.to_src())
+            .map_err(|e| format!("compiling kernels/paged_attention.cu with NVRTC: {e}"))
+    })
+    .clone()
+    .map_err(candle_core::Error::msg)
+}
+
+/// Writes the batch's K (or V) rows into their slots of one layer's pool tensor.
+struct WriteSlots<'a>(&'a CudaIndex);
+
+impl InplaceOp2 for WriteSlots<'_> {
+    fn name(&self) -> &'static str {
+        "paged-write-slots"
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<()> {
+        bail!("paged-write-slots runs on a GPU only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        cache: &mut CudaStorage,
+        cache_layout: &Layout,
+        src: &CudaStorage,
+        src_layout: &Layout,
+    ) -> Result<()> {
+        let dtype = cache.dtype();
+        if src.dtype() != dtype || cache_layout.start_offset() != 0 {
+            bail!("paged-write-slots: the pool and the new rows differ in dtype or layout");
+        }
+        let func = function(&cache.device, "write_slots", dtype)?;
+        match dtype {
+            DType::F32 => write::<f32>(&func, cache, src, src_layout, self.0),
+            DType::BF16 => write::<half::bf16>(&func, cache, src, src_layout, self.0),
+            DType::F16 => write::<half::f16>(&func, cache, src, src_layout, self.0),
+            other => bail!("cuda attention: no kernels for {other:?}"),
+        }
+    }
+}
+
+fn write<T: CudaDType + DeviceRepr>(
+    func: &CudaFunction,
+    cache: &mut CudaStorage,
+    src: &CudaStorage,
+    src_layout: &Layout,
+    index: &CudaIndex,
+) -> Result<()> {
+    let Some((start, end)) = src_layout.contiguous_offsets() else {
+        bail!("paged-write-slots: the new rows are not contiguous");
+    };
+    let plan = &index.plan;
+    let (rows, row) = (plan.rows, plan.heads.num_kv_heads * plan.heads.head_dim);
+    if end - start != rows * row {
+        bail!(
+            "paged-write-slots: {} elements for {rows} rows of {row}",
+            end - start
+        );
+    }
+    let row = row as u32;
+    let src = src.as_cuda_slice::<T>()?.slice(start..end);
+    let stream = cache.device.cuda_stream();
+    let cache = cache.as_cuda_slice_mut::<T>()?;
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (WRITE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = stream.launch_builder(func);
+    launch.arg(&src).arg(cache).arg(&index.slots).arg(&row);
+    // SAFETY: the arguments match `write_slots` in kernels/paged_attention.cu; `src` holds
+    // `rows` rows of `row` elements and every slot of the plan lies inside the pool.
+    unsafe { launch.launch(cfg) }.w()?;
+    Ok(())
+}
+
+/// Attention of the batch's queries over the pool, merged over the context's splits.
+struct Attend<'a>(&'a CudaIndex);
+
+impl CustomOp3 for Attend<'_> {
+    fn name(&self) -> &'static str {
+        "paged-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("paged-attention runs on a GPU only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        q: &CudaStorage,
+        q_layout: &Layout,
+        k: &CudaStorage,
+        k_layout: &Layout,
+        v: &CudaStorage,
+        v_layout: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let dtype = q.dtype();
+        if k.dtype() != dtype || v.dtype() != dtype {
+            bail!("paged-attention: queries and pool differ in dtype");
+        }
+        if q_layout.contiguous_offsets().is_none()
+            || k_layout.start_offset() != 0
+            || v_layout.start_offset() != 0
+        {
+            bail!("paged-attention: queries or pool not contiguous");
+        }
+        let out = match dtype {
+            DType::F32 => attend::<f32>(q, q_layout, k, v, self.0)?,
+            DType::BF16 => attend::<half::bf16>(q, q_layout, k, v, self.0)?,
+            DType::F16 => attend::<half::f16>(q, q_layout, k, v, self.0)?,
+            other => bail!("cuda attention: no kernels for {other:?}"),
+        };
+        Ok((out, q_layout.shape().clone()))
+    }
+}
+
+fn attend<T: CudaDType + DeviceRepr>(
+    q: &CudaStorage,
+    q_layout: &Layout,
+    k: &CudaStorage,
+    v: &CudaStorage,
+    index: &CudaIndex,
+) -> Result<CudaStorage> {
+    let plan = &index.plan;
+    let device = &q.device;
+    let dtype = q.dtype();
+    let (start, end) = q_layout.contiguous_offsets().expect("checked contiguous");
+    let q = q.as_cuda_slice::<T>()?.slice(start..end);
+    let (k, v) = (k.as_cuda_slice::<T>()?, v.as_cuda_slice::<T>()?);
+    let heads = plan.heads;
+    let pair_rows = plan.rows * heads.num_heads;
+    // SAFETY (all three): every element is written by the kernels before it is read: each
+    // (row, head, split) by the attention block of its tile, each output by the merge.
+    let mut acc = unsafe { device.alloc::<f32>(plan.partial_len()) }?;
+    let mut max = unsafe { device.alloc::<f32>(pair_rows * plan.splits) }?;
+    let mut sum = unsafe { device.alloc::<f32>(pair_rows * plan.splits) }?;
+    let mut out = unsafe { device.alloc::<T>(pair_rows * heads.head_dim) }?;
+    let (num_heads, kv_heads) = (heads.num_heads as u32, heads.num_kv_heads as u32);
+    let head_dim = heads.head_dim as u32;
+    let (block_size, max_blocks) = (plan.block_size as u32, plan.max_blocks as u32);
+    let (split_len, splits) = (plan.split_len as u32, plan.splits as u32);
+    let scale = 1.0f32 / (heads.head_dim as f32).sqrt();
+    let stream = device.cuda_stream();
+
+    let func = function(device, "paged_attention", dtype)?;
+    let cfg = LaunchConfig {
+        grid_dim: (plan.tiles.len() as u32, kv_heads, splits),
+        block_dim: (THREADS as u32, 1, 1),
+        shared_mem_bytes: plan.shared_bytes() as u32,
+    };
+    let mut launch = stream.launch_builder(&func);
+    launch
+        .arg(&q)
+        .arg(k)
+        .arg(v)
+        .arg(&index.tiles)
+        .arg(&index.tables)
+        .arg(&num_heads)
+        .arg(&kv_heads)
+        .arg(&head_dim)
+        .arg(&block_size)
+        .arg(&max_blocks)
+        .arg(&split_len)
+        .arg(&scale)
+        .arg(&mut acc)
+        .arg(&mut max)
+        .arg(&mut sum);
+    // SAFETY: the arguments match `paged_attention` in kernels/paged_attention.cu; the plan
+    // sized the partial buffers and the shared memory (at most 48 KiB, checked by
+    // `Heads::check`), and its tiles and block tables address only the pool's slots.
+    unsafe { launch.launch(cfg) }.w()?;
+
+    let func = function(device, "paged_reduce", dtype)?;
+    let cfg = LaunchConfig {
+        grid_dim: (plan.rows as u32, num_heads, 1),
+        block_dim: (head_dim, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = stream.launch_builder(&func);
+    launch
+        .arg(&acc)
+        .arg(&max)
+        .arg(&sum)
+        .arg(&num_heads)
+        .arg(&head_dim)
+        .arg(&splits)
+        .arg(&mut out);
+    // SAFETY: the arguments match `paged_reduce`; the partials were written above.
+    unsafe { launch.launch(cfg) }.w()?;
+    Ok(T::wrap_cuda_slice(out, device.clone()))
+}

@@ -1,0 +1,213 @@
+//! Paged attention on a GPU (`engine.attention = "cuda"`): kernels/paged_attention.cu reads
+//! K and V in place from the same pool the generic path uses, through the block tables,
+//! instead of gathering, padding and expanding them. This module holds what the host decides
+//! for an iteration (the [`KernelPlan`]: tiles of query rows, block tables, splits of the
+//! context), built once and shared by every layer; `launch` (CUDA builds) queues the kernels,
+//! and a CPU twin of the kernels (tests) checks the plan and the algorithm against
+//! [`reference`] without a GPU.
+
+pub mod case;
+#[cfg(feature = "cuda")]
+pub mod device_check;
+#[cfg(feature = "cuda")]
+mod launch;
+pub mod reference;
+#[cfg(test)]
+mod twin;
+
+#[cfg(feature = "cuda")]
+pub use launch::{multiprocessors, CudaIndex, CudaPagedAttention};
+
+use crate::paged_attn::{CacheShape, SeqAttnMeta};
+use crate::EngineError;
+
+/// The kernels' CUDA source, compiled by NVRTC at run time (and in CI by
+/// `scripts/check-kernels`).
+pub const SOURCE: &str = include_str!("../../kernels/paged_attention.cu");
+
+/// Threads of an attention block (the kernel's `THREADS`).
+pub const THREADS: usize = 128;
+/// Keys scored together in shared memory (the kernel's `CHUNK`).
+pub const CHUNK: usize = 128;
+/// head_dim is a multiple of 32 and at most 32 times the kernel's `MAX_LANE_DIMS`.
+pub const MAX_HEAD_DIM: usize = 256;
+/// Query rows and heads (pairs) a prefill tile aims at: enough to reuse each key read.
+const TARGET_PAIRS: usize = 16;
+/// Shared memory a block may use without opting in (48 KiB on every CUDA GPU).
+const MAX_SHARED_BYTES: usize = 48 * 1024;
+/// Launches per layer: the K and V writes, the attention and the merge of its splits.
+pub const LAUNCHES_PER_LAYER: u64 = 4;
+
+/// The heads of the model the kernels serve.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Heads {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl Heads {
+    /// Query heads per KV head.
+    pub fn group(&self) -> usize {
+        self.num_heads / self.num_kv_heads
+    }
+
+    /// An error naming what the kernels cannot serve, if anything.
+    pub fn check(&self) -> Result<(), EngineError> {
+        let refuse = |why: String| {
+            Err(EngineError::InvalidConfig(format!(
+                "engine.attention = \"cuda\": {why}; use \"generic\""
+            )))
+        };
+        if !self.head_dim.is_multiple_of(32) || self.head_dim > MAX_HEAD_DIM {
+            return refuse(format!(
+                "head_dim {} is not a multiple of 32 up to {MAX_HEAD_DIM}",
+                self.head_dim
+            ));
+        }
+        if self.num_kv_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads) {
+            return refuse(format!(
+                "{} query heads do not group over {} KV heads",
+                self.num_heads, self.num_kv_heads
+            ));
+        }
+        if shared_bytes(self.group(), self.head_dim) > MAX_SHARED_BYTES {
+            return refuse(format!(
+                "{} query heads per KV head at head_dim {} need more than 48 KiB of shared \
+                 memory a block",
+                self.group(),
+                self.head_dim
+            ));
+        }
+        Ok(())
+    }
+
+    /// Query rows per prefill tile: at least one, `TARGET_PAIRS` pairs where the group allows.
+    fn rows_per_tile(&self) -> usize {
+        (TARGET_PAIRS / self.group()).max(1)
+    }
+}
+
+/// Dynamic shared memory of a block serving `pairs` pairs (the kernel's layout).
+pub fn shared_bytes(pairs: usize, head_dim: usize) -> usize {
+    4 * (2 * pairs * head_dim + pairs * CHUNK + CHUNK + 3 * pairs)
+}
+
+/// One tile: consecutive query rows of one sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tile {
+    /// The sequence's row in the block tables.
+    pub seq: u32,
+    pub first_row: u32,
+    pub rows: u32,
+    /// Position of the first row; row `i` sees keys `0..=first_pos + i`.
+    pub first_pos: u32,
+}
+
+/// What the kernels of one iteration read, the same for every layer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KernelPlan {
+    pub heads: Heads,
+    pub block_size: usize,
+    pub tiles: Vec<Tile>,
+    /// (sequences, max_blocks) block ids, rows padded with 0 (never read: a tile reads
+    /// only the blocks its keys fill).
+    pub block_tables: Vec<u32>,
+    pub max_blocks: usize,
+    /// The cache slot of each batch row's new K/V.
+    pub slots: Vec<u32>,
+    /// Query rows in the batch.
+    pub rows: usize,
+    /// Splits of the context (the grid's third dimension) and keys per split (a multiple
+    /// of [`CHUNK`]).
+    pub splits: usize,
+    pub split_len: usize,
+    /// Most pairs of any tile: sizes the blocks' shared memory.
+    pub max_pairs: usize,
+}
+
+impl KernelPlan {
+    /// The plan for `seqs` (their new tokens are the batch's rows, `slot_mapping` their
+    /// slots). Splits the context until the grid has at least `min_blocks` blocks (about
+    /// two per multiprocessor), never below one chunk of keys per split.
+    pub fn new(
+        seqs: &[SeqAttnMeta],
+        slot_mapping: &[usize],
+        shape: CacheShape,
+        heads: Heads,
+        min_blocks: usize,
+    ) -> Result<Self, EngineError> {
+        heads.check()?;
+        let per_tile = heads.rows_per_tile();
+        let max_blocks = seqs
+            .iter()
+            .map(|m| m.block_table.len())
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let mut tiles = Vec::new();
+        let mut block_tables = vec![0u32; seqs.len() * max_blocks];
+        let mut max_keys = 1;
+        for (s, m) in seqs.iter().enumerate() {
+            let keys = m.num_computed_tokens + m.num_new_tokens;
+            if keys.div_ceil(shape.block_size) > m.block_table.len() {
+                return Err(EngineError::InvalidConfig(format!(
+                    "cuda attention: a sequence of {keys} tokens has {} blocks of {}",
+                    m.block_table.len(),
+                    shape.block_size
+                )));
+            }
+            max_keys = max_keys.max(keys);
+            block_tables[s * max_blocks..s * max_blocks + m.block_table.len()]
+                .copy_from_slice(&m.block_table);
+            for first in (0..m.num_new_tokens).step_by(per_tile) {
+                tiles.push(Tile {
+                    seq: s as u32,
+                    first_row: (m.first_row + first) as u32,
+                    rows: per_tile.min(m.num_new_tokens - first) as u32,
+                    first_pos: (m.num_computed_tokens + first) as u32,
+                });
+            }
+        }
+        let max_pairs = tiles.iter().map(|t| t.rows as usize).max().unwrap_or(1) * heads.group();
+        let base = (tiles.len() * heads.num_kv_heads).max(1);
+        let chunks = max_keys.div_ceil(CHUNK);
+        let wanted = min_blocks.div_ceil(base).clamp(1, chunks);
+        let split_len = chunks.div_ceil(wanted) * CHUNK;
+        Ok(Self {
+            heads,
+            block_size: shape.block_size,
+            tiles,
+            block_tables,
+            max_blocks,
+            slots: slot_mapping.iter().map(|&s| s as u32).collect(),
+            rows: slot_mapping.len(),
+            splits: max_keys.div_ceil(split_len),
+            split_len,
+            max_pairs,
+        })
+    }
+
+    /// The tiles as the kernel reads them: four words each.
+    pub fn tile_words(&self) -> Vec<u32> {
+        self.tiles
+            .iter()
+            .flat_map(|t| [t.seq, t.first_row, t.rows, t.first_pos])
+            .collect()
+    }
+
+    /// Bytes uploaded per iteration: tiles, block tables and slots.
+    pub fn upload_bytes(&self) -> u64 {
+        4 * (4 * self.tiles.len() + self.block_tables.len() + self.slots.len()) as u64
+    }
+
+    /// Floats of the partial outputs (rows x heads x splits x head_dim).
+    pub fn partial_len(&self) -> usize {
+        self.rows * self.heads.num_heads * self.splits * self.heads.head_dim
+    }
+
+    /// The attention kernel's shared memory per block.
+    pub fn shared_bytes(&self) -> usize {
+        shared_bytes(self.max_pairs, self.heads.head_dim)
+    }
+}
