@@ -78,13 +78,42 @@ fn seeded_device_samples_equal_the_static_reference_and_ignore_the_batch() {
     }
 }
 
-/// A top-p request keeps its iteration on the host sampler: the same tokens as an engine
-/// that samples on the host.
+/// Top-k and top-p are drawn on the device too: the same tokens and logprobs as the static
+/// reference with the same noise, whatever the batch.
 #[test]
-fn requests_the_kernel_cannot_draw_fall_back_to_the_host() {
+fn truncated_device_draws_equal_the_static_reference() {
     let policy = policy();
-    let mut reqs = seeded(1.0);
+    let model = policy.model().unwrap();
+    let mut reqs = seeded(0.8);
+    reqs[0].sampling.top_k = 5;
     reqs[1].sampling.top_p = 0.9;
+    reqs[2].sampling.top_k = 20;
+    reqs[2].sampling.top_p = 0.7;
+    let want = generate_naive_on(
+        &model,
+        &reqs,
+        policy.eos_token_ids(),
+        &Device::Cpu,
+        SamplingPlace::Device,
+    )
+    .unwrap();
+    let engine = Engine::new(
+        &policy,
+        device_sampled(4, 96, AttentionMode::Auto),
+        Device::Cpu,
+    )
+    .unwrap();
+    assert_matches_reference(&run(&engine, &reqs), &want, "top-k and top-p");
+}
+
+/// Top logprobs come from the device with every greedy token: the host sampler's.
+#[test]
+fn device_top_logprobs_are_the_host_samplers() {
+    let policy = policy();
+    let mut reqs = workload(4, 1, policy.config.vocab_size);
+    for r in &mut reqs {
+        r.sampling.top_logprobs = 3;
+    }
     let host = Engine::new(&policy, config(16, 4096, AttentionMode::Auto), Device::Cpu).unwrap();
     let device = Engine::new(
         &policy,
@@ -93,5 +122,17 @@ fn requests_the_kernel_cannot_draw_fall_back_to_the_host() {
     )
     .unwrap();
     let (a, b) = (run(&host, &reqs), run(&device, &reqs));
-    assert_eq!(tokens(&a)[1], tokens(&b)[1]);
+    assert_eq!(tokens(&a), tokens(&b));
+    for (ra, rb) in a.iter().zip(&b) {
+        for (ca, cb) in ra.iter().zip(rb) {
+            assert_eq!(ca.top_logprobs.len(), ca.token_ids.len());
+            for (ta, tb) in ca.top_logprobs.iter().zip(&cb.top_logprobs) {
+                assert_eq!(ta.len(), 3);
+                for ((ia, la), (ib, lb)) in ta.iter().zip(tb) {
+                    assert_eq!(ia, ib);
+                    assert!((la - lb).abs() < 1e-4, "{la} vs {lb}");
+                }
+            }
+        }
+    }
 }

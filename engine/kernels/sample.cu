@@ -1,12 +1,19 @@
 // Gumbel-max sampling of many rows at once: one block per draw, each thread a strided share
-// of the vocabulary in groups of four (one Philox call each), then a block reduction. The
-// reference, element for element, is engine/src/gumbel.rs; compiled at run time by NVRTC.
+// of the vocabulary in groups of four (one Philox call each), then block reductions. Top-k and
+// top-p are a threshold on the tempered scores found by bisection over the floats' order (a
+// block-wide count or mass per step, no sort); the top logprobs are found one block argmax
+// each. The reference is engine/src/gumbel.rs and engine/src/truncation.rs; compiled at run
+// time by NVRTC.
 
 #define PHILOX_M0 0xD2511F53u
 #define PHILOX_M1 0xCD9E8D57u
 #define PHILOX_W0 0x9E3779B9u
 #define PHILOX_W1 0xBB67AE85u
 #define THREADS 256
+#define WARPS (THREADS / 32)
+#define FULL_MASK 0xFFFFFFFFu
+// Most top logprobs a draw returns (MAX_TOP_LOGPROBS).
+#define MAX_TOP 20
 // No headers under NVRTC: -inf from its bits, NaN as the value unequal to itself.
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -42,71 +49,219 @@ __device__ Best best_merge(Best a, Best b) {
     return a;
 }
 
+
+// Floats as unsigned integers in the same order (-inf lowest).
+__device__ __forceinline__ unsigned int order_key(float x) {
+    unsigned int b = __float_as_uint(x);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+__device__ __forceinline__ float clean(float l) { return l != l ? NEG_INF : l; }
+
+// Block-wide reductions; every thread gets the result. Each has its own shared slots and
+// ends with a barrier, so calls may follow each other.
+__device__ float block_sum(float v) {
+    __shared__ float part[WARPS];
+    __shared__ float total;
+    for (int o = 16; o > 0; o /= 2) v += __shfl_down_sync(FULL_MASK, v, o);
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float t = 0.0f;
+        for (int w = 0; w < WARPS; ++w) t += part[w];
+        total = t;
+    }
+    __syncthreads();
+    float r = total;
+    __syncthreads();
+    return r;
+}
+
+__device__ unsigned int block_count(unsigned int v) {
+    __shared__ unsigned int part[WARPS];
+    __shared__ unsigned int total;
+    for (int o = 16; o > 0; o /= 2) v += __shfl_down_sync(FULL_MASK, v, o);
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned int t = 0;
+        for (int w = 0; w < WARPS; ++w) t += part[w];
+        total = t;
+    }
+    __syncthreads();
+    unsigned int r = total;
+    __syncthreads();
+    return r;
+}
+
+__device__ Best block_best(Best b) {
+    __shared__ Best part[WARPS];
+    __shared__ Best total;
+    for (int o = 16; o > 0; o /= 2) {
+        Best other;
+        other.score = __shfl_down_sync(FULL_MASK, b.score, o);
+        other.index = __shfl_down_sync(FULL_MASK, b.index, o);
+        b = best_merge(b, other);
+    }
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = b;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        Best t = part[0];
+        for (int w = 1; w < WARPS; ++w) t = best_merge(t, part[w]);
+        total = t;
+    }
+    __syncthreads();
+    Best r = total;
+    __syncthreads();
+    return r;
+}
+
+__device__ Lse block_lse(Lse a) {
+    __shared__ Lse part[WARPS];
+    __shared__ Lse total;
+    for (int o = 16; o > 0; o /= 2) {
+        Lse other;
+        other.max = __shfl_down_sync(FULL_MASK, a.max, o);
+        other.sum = __shfl_down_sync(FULL_MASK, a.sum, o);
+        a = lse_merge(a, other);
+    }
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = a;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        Lse t = part[0];
+        for (int w = 1; w < WARPS; ++w) t = lse_merge(t, part[w]);
+        total = t;
+    }
+    __syncthreads();
+    Lse r = total;
+    __syncthreads();
+    return r;
+}
+
+// The largest order key `cut` with count(key(score) >= cut) >= top_k (0: none), then, among
+// those, the largest with mass(key >= cut) >= top_p * mass(key >= the top-k cut), the mass
+// being the scores' exp relative to their max. Bisection over the keys: 32 passes at most.
+__device__ unsigned int truncation_cut(const float *row, unsigned int vocab, float scale,
+                                       float smax, unsigned int top_k, float top_p) {
+    unsigned int cut = 0;
+    const unsigned int top = order_key(smax) + 1;
+    if (top_k > 0 && top_k < vocab) {
+        unsigned int lo = 0, hi = top;
+        while (hi - lo > 1) {
+            const unsigned int mid = lo + (hi - lo) / 2;
+            unsigned int n = 0;
+            for (unsigned int i = threadIdx.x; i < vocab; i += THREADS)
+                n += order_key(clean(row[i]) * scale) >= mid;
+            if (block_count(n) >= top_k) lo = mid; else hi = mid;
+        }
+        cut = lo;
+    }
+    if (top_p < 1.0f) {
+        float m = 0.0f;
+        for (unsigned int i = threadIdx.x; i < vocab; i += THREADS) {
+            const float s = clean(row[i]) * scale;
+            if (order_key(s) >= cut) m += expf(s - smax);
+        }
+        const float target = top_p * block_sum(m);
+        unsigned int lo = cut, hi = top;
+        while (hi - lo > 1) {
+            const unsigned int mid = lo + (hi - lo) / 2;
+            m = 0.0f;
+            for (unsigned int i = threadIdx.x; i < vocab; i += THREADS) {
+                const float s = clean(row[i]) * scale;
+                if (order_key(s) >= mid) m += expf(s - smax);
+            }
+            if (block_sum(m) >= target) lo = mid; else hi = mid;
+        }
+        cut = lo;
+    }
+    return cut;
+}
+
 // logits: (rows, vocab) f32. Per draw d: rows[d], keys[2d..2d+2] (low word first),
-// counters[2d..2d+2] = (position, sample index), inv_temps[d] (0 for greedy). Out per draw:
-// the token, its logprob under the tempered softmax (untempered when greedy), and its
-// untempered logprob.
-extern "C" __global__ void gumbel_sample(
+// counters[2d..2d+2] = (position, sample index), inv_temps[d] (0 for greedy), top_ks[d] (0:
+// off), top_ps[d] (1: off), n_tops[d] (top logprobs wanted, <= MAX_TOP). Out per draw: the
+// token, its logprob under the tempered, truncated and renormalised distribution (untempered
+// when greedy), its untempered logprob, and the n_tops[d] most likely untempered tokens with
+// their logprobs (top_ids and top_logprobs, MAX_TOP slots a draw).
+extern "C" __global__ void __launch_bounds__(THREADS) gumbel_sample(
     const float *logits, unsigned int vocab, const unsigned int *rows,
     const unsigned int *keys, const unsigned int *counters, const float *inv_temps,
-    unsigned int *tokens, float *logprobs, float *model_logprobs) {
+    const unsigned int *top_ks, const float *top_ps, const unsigned int *n_tops,
+    unsigned int *tokens, float *logprobs, float *model_logprobs, unsigned int *top_ids,
+    float *top_logprobs) {
     const unsigned int d = blockIdx.x;
     const float *row = logits + (size_t)rows[d] * vocab;
     const float inv_t = inv_temps[d];
     const bool greedy = inv_t == 0.0f;
     const float scale = greedy ? 1.0f : inv_t;
-    Best best; best.score = NEG_INF; best.index = 0xFFFFFFFFu;
+    // 1. The untempered log-sum-exp and the largest score.
     Lse raw; raw.max = NEG_INF; raw.sum = 0.0f;
-    Lse tempered = raw;
+    float smax = NEG_INF;
+    for (unsigned int i = threadIdx.x; i < vocab; i += THREADS) {
+        const float l = clean(row[i]);
+        lse_push(raw, l);
+        smax = fmaxf(smax, l * scale);
+    }
+    raw = block_lse(raw);
+    Best top; top.score = smax; top.index = 0;
+    smax = block_best(top).score;
+    // 2. Top-k and top-p: the scores kept are those whose key reaches `cut`.
+    const unsigned int cut =
+        greedy ? 0u : truncation_cut(row, vocab, scale, smax, top_ks[d], top_ps[d]);
+    // 3. The Gumbel-max draw and the log-sum-exp over the kept scores.
+    Best best; best.score = NEG_INF; best.index = 0xFFFFFFFFu;
+    Lse kept; kept.max = NEG_INF; kept.sum = 0.0f;
     const unsigned int groups = (vocab + 3) / 4;
-    for (unsigned int g = threadIdx.x; g < groups; g += blockDim.x) {
+    for (unsigned int g = threadIdx.x; g < groups; g += THREADS) {
         unsigned int words[4] = {g, counters[2 * d], counters[2 * d + 1], 0u};
         if (!greedy) philox(words, keys[2 * d], keys[2 * d + 1]);
         for (unsigned int lane = 0; lane < 4; ++lane) {
-            unsigned int i = 4 * g + lane;
+            const unsigned int i = 4 * g + lane;
             if (i >= vocab) break;
-            float l = row[i];
-            if (l != l) l = NEG_INF;
-            lse_push(raw, l);
-            lse_push(tempered, l * scale);
+            const float l = clean(row[i]);
+            const float s = l * scale;
+            if (order_key(s) < cut) continue;
+            lse_push(kept, s);
             float score = l;
             if (!greedy) {
-                float u = ((float)(words[lane] >> 9) + 0.5f) * (1.0f / 8388608.0f);
-                score = l * scale - logf(-logf(u));
+                const float u = ((float)(words[lane] >> 9) + 0.5f) * (1.0f / 8388608.0f);
+                score = s - logf(-logf(u));
             }
             Best here; here.score = score; here.index = i;
             best = best_merge(best, here);
         }
     }
-    for (int offset = 16; offset > 0; offset /= 2) {
-        Best ob; ob.score = __shfl_down_sync(0xFFFFFFFFu, best.score, offset);
-        ob.index = __shfl_down_sync(0xFFFFFFFFu, best.index, offset);
-        best = best_merge(best, ob);
-        Lse o; o.max = __shfl_down_sync(0xFFFFFFFFu, raw.max, offset);
-        o.sum = __shfl_down_sync(0xFFFFFFFFu, raw.sum, offset);
-        raw = lse_merge(raw, o);
-        o.max = __shfl_down_sync(0xFFFFFFFFu, tempered.max, offset);
-        o.sum = __shfl_down_sync(0xFFFFFFFFu, tempered.sum, offset);
-        tempered = lse_merge(tempered, o);
-    }
-    __shared__ Best bests[THREADS / 32];
-    __shared__ Lse raws[THREADS / 32];
-    __shared__ Lse tempereds[THREADS / 32];
-    const unsigned int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (lane == 0) { bests[warp] = best; raws[warp] = raw; tempereds[warp] = tempered; }
-    __syncthreads();
+    best = block_best(best);
+    kept = block_lse(kept);
+    const float raw_lse = raw.max + logf(raw.sum);
     if (threadIdx.x == 0) {
-        for (unsigned int w = 1; w < blockDim.x / 32; ++w) {
-            best = best_merge(best, bests[w]);
-            raw = lse_merge(raw, raws[w]);
-            tempered = lse_merge(tempered, tempereds[w]);
-        }
-        unsigned int t = best.index < vocab ? best.index : 0u;
-        float l = row[t];
-        if (l != l) l = NEG_INF;
-        float model = l - (raw.max + logf(raw.sum));
+        const unsigned int t = best.index < vocab ? best.index : 0u;
+        const float l = clean(row[t]);
         tokens[d] = t;
-        model_logprobs[d] = model;
-        logprobs[d] = greedy ? model : l * scale - (tempered.max + logf(tempered.sum));
+        model_logprobs[d] = l - raw_lse;
+        logprobs[d] = greedy ? l - raw_lse : l * scale - (kept.max + logf(kept.sum));
+    }
+    // 4. The most likely untempered tokens, one block argmax each, every pick ranked after
+    //    the previous (higher logit first, lower index on ties).
+    const unsigned int n = min(n_tops[d], (unsigned int)MAX_TOP);
+    float prev_l = NEG_INF;
+    unsigned int prev_i = 0xFFFFFFFFu;
+    for (unsigned int j = 0; j < n; ++j) {
+        Best b; b.score = NEG_INF; b.index = 0xFFFFFFFFu;
+        for (unsigned int i = threadIdx.x; i < vocab; i += THREADS) {
+            const float l = clean(row[i]);
+            const bool after = j == 0 || l < prev_l || (l == prev_l && i > prev_i);
+            if (!after) continue;
+            Best here; here.score = l; here.index = i;
+            b = best_merge(b, here);
+        }
+        b = block_best(b);
+        if (threadIdx.x == 0) {
+            top_ids[d * MAX_TOP + j] = b.index;
+            top_logprobs[d * MAX_TOP + j] = b.score - raw_lse;
+        }
+        prev_l = b.score;
+        prev_i = b.index;
     }
 }

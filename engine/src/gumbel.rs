@@ -7,7 +7,8 @@
 //! choice (lowest index on ties); log-sum-exps more precisely (see [`LogSumExp`]). Tests
 //! and `dppo doctor` compare the two.
 
-use crate::sampler::{Sampled, SamplingParams};
+use crate::sampler::{top_ids, Sampled, SamplingParams, MAX_TOP_LOGPROBS};
+use crate::truncation;
 
 const PHILOX_M0: u32 = 0xD251_1F53;
 const PHILOX_M1: u32 = 0xCD9E_8D57;
@@ -61,62 +62,102 @@ pub fn gumbel(draw: &DrawKey, i: usize) -> f32 {
     -(-uniform(words[i % 4]).ln()).ln()
 }
 
-/// Whether the Gumbel sampler (host reference or device kernel) draws what `params` ask:
-/// plain temperature or greedy, no top-k, top-p or top logprobs.
-pub fn handles(params: &SamplingParams) -> bool {
-    params.top_k == 0 && params.top_p >= 1.0 && params.top_logprobs == 0
+/// What one draw asks, as the kernel reads it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DrawParams {
+    /// 0: greedy.
+    pub inv_temperature: f32,
+    /// 0: off.
+    pub top_k: u32,
+    /// 1: off.
+    pub top_p: f32,
+    /// How many most likely untempered tokens to return with their logprobs.
+    pub top_logprobs: u32,
 }
 
-/// One draw from `logits` (NaN counts as -inf) at inverse temperature `inv_t` (0:
-/// greedy): the argmax of `logit * inv_t + G` (of the logit itself when greedy; the lowest
-/// index on ties), its logprob under the tempered softmax (the untempered one when greedy)
-/// and its untempered logprob, as the kernel returns them.
-pub fn draw(logits: &[f32], inv_t: f32, key: &DrawKey) -> (u32, f32, f32) {
-    let greedy = inv_t == 0.0;
-    let scale = if greedy { 1.0 } else { inv_t };
+impl DrawParams {
+    /// The draw a request's sampling parameters ask for.
+    pub fn of(params: &SamplingParams) -> Self {
+        Self {
+            inv_temperature: if params.is_greedy() {
+                0.0
+            } else {
+                1.0 / params.temperature
+            },
+            top_k: params.top_k.min(u32::MAX as usize) as u32,
+            top_p: params.top_p,
+            top_logprobs: params.top_logprobs.min(MAX_TOP_LOGPROBS) as u32,
+        }
+    }
+}
+
+/// One draw's result.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Drawn {
+    pub token: u32,
+    /// Under the tempered, truncated and renormalised distribution (untempered if greedy).
+    pub logprob: f32,
+    /// Under the untempered full softmax.
+    pub model_logprob: f32,
+    /// The most likely untempered tokens and their logprobs, most likely first.
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+/// One draw from `logits` (NaN counts as -inf): scores `logit * inv_t` (the logit itself
+/// when greedy), truncated to those reaching [`truncation::cut`] (top-k, then top-p; not
+/// when greedy), and the argmax of score + G over them (lowest index on ties), as the
+/// kernel draws it.
+pub fn draw(logits: &[f32], params: &DrawParams, key: &DrawKey) -> Drawn {
+    let greedy = params.inv_temperature == 0.0;
+    let scale = if greedy { 1.0 } else { params.inv_temperature };
+    let logits: Vec<f32> = logits
+        .iter()
+        .map(|&l| if l.is_nan() { f32::NEG_INFINITY } else { l })
+        .collect();
+    let scores: Vec<f32> = logits.iter().map(|&l| l * scale).collect();
+    let cut = if greedy {
+        0
+    } else {
+        truncation::cut(&scores, params.top_k as usize, params.top_p)
+    };
     let (mut best, mut best_score) = (0usize, f32::NEG_INFINITY);
     let mut raw = LogSumExp::default();
-    let mut tempered = LogSumExp::default();
-    let clean = |l: f32| if l.is_nan() { f32::NEG_INFINITY } else { l };
-    for (i, &l) in logits.iter().enumerate() {
-        let l = clean(l);
+    let mut kept = LogSumExp::default();
+    for (i, (&l, &s)) in logits.iter().zip(&scores).enumerate() {
         raw.push(l);
-        tempered.push(l * scale);
-        let score = if greedy {
-            l
-        } else {
-            l * scale + gumbel(key, i)
-        };
+        if truncation::order_key(s) < cut {
+            continue;
+        }
+        kept.push(s);
+        let score = if greedy { l } else { s + gumbel(key, i) };
         if score > best_score {
             (best, best_score) = (i, score);
         }
     }
-    let l = clean(logits[best]);
-    let model = l - raw.value();
-    let logprob = if greedy {
-        model
-    } else {
-        l * scale - tempered.value()
-    };
-    (best as u32, logprob, model)
-}
-
-/// The inverse temperature a draw for `params` uses: 0 when greedy.
-pub fn inverse_temperature(params: &SamplingParams) -> f32 {
-    if params.is_greedy() {
-        0.0
-    } else {
-        1.0 / params.temperature
+    let model_logprob = logits[best] - raw.value();
+    let top_logprobs = top_ids(&logits, params.top_logprobs as usize)
+        .into_iter()
+        .map(|i| (i as u32, logits[i] - raw.value()))
+        .collect();
+    Drawn {
+        token: best as u32,
+        logprob: if greedy {
+            model_logprob
+        } else {
+            scores[best] - kept.value()
+        },
+        model_logprob,
+        top_logprobs,
     }
 }
 
 /// A draw's result as the worker streams it.
-pub fn sampled((token, logprob, model): (u32, f32, f32), model_logprobs: bool) -> Sampled {
+pub fn sampled(d: Drawn, model_logprobs: bool) -> Sampled {
     Sampled {
-        token_id: token,
-        logprob,
-        model_logprob: model_logprobs.then_some(model),
-        top_logprobs: Vec::new(),
+        token_id: d.token,
+        logprob: d.logprob,
+        model_logprob: model_logprobs.then_some(d.model_logprob),
+        top_logprobs: d.top_logprobs,
     }
 }
 
@@ -162,6 +203,95 @@ impl LogSumExp {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sampler::{sample, SeqRng};
+
+    fn plain(inv_temperature: f32) -> DrawParams {
+        DrawParams {
+            inv_temperature,
+            top_k: 0,
+            top_p: 1.0,
+            top_logprobs: 0,
+        }
+    }
+
+    /// Truncated draws follow the renormalised tempered softmax over the kept tokens and
+    /// never leave them (chi-square over 20,000 draws; 0.999 quantiles 13.8 and 16.3 for 2
+    /// and 3 degrees of freedom).
+    #[test]
+    fn top_k_and_top_p_draws_follow_the_kept_tokens_softmax() {
+        let logits = [1.0f32, 0.5, -0.3, 2.0, f32::NAN, 0.0, -1.5, 1.2, 0.7];
+        let t = 0.7f32;
+        // (top_k, top_p, kept, 0.999 quantile): top-3 = {3, 7, 0}; at T 0.7 the masses of
+        // 2.0, 1.2, 1.0, 0.7 relative to the max are 1, 0.319, 0.239, 0.156 (total with the
+        // rest 1.93): top-p 0.85 keeps four of them, 1.71 / 1.93 = 88.7% >= 85% > 80.6%.
+        let cases = [
+            (3, 1.0, vec![0, 3, 7], 13.8),
+            (0, 0.85, vec![0, 3, 7, 8], 16.3),
+        ];
+        for (top_k, top_p, kept, quantile) in cases {
+            let params = DrawParams {
+                top_k,
+                top_p,
+                ..plain(1.0 / t)
+            };
+            let n = 20_000;
+            let mut counts = [0usize; 9];
+            for position in 0..n {
+                let key = DrawKey {
+                    key: 0x5eed,
+                    position,
+                    sample_index: 1,
+                };
+                counts[draw(&logits, &params, &key).token as usize] += 1;
+            }
+            let weight = |i: usize| (f64::from(logits[i]) / f64::from(t)).exp();
+            let z: f64 = kept.iter().map(|&i| weight(i)).sum();
+            let mut chi2 = 0.0;
+            for (i, &c) in counts.iter().enumerate() {
+                if kept.contains(&i) {
+                    let expected = weight(i) / z * n as f64;
+                    chi2 += (c as f64 - expected).powi(2) / expected;
+                } else {
+                    assert_eq!(c, 0, "token {i} is outside {kept:?}");
+                }
+            }
+            assert!(
+                chi2 < quantile,
+                "top_k {top_k} top_p {top_p}: chi2 {chi2}, {counts:?}"
+            );
+            // The logprob is the renormalised one over the kept tokens.
+            let key = DrawKey {
+                key: 1,
+                position: 2,
+                sample_index: 3,
+            };
+            let d = draw(&logits, &params, &key);
+            let want = (weight(d.token as usize) / z).ln() as f32;
+            assert!((d.logprob - want).abs() < 1e-5, "{} vs {want}", d.logprob);
+        }
+    }
+
+    #[test]
+    fn top_logprobs_are_the_host_samplers() {
+        let logits = [0.3f32, 2.0, 2.0, -1.0, 1.5, f32::NAN, 0.9];
+        let params = SamplingParams {
+            temperature: 0.8,
+            top_logprobs: 4,
+            ..SamplingParams::default()
+        };
+        let key = DrawKey {
+            key: 5,
+            position: 0,
+            sample_index: 0,
+        };
+        let got = draw(&logits, &DrawParams::of(&params), &key).top_logprobs;
+        let want = sample(&logits, &params, &mut SeqRng::new(0, 0)).top_logprobs;
+        assert_eq!(got.len(), 4);
+        for ((a, x), (b, y)) in got.iter().zip(&want) {
+            assert_eq!(a, b);
+            assert!((x - y).abs() < 1e-6, "{x} vs {y}");
+        }
+    }
 
     /// Random123's known-answer vectors for philox4x32-10.
     #[test]
@@ -203,7 +333,7 @@ mod tests {
                     position,
                     sample_index: 3,
                 };
-                counts[draw(&logits, 1.0 / temperature, &key).0 as usize] += 1;
+                counts[draw(&logits, &plain(1.0 / temperature), &key).token as usize] += 1;
             }
             assert_eq!(counts[4], 0, "a NaN logit is never drawn");
             let weights: Vec<f64> = logits
@@ -242,13 +372,13 @@ mod tests {
             position: 4,
             sample_index: 0,
         };
-        let (token, logprob, model) = draw(&logits, 2.0, &key);
-        let l = logits[token as usize];
-        assert!((logprob - (l / 0.5 - lse(0.5))).abs() < 1e-5);
-        assert!((model - (l - lse(1.0))).abs() < 1e-5);
-        let (token, logprob, _) = draw(&logits, 0.0, &key);
-        assert_eq!(token, 1);
-        assert!((logprob - (2.0 - lse(1.0))).abs() < 1e-5);
+        let d = draw(&logits, &plain(2.0), &key);
+        let l = logits[d.token as usize];
+        assert!((d.logprob - (l / 0.5 - lse(0.5))).abs() < 1e-5);
+        assert!((d.model_logprob - (l - lse(1.0))).abs() < 1e-5);
+        let d = draw(&logits, &plain(0.0), &key);
+        assert_eq!(d.token, 1);
+        assert!((d.logprob - (2.0 - lse(1.0))).abs() < 1e-5);
     }
 
     #[test]

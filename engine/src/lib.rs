@@ -20,6 +20,7 @@ pub mod runner;
 pub mod sampler;
 pub mod scheduler;
 pub mod sequence;
+pub mod truncation;
 mod worker;
 
 pub use cost::IterationCost;

@@ -8,7 +8,7 @@ use dppo_model::attention::causal_attention;
 use dppo_model::{AttentionBackend, CausalLm};
 
 use crate::device_sample::SamplingPlace;
-use crate::gumbel::{self, DrawKey};
+use crate::gumbel::{self, DrawKey, DrawParams};
 use crate::request::{Completion, GenerateRequest};
 use crate::sampler::{sample, stream_seed, SeqRng};
 use crate::sequence::FinishReason;
@@ -140,14 +140,14 @@ pub fn generate_naive_on(
         for (s, &(r, i)) in samples.iter().enumerate() {
             let req = &reqs[r];
             let drawn = match place {
-                SamplingPlace::Device if gumbel::handles(&req.sampling) => {
+                SamplingPlace::Device => {
                     let key = DrawKey {
                         key: stream_seed(req.sampling.seed.unwrap_or(0), i as u64),
                         position: (req.prompt_ids.len() + step) as u32,
                         sample_index: i as u32,
                     };
-                    let inv_t = gumbel::inverse_temperature(&req.sampling);
-                    gumbel::sampled(gumbel::draw(&logits[s], inv_t, &key), false)
+                    let params = DrawParams::of(&req.sampling);
+                    gumbel::sampled(gumbel::draw(&logits[s], &params, &key), false)
                 }
                 _ => sample(&logits[s], &req.sampling, &mut rngs[s]),
             };

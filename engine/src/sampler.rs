@@ -175,8 +175,8 @@ fn by_rank(logits: &[f32]) -> impl Fn(&usize, &usize) -> std::cmp::Ordering + '_
     |a, b| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b))
 }
 
-/// Ids of the `k` largest logits, largest first.
-fn top_ids(logits: &[f32], k: usize) -> Vec<usize> {
+/// Ids of the `k` largest logits, largest first (lower ids first on ties).
+pub(crate) fn top_ids(logits: &[f32], k: usize) -> Vec<usize> {
     if k == 0 {
         return Vec::new();
     }

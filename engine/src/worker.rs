@@ -15,7 +15,7 @@ use rayon::prelude::*;
 
 use crate::cost::{nanos, IterationCost};
 use crate::device_sample::{self, DeviceDraw};
-use crate::gumbel::{self, DrawKey};
+use crate::gumbel::{self, DrawKey, DrawParams};
 use crate::plan::Plan;
 use crate::request::{find_stop, Event, GenerateRequest};
 use crate::runner::{Logits, Runner};
@@ -277,7 +277,7 @@ impl Worker {
             ));
         }
         cost.schedule_ns = nanos(started);
-        let on_device = self.device_sampling && self.device_handles(&plan);
+        let on_device = self.device_sampling;
         let logits = self
             .runner
             .run(&plan, &self.scheduler, &mut cost, on_device)?;
@@ -300,14 +300,6 @@ impl Worker {
             self.emit(a, &sampled[a.plan_idx][a.sample_idx]);
         }
         Ok(())
-    }
-
-    /// Whether every sampling sequence of `plan` asks only what the device sampler does.
-    fn device_handles(&self, plan: &Plan) -> bool {
-        plan.seqs.iter().filter(|s| s.num_samples > 0).all(|s| {
-            let seq = self.scheduler.seq(s.seq_id).expect("live");
-            gumbel::handles(&self.requests[&seq.request_id].req.sampling)
-        })
     }
 
     /// Draws every sample of the iteration on the device (one kernel launch), in the shape
@@ -338,19 +330,20 @@ impl Worker {
                         position: (s.num_computed_tokens + s.num_new_tokens) as u32,
                         sample_index: i as u32,
                     },
-                    inv_temperature: gumbel::inverse_temperature(params),
+                    params: DrawParams::of(params),
                 });
                 owners.push((p, params.model_logprobs));
             }
         }
         let rows = logits.rows().expect("a plan with draws has logits");
         let drawn = device_sample::sample(rows, &draws)?;
-        // Per draw: its row, key and counters, inverse temperature up; token and two
-        // logprobs down.
-        cost.h2d_bytes += (24 * draws.len()) as u64;
-        cost.d2h_bytes += (12 * draws.len()) as u64;
-        // The three result copies, each waiting for the kernel.
-        cost.syncs += 3;
+        // Per draw: its row, key, counters, temperature, top-k, top-p and top-logprob count
+        // up; token and two logprobs down, and the top logprobs' slots when some draw asks.
+        cost.h2d_bytes += (36 * draws.len()) as u64;
+        let tops = draws.iter().any(|d| d.params.top_logprobs > 0);
+        cost.d2h_bytes += ((12 + 160 * tops as usize) * draws.len()) as u64;
+        // The result copies, each waiting for the kernel.
+        cost.syncs += 3 + 2 * tops as u64;
         let mut sampled = vec![Vec::new(); plan.seqs.len()];
         for ((p, model_logprobs), d) in owners.into_iter().zip(drawn) {
             sampled[p].push(gumbel::sampled(d, model_logprobs));

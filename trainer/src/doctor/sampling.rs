@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use dppo_engine::device_sample::{self, DeviceDraw};
-use dppo_engine::gumbel::{self, DrawKey};
+use dppo_engine::gumbel::{self, DrawKey, DrawParams};
 
 use super::compare::BUG_FIX;
 use super::Check;
@@ -19,7 +19,8 @@ const MIN_AGREEMENT: f64 = 0.99;
 /// Largest logprob difference where the tokens agree (the reductions' orders differ).
 const LOGPROB_TOL: f32 = 1e-4;
 
-/// Draws 8 samples per row at temperatures 1, 0.7 and greedy on `device`, against the host.
+/// Draws 8 samples per row on `device` against the host: temperatures 1, 0.7 and greedy,
+/// each plain, with top-k 50, with top-p 0.9 and with both, and 5 top logprobs on some.
 pub(super) fn device_sampling(device: &Device) -> Result<Check, TrainError> {
     if device.is_cpu() {
         return Ok(Check::skip(
@@ -30,11 +31,12 @@ pub(super) fn device_sampling(device: &Device) -> Result<Check, TrainError> {
     let host = Tensor::randn(0f32, 3.0, (ROWS, VOCAB), &Device::Cpu)?;
     let logits = host.to_device(device)?.to_dtype(DType::F32)?;
     let rows = host.to_vec2::<f32>()?;
-    let temperatures = [1.0f32, 0.7, 0.0];
+    let inv_temperatures = [1.0f32, 1.0 / 0.7, 0.0];
+    let truncations = [(0, 1.0f32), (50, 1.0), (0, 0.9), (50, 0.9)];
     let mut draws = Vec::new();
     for row in 0..ROWS {
         for sample in 0..8u32 {
-            let temperature = temperatures[(row + sample as usize) % 3];
+            let (top_k, top_p) = truncations[(row / 3 + sample as usize) % 4];
             draws.push(DeviceDraw {
                 row: row as u32,
                 key: DrawKey {
@@ -42,23 +44,33 @@ pub(super) fn device_sampling(device: &Device) -> Result<Check, TrainError> {
                     position: 17 + sample,
                     sample_index: sample,
                 },
-                inv_temperature: if temperature == 0.0 {
-                    0.0
-                } else {
-                    1.0 / temperature
+                params: DrawParams {
+                    inv_temperature: inv_temperatures[(row + sample as usize) % 3],
+                    top_k,
+                    top_p,
+                    top_logprobs: if sample % 3 == 0 { 5 } else { 0 },
                 },
             });
         }
     }
     let got = device_sample::sample(&logits, &draws)?;
     let (mut agreed, mut worst) = (0usize, 0f32);
-    for (d, (token, logprob, model)) in draws.iter().zip(&got) {
-        let want = gumbel::draw(&rows[d.row as usize], d.inv_temperature, &d.key);
-        if want.0 == *token {
+    for (d, got) in draws.iter().zip(&got) {
+        let want = gumbel::draw(&rows[d.row as usize], &d.params, &d.key);
+        let same_tops = want.top_logprobs.len() == got.top_logprobs.len()
+            && want
+                .top_logprobs
+                .iter()
+                .zip(&got.top_logprobs)
+                .all(|(a, b)| a.0 == b.0);
+        if want.token == got.token && same_tops {
             agreed += 1;
             worst = worst
-                .max((want.1 - logprob).abs())
-                .max((want.2 - model).abs());
+                .max((want.logprob - got.logprob).abs())
+                .max((want.model_logprob - got.model_logprob).abs());
+            for (a, b) in want.top_logprobs.iter().zip(&got.top_logprobs) {
+                worst = worst.max((a.1 - b.1).abs());
+            }
         }
     }
     let share = agreed as f64 / draws.len() as f64;
@@ -66,8 +78,9 @@ pub(super) fn device_sampling(device: &Device) -> Result<Check, TrainError> {
         share >= MIN_AGREEMENT && worst <= LOGPROB_TOL,
         "device sampling",
         format!(
-            "{agreed}/{} draws ({ROWS} rows x {VOCAB} logits) pick the host reference's \
-             token (>= {MIN_AGREEMENT}); logprob diff max {worst:.1e} (<= {LOGPROB_TOL:.0e})",
+            "{agreed}/{} draws ({ROWS} rows x {VOCAB} logits; temperature, top-k, top-p) \
+             pick the host reference's token and top logprobs (>= {MIN_AGREEMENT}); logprob \
+             diff max {worst:.1e} (<= {LOGPROB_TOL:.0e})",
             draws.len()
         ),
         BUG_FIX,
