@@ -426,6 +426,9 @@ fn bad_requests_get_clear_errors() {
     let mut nucleus = greedy(vec![1], 1, 4);
     nucleus.sampling.top_p = 0.0;
     assert!(err(nucleus).contains("top_p"));
+    let mut min_p = greedy(vec![1], 1, 4);
+    min_p.sampling.min_p = 1.5;
+    assert!(err(min_p).contains("min_p must be in [0, 1], got 1.5"));
     assert!(err(greedy(vec![100_000], 1, 4)).contains("outside the vocabulary"));
 }
 

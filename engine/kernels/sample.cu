@@ -138,11 +138,13 @@ __device__ Lse block_lse(Lse a) {
     return r;
 }
 
-// The largest order key `cut` with count(key(score) >= cut) >= top_k (0: none), then, among
-// those, the largest with mass(key >= cut) >= top_p * mass(key >= the top-k cut), the mass
-// being the scores' exp relative to their max. Bisection over the keys: 32 passes at most.
+// The largest order key `cut` with count(key(score) >= cut) >= top_k (0: none), raised to the
+// key of smax + ln(min_p) (0: none), then, among the scores left, the largest with
+// mass(key >= cut) >= top_p * mass(key >= that cut), the mass being the scores' exp relative
+// to their max. Bisection over the keys: 32 passes at most each.
 __device__ unsigned int truncation_cut(const float *row, unsigned int vocab, float scale,
-                                       float smax, unsigned int top_k, float top_p) {
+                                       float smax, unsigned int top_k, float top_p,
+                                       float min_p) {
     unsigned int cut = 0;
     const unsigned int top = order_key(smax) + 1;
     if (top_k > 0 && top_k < vocab) {
@@ -156,6 +158,7 @@ __device__ unsigned int truncation_cut(const float *row, unsigned int vocab, flo
         }
         cut = lo;
     }
+    if (min_p > 0.0f) cut = max(cut, order_key(smax + logf(min_p)));
     if (top_p < 1.0f) {
         float m = 0.0f;
         for (unsigned int i = threadIdx.x; i < vocab; i += THREADS) {
@@ -180,14 +183,15 @@ __device__ unsigned int truncation_cut(const float *row, unsigned int vocab, flo
 
 // logits: (rows, vocab) f32. Per draw d: rows[d], keys[2d..2d+2] (low word first),
 // counters[2d..2d+2] = (position, sample index), inv_temps[d] (0 for greedy), top_ks[d] (0:
-// off), top_ps[d] (1: off), n_tops[d] (top logprobs wanted, <= MAX_TOP). Out per draw: the
+// off), top_ps[d] (1: off), min_ps[d] (0: off), n_tops[d] (top logprobs wanted, <= MAX_TOP). Out per draw: the
 // token, its logprob under the tempered, truncated and renormalised distribution (untempered
 // when greedy), its untempered logprob, and the n_tops[d] most likely untempered tokens with
 // their logprobs (top_ids and top_logprobs, MAX_TOP slots a draw).
 extern "C" __global__ void __launch_bounds__(THREADS) gumbel_sample(
     const float *logits, unsigned int vocab, const unsigned int *rows,
     const unsigned int *keys, const unsigned int *counters, const float *inv_temps,
-    const unsigned int *top_ks, const float *top_ps, const unsigned int *n_tops,
+    const unsigned int *top_ks, const float *top_ps, const float *min_ps,
+    const unsigned int *n_tops,
     unsigned int *tokens, float *logprobs, float *model_logprobs, unsigned int *top_ids,
     float *top_logprobs) {
     const unsigned int d = blockIdx.x;
@@ -208,7 +212,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) gumbel_sample(
     smax = block_best(top).score;
     // 2. Top-k and top-p: the scores kept are those whose key reaches `cut`.
     const unsigned int cut =
-        greedy ? 0u : truncation_cut(row, vocab, scale, smax, top_ks[d], top_ps[d]);
+        greedy ? 0u : truncation_cut(row, vocab, scale, smax, top_ks[d], top_ps[d], min_ps[d]);
     // 3. The Gumbel-max draw and the log-sum-exp over the kept scores.
     Best best; best.score = NEG_INF; best.index = 0xFFFFFFFFu;
     Lse kept; kept.max = NEG_INF; kept.sum = 0.0f;

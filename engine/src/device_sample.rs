@@ -84,6 +84,7 @@ fn on_gpu(logits: &Tensor, draws: &[DeviceDraw]) -> Result<Vec<Drawn>> {
     let inv_temps: Vec<f32> = draws.iter().map(|d| d.params.inv_temperature).collect();
     let top_ks: Vec<u32> = draws.iter().map(|d| d.params.top_k).collect();
     let top_ps: Vec<f32> = draws.iter().map(|d| d.params.top_p).collect();
+    let min_ps: Vec<f32> = draws.iter().map(|d| d.params.min_p).collect();
     let n_tops: Vec<u32> = draws.iter().map(|d| d.params.top_logprobs).collect();
     let rows = stream.clone_htod(&rows).map_err(w)?;
     let keys = stream.clone_htod(&keys).map_err(w)?;
@@ -91,6 +92,7 @@ fn on_gpu(logits: &Tensor, draws: &[DeviceDraw]) -> Result<Vec<Drawn>> {
     let inv_temps = stream.clone_htod(&inv_temps).map_err(w)?;
     let top_ks = stream.clone_htod(&top_ks).map_err(w)?;
     let top_ps = stream.clone_htod(&top_ps).map_err(w)?;
+    let min_ps = stream.clone_htod(&min_ps).map_err(w)?;
     let n_tops_d = stream.clone_htod(&n_tops).map_err(w)?;
     let n = draws.len();
     let mut tokens = stream.alloc_zeros::<u32>(n).map_err(w)?;
@@ -113,6 +115,7 @@ fn on_gpu(logits: &Tensor, draws: &[DeviceDraw]) -> Result<Vec<Drawn>> {
         .arg(&inv_temps)
         .arg(&top_ks)
         .arg(&top_ps)
+        .arg(&min_ps)
         .arg(&n_tops_d)
         .arg(&mut tokens)
         .arg(&mut logprobs)

@@ -71,6 +71,8 @@ pub struct DrawParams {
     pub top_k: u32,
     /// 1: off.
     pub top_p: f32,
+    /// 0: off.
+    pub min_p: f32,
     /// How many most likely untempered tokens to return with their logprobs.
     pub top_logprobs: u32,
 }
@@ -86,6 +88,7 @@ impl DrawParams {
             },
             top_k: params.top_k.min(u32::MAX as usize) as u32,
             top_p: params.top_p,
+            min_p: params.min_p,
             top_logprobs: params.top_logprobs.min(MAX_TOP_LOGPROBS) as u32,
         }
     }
@@ -104,8 +107,8 @@ pub struct Drawn {
 }
 
 /// One draw from `logits` (NaN counts as -inf): scores `logit * inv_t` (the logit itself
-/// when greedy), truncated to those reaching [`truncation::cut`] (top-k, then top-p; not
-/// when greedy), and the argmax of score + G over them (lowest index on ties), as the
+/// when greedy), truncated to those reaching [`truncation::cut`] (min-p and top-k, then
+/// top-p; not when greedy), and the argmax of score + G over them (lowest index on ties), as the
 /// kernel draws it.
 pub fn draw(logits: &[f32], params: &DrawParams, key: &DrawKey) -> Drawn {
     let greedy = params.inv_temperature == 0.0;
@@ -118,7 +121,7 @@ pub fn draw(logits: &[f32], params: &DrawParams, key: &DrawKey) -> Drawn {
     let cut = if greedy {
         0
     } else {
-        truncation::cut(&scores, params.top_k as usize, params.top_p)
+        truncation::cut(&scores, params.top_k as usize, params.top_p, params.min_p)
     };
     let (mut best, mut best_score) = (0usize, f32::NEG_INFINITY);
     let mut raw = LogSumExp::default();
@@ -210,6 +213,7 @@ mod tests {
             inv_temperature,
             top_k: 0,
             top_p: 1.0,
+            min_p: 0.0,
             top_logprobs: 0,
         }
     }

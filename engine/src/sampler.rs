@@ -16,6 +16,9 @@ pub struct SamplingParams {
     pub top_k: usize,
     /// Keep the smallest most-likely set with this much mass; 1 disables. In (0, 1].
     pub top_p: f32,
+    /// Keep the tokens at least this likely relative to the most likely one (vLLM's
+    /// min_p, applied before top-k and top-p); 0 disables. In [0, 1].
+    pub min_p: f32,
     /// Per-request seed; sample `i` of the request draws from `SeqRng::new(seed, i)`.
     pub seed: Option<u64>,
     /// Also return the untempered full-softmax logprob of each sampled token.
@@ -30,6 +33,7 @@ impl Default for SamplingParams {
             temperature: 1.0,
             top_k: 0,
             top_p: 1.0,
+            min_p: 0.0,
             seed: None,
             model_logprobs: false,
             top_logprobs: 0,
@@ -48,6 +52,9 @@ impl SamplingParams {
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
         }
         if self.top_logprobs > MAX_TOP_LOGPROBS {
             return Err(format!(
@@ -104,12 +111,14 @@ impl SeqRng {
 /// 2. Greedy (temperature 0): the argmax, lowest id on ties. Its `logprob` is the untempered
 ///    full-softmax logprob (a point mass would say 0, which tells nothing).
 /// 3. Otherwise divide by the temperature;
-/// 4. top-k: keep the k largest (ties broken by lower id);
-/// 5. top-p: keep the smallest prefix of the remaining tokens, most likely first, whose
+/// 4. min-p: keep the tokens whose tempered probability is at least `min_p` times the
+///    largest;
+/// 5. top-k: keep the k largest of those (ties broken by lower id);
+/// 6. top-p: keep the smallest prefix of the remaining tokens, most likely first, whose
 ///    renormalised mass reaches `top_p` (at least one token);
-/// 6. draw with one uniform number by inverse CDF over the kept tokens.
+/// 7. draw with one uniform number by inverse CDF over the kept tokens.
 ///
-/// `logprob` is the log-probability of the drawn token under the distribution of steps 3-5,
+/// `logprob` is the log-probability of the drawn token under the distribution of steps 3-6,
 /// renormalised: the behaviour policy's logprob that RL importance ratios need.
 pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut SeqRng) -> Sampled {
     let cleaned: Vec<f32>;
@@ -148,7 +157,7 @@ pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut SeqRng) -> Samp
     }
     // Weights exp((l - max) / t) in f32 (each in [0, 1]), summed in f64.
     let (max32, inv_t) = (max as f32, 1.0 / params.temperature);
-    let (token, logprob) = if params.top_k == 0 && params.top_p >= 1.0 {
+    let (token, logprob) = if params.top_k == 0 && params.top_p >= 1.0 && params.min_p == 0.0 {
         let weights: Vec<f32> = logits
             .iter()
             .map(|&l| exp_nonpositive((l - max32) * inv_t))
@@ -255,8 +264,8 @@ fn sum_f64(x: &[f32]) -> f64 {
     lanes.iter().sum::<f64>() + tail
 }
 
-/// The tokens kept by top-k / top-p (at least one of them active) with their unnormalised
-/// weights, most likely first.
+/// The tokens kept by min-p / top-k / top-p (at least one of them active) with their
+/// unnormalised weights (the most likely weighs 1), most likely first.
 fn candidates(
     logits: &[f32],
     params: &SamplingParams,
@@ -268,6 +277,11 @@ fn candidates(
     };
     let mut ids = top_ids(logits, k);
     let mut weights: Vec<f64> = ids.iter().map(|&i| weight(i)).collect();
+    if params.min_p > 0.0 {
+        let keep = weights.partition_point(|&w| w >= f64::from(params.min_p));
+        ids.truncate(keep.max(1));
+        weights.truncate(keep.max(1));
+    }
     if params.top_p < 1.0 {
         let z: f64 = weights.iter().sum();
         let mut mass = 0.0;
@@ -295,13 +309,15 @@ mod tests {
             temperature,
             top_k,
             top_p,
+            min_p: 0.0,
             seed: Some(1),
             model_logprobs: true,
             top_logprobs: 3,
         }
     }
 
-    /// Independent reference: probabilities after temperature, top-k and top-p by sorting.
+    /// Independent reference: probabilities after temperature, min-p, top-k and top-p by
+    /// sorting.
     fn reference(logits: &[f32], p: &SamplingParams) -> Vec<f64> {
         let scaled: Vec<f64> = logits
             .iter()
@@ -309,6 +325,8 @@ mod tests {
             .collect();
         let mut order: Vec<usize> = (0..logits.len()).collect();
         order.sort_by(|&a, &b| scaled[b].partial_cmp(&scaled[a]).unwrap().then(a.cmp(&b)));
+        let max = scaled[order[0]];
+        order.retain(|&i| (scaled[i] - max).exp() >= p.min_p as f64);
         if p.top_k > 0 {
             order.truncate(p.top_k);
         }
@@ -350,6 +368,14 @@ mod tests {
             params(0.7, 5, 1.0),
             params(1.3, 0, 0.8),
             params(0.7, 5, 0.8),
+            SamplingParams {
+                min_p: 0.1,
+                ..params(0.7, 0, 1.0)
+            },
+            SamplingParams {
+                min_p: 0.3,
+                ..params(1.3, 5, 0.9)
+            },
         ] {
             let want = reference(&LOGITS, &p);
             let mut rng = SeqRng::new(42, 0);

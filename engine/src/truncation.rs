@@ -1,4 +1,4 @@
-//! Top-k and top-p as one threshold on the tempered scores, as the device sampler applies
+//! Min-p, top-k and top-p as one threshold on the tempered scores, as the device sampler applies
 //! them (kernels/sample.cu): the scores kept are those whose [`order_key`] reaches the cut.
 //! The kernel finds the cut by bisection over the keys, a block-wide count or mass per step
 //! and no sort (candle's CUDA argsort sorts a row in one block and fails on vocabulary-sized
@@ -18,11 +18,12 @@ pub fn order_key(x: f32) -> u32 {
 }
 
 /// The cut for `scores` (tempered, NaN already -inf): the largest key with at least `top_k`
-/// scores at or above it (0 disables), then, among those, the largest with a share of at
-/// least `top_p` of their softmax mass at or above it (1 disables). 0 keeps everything.
-pub fn cut(scores: &[f32], top_k: usize, top_p: f32) -> u32 {
+/// scores at or above it (0 disables), raised to the key of `max + ln(min_p)` (0
+/// disables), then, among the scores left, the largest with a share of at least `top_p` of
+/// their softmax mass at or above it (1 disables). 0 keeps everything.
+pub fn cut(scores: &[f32], top_k: usize, top_p: f32, min_p: f32) -> u32 {
     let k_active = top_k > 0 && top_k < scores.len();
-    if !k_active && top_p >= 1.0 {
+    if !k_active && top_p >= 1.0 && min_p <= 0.0 {
         return 0;
     }
     let mut keys: Vec<(u32, f32)> = scores.iter().map(|&s| (order_key(s), s)).collect();
@@ -30,8 +31,11 @@ pub fn cut(scores: &[f32], top_k: usize, top_p: f32) -> u32 {
     let mut cut = 0;
     if k_active {
         cut = keys[top_k - 1].0;
-        keys.truncate(keys.partition_point(|&(k, _)| k >= cut));
     }
+    if min_p > 0.0 {
+        cut = cut.max(order_key(keys[0].1 + min_p.ln()));
+    }
+    keys.truncate(keys.partition_point(|&(k, _)| k >= cut));
     if top_p < 1.0 {
         let max = keys[0].1;
         let weight = |s: f32| f64::from(s - max).exp();
@@ -80,7 +84,7 @@ mod tests {
     fn the_cut_keeps_the_host_samplers_set() {
         let scores = [0.5f32, 2.0, -1.0, 1.5, 0.1, f32::NEG_INFINITY, 1.9, -0.2];
         let kept = |top_k, top_p| -> Vec<usize> {
-            let c = cut(&scores, top_k, top_p);
+            let c = cut(&scores, top_k, top_p, 0.0);
             (0..scores.len())
                 .filter(|&i| order_key(scores[i]) >= c)
                 .collect()
@@ -96,10 +100,28 @@ mod tests {
         assert_eq!(kept(0, 1e-6), [1]);
     }
 
+    /// min-p keeps the scores within ln(min_p) of the max, before top-p's mass is taken.
+    #[test]
+    fn min_p_keeps_the_tokens_near_the_most_likely() {
+        let scores = [0.5f32, 2.0, -1.0, 1.5, 0.1, 1.9];
+        let kept = |top_p, min_p: f32| -> Vec<usize> {
+            let c = cut(&scores, 0, top_p, min_p);
+            (0..scores.len())
+                .filter(|&i| order_key(scores[i]) >= c)
+                .collect()
+        };
+        // e^-0.1 = 0.905, e^-0.5 = 0.607, e^-1.5 = 0.223.
+        assert_eq!(kept(1.0, 0.5), [1, 3, 5]);
+        assert_eq!(kept(1.0, 0.95), [1]);
+        assert_eq!(kept(1.0, 0.2), [0, 1, 3, 5]);
+        // top-p over the min-p survivors: 2.0 and 1.9 hold 1.905 / 2.51 = 75.8% of them.
+        assert_eq!(kept(0.75, 0.5), [1, 5]);
+    }
+
     #[test]
     fn ties_at_the_cut_are_all_kept() {
         let scores = [1.0f32, 3.0, 1.0, 2.0];
-        let c = cut(&scores, 3, 1.0);
+        let c = cut(&scores, 3, 1.0, 0.0);
         assert_eq!(c, order_key(1.0));
         assert_eq!(scores.iter().filter(|&&s| order_key(s) >= c).count(), 4);
     }

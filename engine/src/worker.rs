@@ -337,9 +337,9 @@ impl Worker {
         }
         let rows = logits.rows().expect("a plan with draws has logits");
         let drawn = device_sample::sample(rows, &draws)?;
-        // Per draw: its row, key, counters, temperature, top-k, top-p and top-logprob count
-        // up; token and two logprobs down, and the top logprobs' slots when some draw asks.
-        cost.h2d_bytes += (36 * draws.len()) as u64;
+        // Per draw: its row, key, counters, temperature, top-k, top-p, min-p and top-logprob
+        // count up; token and two logprobs down, and the top logprobs' slots when asked.
+        cost.h2d_bytes += (40 * draws.len()) as u64;
         let tops = draws.iter().any(|d| d.params.top_logprobs > 0);
         cost.d2h_bytes += ((12 + 160 * tops as usize) * draws.len()) as u64;
         // The result copies, each waiting for the kernel.

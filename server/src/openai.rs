@@ -26,6 +26,8 @@ pub struct ApiRequest {
     pub top_p: Option<f32>,
     /// vLLM's extension; 0 or -1 disable it.
     pub top_k: Option<i64>,
+    /// vLLM's extension; 0 disables it.
+    pub min_p: Option<f32>,
     pub seed: Option<u64>,
     pub stop: Option<Value>,
     pub stream: Option<bool>,
@@ -215,6 +217,7 @@ impl ApiRequest {
         let sampling = SamplingParams {
             temperature: self.temperature.unwrap_or(1.0),
             top_p: self.top_p.unwrap_or(1.0),
+            min_p: self.min_p.unwrap_or(0.0),
             top_k,
             seed: self.seed,
             model_logprobs: logprobs.is_some(),

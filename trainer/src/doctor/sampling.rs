@@ -20,7 +20,8 @@ const MIN_AGREEMENT: f64 = 0.99;
 const LOGPROB_TOL: f32 = 1e-4;
 
 /// Draws 8 samples per row on `device` against the host: temperatures 1, 0.7 and greedy,
-/// each plain, with top-k 50, with top-p 0.9 and with both, and 5 top logprobs on some.
+/// each plain, with top-k 50, with top-p 0.9 and with both and min-p 0.05, and 5 top
+/// logprobs on some.
 pub(super) fn device_sampling(device: &Device) -> Result<Check, TrainError> {
     if device.is_cpu() {
         return Ok(Check::skip(
@@ -32,11 +33,16 @@ pub(super) fn device_sampling(device: &Device) -> Result<Check, TrainError> {
     let logits = host.to_device(device)?.to_dtype(DType::F32)?;
     let rows = host.to_vec2::<f32>()?;
     let inv_temperatures = [1.0f32, 1.0 / 0.7, 0.0];
-    let truncations = [(0, 1.0f32), (50, 1.0), (0, 0.9), (50, 0.9)];
+    let truncations = [
+        (0, 1.0f32, 0.0f32),
+        (50, 1.0, 0.0),
+        (0, 0.9, 0.0),
+        (50, 0.9, 0.05),
+    ];
     let mut draws = Vec::new();
     for row in 0..ROWS {
         for sample in 0..8u32 {
-            let (top_k, top_p) = truncations[(row / 3 + sample as usize) % 4];
+            let (top_k, top_p, min_p) = truncations[(row / 3 + sample as usize) % 4];
             draws.push(DeviceDraw {
                 row: row as u32,
                 key: DrawKey {
@@ -48,6 +54,7 @@ pub(super) fn device_sampling(device: &Device) -> Result<Check, TrainError> {
                     inv_temperature: inv_temperatures[(row + sample as usize) % 3],
                     top_k,
                     top_p,
+                    min_p,
                     top_logprobs: if sample % 3 == 0 { 5 } else { 0 },
                 },
             });
@@ -78,7 +85,7 @@ pub(super) fn device_sampling(device: &Device) -> Result<Check, TrainError> {
         share >= MIN_AGREEMENT && worst <= LOGPROB_TOL,
         "device sampling",
         format!(
-            "{agreed}/{} draws ({ROWS} rows x {VOCAB} logits; temperature, top-k, top-p) \
+            "{agreed}/{} draws ({ROWS} rows x {VOCAB} logits; temperature, top-k, top-p, min-p) \
              pick the host reference's token and top logprobs (>= {MIN_AGREEMENT}); logprob \
              diff max {worst:.1e} (<= {LOGPROB_TOL:.0e})",
             draws.len()
