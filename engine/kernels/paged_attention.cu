@@ -11,6 +11,8 @@
 //   context, in chunks of CHUNK keys with an online softmax. It writes each pair's partial
 //   output (unnormalised), maximum and sum: FlashDecoding's split-K.
 // - paged_reduce: merges a pair's splits (one block per row and query head).
+// The block tables stay on the device between iterations; write_table_entries applies an
+// iteration's changed entries.
 
 #define NEG_INF __int_as_float(0xff800000)
 #define WARP 32
@@ -50,14 +52,14 @@ __device__ void write_slots(const T *src, T *cache, const unsigned int *slots, u
 }
 
 // tiles: 4 words per tile (sequence, first row, rows, position of the first row); a row at
-// position p sees keys 0..=p. block_tables: (sequences, max_blocks). Shared memory, floats:
+// position p sees keys 0..=p. block_tables: (rows, table_width), a row per sequence. Shared memory, floats:
 // q (pairs * head_dim, pre-scaled), acc (pairs * head_dim), scores (pairs * CHUNK), the
 // chunk's slots (CHUNK words), then per pair its running max, sum and rescale factor.
 template <typename T>
 __device__ void paged_attention(
     const T *q, const T *k_cache, const T *v_cache, const unsigned int *tiles,
     const unsigned int *block_tables, unsigned int heads, unsigned int kv_heads,
-    unsigned int head_dim, unsigned int block_size, unsigned int max_blocks,
+    unsigned int head_dim, unsigned int block_size, unsigned int table_width,
     unsigned int split_len, float scale, float *part_acc, float *part_max, float *part_sum) {
     extern __shared__ float smem[];
     const unsigned int tile = blockIdx.x, kh = blockIdx.y, split = blockIdx.z;
@@ -88,7 +90,7 @@ __device__ void paged_attention(
     const unsigned int start = split * split_len;
     const unsigned int end = min(start + split_len, keys);
     const unsigned int lane_dims = d / WARP;
-    const unsigned int *table = block_tables + (size_t)seq * max_blocks;
+    const unsigned int *table = block_tables + (size_t)seq * table_width;
     for (unsigned int c0 = start; c0 < end; c0 += CHUNK) {
         const unsigned int n = min(CHUNK, end - c0);
         // 1. Scores: a warp per key, its lanes splitting head_dim, a butterfly sum.
@@ -179,6 +181,13 @@ __device__ void paged_reduce(const float *part_acc, const float *part_max, const
     }
 }
 
+// pairs: n (index, block) pairs.
+extern "C" __global__ void write_table_entries(unsigned int *table, const unsigned int *pairs,
+                                               unsigned int n) {
+    const unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) table[pairs[2 * i]] = pairs[2 * i + 1];
+}
+
 #define INSTANTIATE(NAME, T)                                                                    \
     extern "C" __global__ void write_slots_##NAME(const T *src, T *cache,                      \
                                                   const unsigned int *slots, unsigned int row) { \
@@ -187,11 +196,11 @@ __device__ void paged_reduce(const float *part_acc, const float *part_max, const
     extern "C" __global__ void __launch_bounds__(THREADS) paged_attention_##NAME(              \
         const T *q, const T *k_cache, const T *v_cache, const unsigned int *tiles,             \
         const unsigned int *block_tables, unsigned int heads, unsigned int kv_heads,           \
-        unsigned int head_dim, unsigned int block_size, unsigned int max_blocks,               \
+        unsigned int head_dim, unsigned int block_size, unsigned int table_width,               \
         unsigned int split_len, float scale, float *part_acc, float *part_max,                 \
         float *part_sum) {                                                                      \
         paged_attention<T>(q, k_cache, v_cache, tiles, block_tables, heads, kv_heads, head_dim, \
-                           block_size, max_blocks, split_len, scale, part_acc, part_max,       \
+                           block_size, table_width, split_len, scale, part_acc, part_max,       \
                            part_sum);                                                           \
     }                                                                                           \
     extern "C" __global__ void paged_reduce_##NAME(                                            \

@@ -8,11 +8,12 @@ use dppo_model::CausalLm;
 use serde::{Deserialize, Serialize};
 
 use crate::cost::{nanos, IterationCost};
-use crate::cuda_attn::{Heads, KernelPlan, LAUNCHES_PER_LAYER};
+use crate::cuda_attn::{heads, Batch, CudaAttention};
 use crate::generic_attn::{BatchIndex, GenericPagedAttention, TensorKvCache};
 use crate::paged_attn::{CacheShape, KvCache, PagedAttention, SeqAttnMeta};
 use crate::plan::Plan;
 use crate::scheduler::Scheduler;
+use crate::sequence::SeqId;
 use crate::EngineError;
 
 /// Which attention backend the engine runs (`engine.attention`).
@@ -67,8 +68,8 @@ enum Cache {
 pub struct Runner {
     model: CausalLm,
     cache: Cache,
-    /// The backend `engine.attention` resolved to.
-    attention: AttentionMode,
+    /// The CUDA kernels' state, where `engine.attention` resolved to them.
+    cuda: Option<CudaAttention>,
     device: Device,
 }
 
@@ -99,9 +100,9 @@ impl Runner {
             _ => Cache::Tensor(TensorKvCache::new(shape, model.dtype(), &device)?),
         };
         Ok(Self {
+            cuda: (attention == AttentionMode::Cuda).then(CudaAttention::default),
             model,
             cache,
-            attention,
             device,
         })
     }
@@ -173,21 +174,19 @@ impl Runner {
                 };
                 self.model.forward(&input_ids, &positions, &mut backend)?
             }
-            Cache::Tensor(cache) if self.attention == AttentionMode::Cuda => {
+            Cache::Tensor(cache) if self.cuda.is_some() => {
                 cache.copy_blocks(&plan.block_copies)?;
-                let kernel_plan =
-                    cuda_plan(&self.model, &self.device, cache, &metas, &slot_mapping)?;
-                cost.h2d_bytes += kernel_plan.upload_bytes();
-                cost.attention_ops +=
-                    LAUNCHES_PER_LAYER * self.model.config().num_hidden_layers as u64;
-                cuda_forward(
-                    &self.model,
-                    &self.device,
-                    cache,
-                    kernel_plan,
-                    &input_ids,
-                    &positions,
-                )?
+                let seq_ids: Vec<SeqId> = plan.seqs.iter().map(|s| s.seq_id).collect();
+                let batch = Batch {
+                    metas: &metas,
+                    seq_ids: &seq_ids,
+                    slot_mapping: &slot_mapping,
+                    input_ids: &input_ids,
+                    positions: &positions,
+                };
+                let live = |id| scheduler.seq(id).is_some();
+                let cuda = self.cuda.as_mut().expect("matched");
+                cuda.forward(&self.model, cache, &batch, live, cost)?
             }
             Cache::Tensor(cache) => {
                 cache.copy_blocks(&plan.block_copies)?;
@@ -234,76 +233,6 @@ impl Runner {
             .collect();
         Ok(Logits { rows, row_of })
     }
-}
-
-/// The heads of `model`, as the CUDA kernels see them.
-fn heads(model: &CausalLm) -> Heads {
-    let cfg = model.config();
-    Heads {
-        num_heads: cfg.num_attention_heads,
-        num_kv_heads: cfg.num_key_value_heads,
-        head_dim: cfg.head_dim,
-    }
-}
-
-/// The CUDA kernels' plan for an iteration, split to fill the GPU's multiprocessors twice.
-fn cuda_plan(
-    model: &CausalLm,
-    device: &Device,
-    cache: &TensorKvCache,
-    metas: &[SeqAttnMeta],
-    slot_mapping: &[usize],
-) -> Result<KernelPlan> {
-    let min_blocks = 2 * multiprocessors(device)?;
-    KernelPlan::new(metas, slot_mapping, cache.shape(), heads(model), min_blocks)
-        .map_err(candle_core::Error::wrap)
-}
-
-/// Multiprocessors of the model's GPU (none in a CPU build: it never plans CUDA kernels).
-#[cfg(feature = "cuda")]
-fn multiprocessors(device: &Device) -> Result<usize> {
-    match device {
-        Device::Cuda(d) => crate::cuda_attn::multiprocessors(d),
-        _ => candle_core::bail!("cuda attention on {:?}", device.location()),
-    }
-}
-
-#[cfg(not(feature = "cuda"))]
-fn multiprocessors(device: &Device) -> Result<usize> {
-    candle_core::bail!(
-        "cuda attention in a build without CUDA, on {:?}",
-        device.location()
-    )
-}
-
-/// The forward pass through the CUDA kernels.
-#[cfg(feature = "cuda")]
-fn cuda_forward(
-    model: &CausalLm,
-    device: &Device,
-    cache: &mut TensorKvCache,
-    plan: KernelPlan,
-    input_ids: &Tensor,
-    positions: &Tensor,
-) -> Result<Tensor> {
-    let index = crate::cuda_attn::CudaIndex::new(plan, device)?;
-    let mut backend = crate::cuda_attn::CudaPagedAttention {
-        cache,
-        index: &index,
-    };
-    model.forward(input_ids, positions, &mut backend)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_forward(
-    _: &CausalLm,
-    _: &Device,
-    _: &mut TensorKvCache,
-    _: KernelPlan,
-    _: &Tensor,
-    _: &Tensor,
-) -> Result<Tensor> {
-    candle_core::bail!("cuda attention in a build without CUDA")
 }
 
 /// An iteration's logits: (rows, vocab) f32 on the host (on the device when sampled

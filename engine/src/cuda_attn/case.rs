@@ -6,6 +6,7 @@ use rand::rngs::StdRng;
 use rand::Rng;
 
 use super::reference::{self, RefSeq};
+use super::tables::{TableMirror, TableUpload};
 use super::{Heads, KernelPlan};
 use crate::paged_attn::{CacheShape, SeqAttnMeta};
 use crate::EngineError;
@@ -101,9 +102,25 @@ impl Case {
         }
     }
 
-    /// The kernels' plan for the batch.
-    pub fn plan(&self, min_blocks: usize) -> Result<KernelPlan, EngineError> {
-        KernelPlan::new(&self.metas, &self.slots, self.shape, self.heads, min_blocks)
+    /// The kernels' plan for the batch, its sequences numbered from 0, and the block
+    /// tables the device holds for it.
+    pub fn plan(&self, min_blocks: usize) -> Result<(KernelPlan, Vec<u32>), EngineError> {
+        let mut mirror = TableMirror::default();
+        let seqs: Vec<(u64, &[u32])> = (0..)
+            .zip(&self.metas)
+            .map(|(s, m)| (s, m.block_table.as_slice()))
+            .collect();
+        let (rows, upload) = mirror.update(&seqs, |_| true);
+        debug_assert_eq!(upload, TableUpload::Whole);
+        let plan = KernelPlan::new(
+            &self.metas,
+            (&rows, mirror.width()),
+            &self.slots,
+            self.shape,
+            self.heads,
+            min_blocks,
+        )?;
+        Ok((plan, mirror.host().to_vec()))
     }
 
     /// The new rows' K and V, (rows, kv_heads, head_dim) each, in batch order.

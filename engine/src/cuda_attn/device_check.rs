@@ -1,13 +1,15 @@
 //! The kernels on a GPU against the generic path and the f64 reference, on random batches
 //! (GQA ratios 1, 3, 4 and 8; head_dim 64 and 128; pools with holes; forked sequences;
 //! decoding, prefill and chunked prefill; contexts split several ways), for `dppo doctor`.
+//! The block tables reach the device entry by entry, through the scatter kernel the engine
+//! uses for an iteration's changes.
 
 use candle_core::{DType, Device, Result, Tensor};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
 use super::case::{worst, Case};
-use super::{multiprocessors, CudaIndex, CudaPagedAttention, Heads};
+use super::{multiprocessors, CudaIndex, CudaPagedAttention, DeviceTables, Heads};
 use crate::generic_attn::{BatchIndex, GenericPagedAttention, TensorKvCache};
 use dppo_model::AttentionBackend;
 
@@ -107,13 +109,19 @@ fn one_case(
     let pool = (&pool_k[..], &pool_v[..]);
 
     let mut cuda_cache = TensorKvCache::from_host(case.shape, pool, dtype, device)?;
-    let index = CudaIndex::new(
-        case.plan(min_blocks).map_err(candle_core::Error::wrap)?,
-        device,
-    )?;
+    let (plan, host_tables) = case.plan(min_blocks).map_err(candle_core::Error::wrap)?;
+    let mut tables = DeviceTables::new(&vec![0; host_tables.len()], device)?;
+    let pairs: Vec<u32> = (0..)
+        .zip(&host_tables)
+        .filter(|(_, &b)| b != 0)
+        .flat_map(|(i, &b)| [i, b])
+        .collect();
+    tables.write_entries(&pairs)?;
+    let index = CudaIndex::new(plan, device)?;
     let got = CudaPagedAttention {
         cache: &mut cuda_cache,
         index: &index,
+        tables: &tables,
     }
     .attend(0, &q, &k, &v)?;
 

@@ -1,6 +1,7 @@
 //! Queues kernels/paged_attention.cu on candle's CUDA stream: the K/V writes as in-place ops
 //! on the pool's tensors, the attention and the merge of its splits as one custom op whose
-//! output is a new tensor. The plan's index arrays go to the device once per iteration.
+//! output is a new tensor. The plan's tiles and slots go to the device once per iteration;
+//! the block tables stay there ([`DeviceTables`]), changed entry by entry.
 
 use std::sync::OnceLock;
 
@@ -15,43 +16,76 @@ use candle_core::{
 };
 use dppo_model::AttentionBackend;
 
-use super::{KernelPlan, LAUNCHES_PER_LAYER, SOURCE, THREADS};
+use super::{KernelPlan, SOURCE, THREADS};
 use crate::generic_attn::TensorKvCache;
 
 /// Threads of a write block and of a merge block.
 const WRITE_THREADS: u32 = 128;
 
-/// A plan and its index arrays on the device, for one iteration.
+/// A plan and its tiles and slots on the device, for one iteration.
 pub struct CudaIndex {
     plan: KernelPlan,
     tiles: CudaSlice<u32>,
-    tables: CudaSlice<u32>,
     slots: CudaSlice<u32>,
 }
 
 impl CudaIndex {
-    /// Uploads `plan`'s tiles, block tables and slots to `device`.
+    /// Uploads `plan`'s tiles and slots to `device`.
     pub fn new(plan: KernelPlan, device: &Device) -> Result<Self> {
-        let Device::Cuda(device) = device else {
-            bail!("cuda attention on {:?}", device.location());
-        };
-        let stream = device.cuda_stream();
+        let stream = cuda(device)?.cuda_stream();
         Ok(Self {
             tiles: stream.clone_htod(&plan.tile_words()).w()?,
-            tables: stream.clone_htod(&plan.block_tables).w()?,
             slots: stream.clone_htod(&plan.slots).w()?,
             plan,
         })
     }
+}
 
-    /// The plan it holds.
-    pub fn plan(&self) -> &KernelPlan {
-        &self.plan
+/// The block tables on the device (the layout of [`super::tables::TableMirror::host`]).
+pub struct DeviceTables {
+    table: CudaSlice<u32>,
+    device: CudaDevice,
+}
+
+impl DeviceTables {
+    /// The whole table, uploaded.
+    pub fn new(host: &[u32], device: &Device) -> Result<Self> {
+        let device = cuda(device)?.clone();
+        Ok(Self {
+            table: device.cuda_stream().clone_htod(host).w()?,
+            device,
+        })
     }
 
-    /// Kernel launches per forward pass of `layers` layers.
-    pub fn launches(&self, layers: usize) -> u64 {
-        LAUNCHES_PER_LAYER * layers as u64
+    /// Writes (index, block) `pairs` in place: one upload and one launch, none without
+    /// changes.
+    pub fn write_entries(&mut self, pairs: &[u32]) -> Result<()> {
+        if pairs.is_empty() {
+            return Ok(());
+        }
+        let stream = self.device.cuda_stream();
+        let src = stream.clone_htod(pairs).w()?;
+        let n = (pairs.len() / 2) as u32;
+        let func = function(&self.device, "write_table_entries", None)?;
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(WRITE_THREADS), 1, 1),
+            block_dim: (WRITE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = stream.launch_builder(&func);
+        launch.arg(&mut self.table).arg(&src).arg(&n);
+        // SAFETY: the arguments match `write_table_entries`; every index was taken from the
+        // mirror of this table, so it lies inside it.
+        unsafe { launch.launch(cfg) }.w()?;
+        Ok(())
+    }
+}
+
+/// The CUDA device behind `device`.
+fn cuda(device: &Device) -> Result<&CudaDevice> {
+    match device {
+        Device::Cuda(d) => Ok(d),
+        _ => bail!("cuda attention on {:?}", device.location()),
     }
 }
 
@@ -69,6 +103,7 @@ pub fn multiprocessors(device: &CudaDevice) -> Result<usize> {
 pub struct CudaPagedAttention<'a> {
     pub cache: &'a mut TensorKvCache,
     pub index: &'a CudaIndex,
+    pub tables: &'a DeviceTables,
 }
 
 impl AttentionBackend for CudaPagedAttention<'_> {
@@ -76,8 +111,11 @@ impl AttentionBackend for CudaPagedAttention<'_> {
         let (kc, vc) = self.cache.layer(layer_idx);
         kc.inplace_op2(&k.contiguous()?, &WriteSlots(self.index))?;
         vc.inplace_op2(&v.contiguous()?, &WriteSlots(self.index))?;
-        q.contiguous()?
-            .apply_op3_no_bwd(kc, vc, &Attend(self.index))
+        let attend = Attend {
+            index: self.index,
+            tables: &self.tables.table,
+        };
+        q.contiguous()?.apply_op3_no_bwd(kc, vc, &attend)
     }
 }
 
@@ -91,9 +129,13 @@ fn suffix(dtype: DType) -> Result<&'static str> {
     })
 }
 
-/// Loads `name` for `dtype` from the module, compiling it (once per process) on first use.
-fn function(device: &CudaDevice, name: &str, dtype: DType) -> Result<CudaFunction> {
-    let name = format!("{name}_{}", suffix(dtype)?);
+/// Loads `name` (for `dtype`, where it has a version per dtype) from the module, compiling
+/// it (once per process) on first use.
+fn function(device: &CudaDevice, name: &str, dtype: Option<DType>) -> Result<CudaFunction> {
+    let name = match dtype {
+        Some(dtype) => format!("{name}_{}", suffix(dtype)?),
+        None => name.to_string(),
+    };
     let func = device.get_or_load_custom_func(&name, "dppo_paged_attention", &ptx(device)?)?;
     Ok(func.into_cuda_function())
 }
@@ -145,7 +187,7 @@ impl InplaceOp2 for WriteSlots<'_> {
         if src.dtype() != dtype || cache_layout.start_offset() != 0 {
             bail!("paged-write-slots: the pool and the new rows differ in dtype or layout");
         }
-        let func = function(&cache.device, "write_slots", dtype)?;
+        let func = function(&cache.device, "write_slots", Some(dtype))?;
         match dtype {
             DType::F32 => write::<f32>(&func, cache, src, src_layout, self.0),
             DType::BF16 => write::<half::bf16>(&func, cache, src, src_layout, self.0),
@@ -191,7 +233,10 @@ fn write<T: CudaDType + DeviceRepr>(
 }
 
 /// Attention of the batch's queries over the pool, merged over the context's splits.
-struct Attend<'a>(&'a CudaIndex);
+struct Attend<'a> {
+    index: &'a CudaIndex,
+    tables: &'a CudaSlice<u32>,
+}
 
 impl CustomOp3 for Attend<'_> {
     fn name(&self) -> &'static str {
@@ -230,9 +275,9 @@ impl CustomOp3 for Attend<'_> {
             bail!("paged-attention: queries or pool not contiguous");
         }
         let out = match dtype {
-            DType::F32 => attend::<f32>(q, q_layout, k, v, self.0)?,
-            DType::BF16 => attend::<half::bf16>(q, q_layout, k, v, self.0)?,
-            DType::F16 => attend::<half::f16>(q, q_layout, k, v, self.0)?,
+            DType::F32 => attend::<f32>(q, q_layout, k, v, self)?,
+            DType::BF16 => attend::<half::bf16>(q, q_layout, k, v, self)?,
+            DType::F16 => attend::<half::f16>(q, q_layout, k, v, self)?,
             other => bail!("cuda attention: no kernels for {other:?}"),
         };
         Ok((out, q_layout.shape().clone()))
@@ -244,9 +289,9 @@ fn attend<T: CudaDType + DeviceRepr>(
     q_layout: &Layout,
     k: &CudaStorage,
     v: &CudaStorage,
-    index: &CudaIndex,
+    op: &Attend<'_>,
 ) -> Result<CudaStorage> {
-    let plan = &index.plan;
+    let (index, plan) = (op.index, &op.index.plan);
     let device = &q.device;
     let dtype = q.dtype();
     let (start, end) = q_layout.contiguous_offsets().expect("checked contiguous");
@@ -262,12 +307,12 @@ fn attend<T: CudaDType + DeviceRepr>(
     let mut out = unsafe { device.alloc::<T>(pair_rows * heads.head_dim) }?;
     let (num_heads, kv_heads) = (heads.num_heads as u32, heads.num_kv_heads as u32);
     let head_dim = heads.head_dim as u32;
-    let (block_size, max_blocks) = (plan.block_size as u32, plan.max_blocks as u32);
+    let (block_size, table_width) = (plan.block_size as u32, plan.table_width as u32);
     let (split_len, splits) = (plan.split_len as u32, plan.splits as u32);
     let scale = 1.0f32 / (heads.head_dim as f32).sqrt();
     let stream = device.cuda_stream();
 
-    let func = function(device, "paged_attention", dtype)?;
+    let func = function(device, "paged_attention", Some(dtype))?;
     let cfg = LaunchConfig {
         grid_dim: (plan.tiles.len() as u32, kv_heads, splits),
         block_dim: (THREADS as u32, 1, 1),
@@ -279,12 +324,12 @@ fn attend<T: CudaDType + DeviceRepr>(
         .arg(k)
         .arg(v)
         .arg(&index.tiles)
-        .arg(&index.tables)
+        .arg(op.tables)
         .arg(&num_heads)
         .arg(&kv_heads)
         .arg(&head_dim)
         .arg(&block_size)
-        .arg(&max_blocks)
+        .arg(&table_width)
         .arg(&split_len)
         .arg(&scale)
         .arg(&mut acc)
@@ -295,7 +340,7 @@ fn attend<T: CudaDType + DeviceRepr>(
     // `Heads::check`), and its tiles and block tables address only the pool's slots.
     unsafe { launch.launch(cfg) }.w()?;
 
-    let func = function(device, "paged_reduce", dtype)?;
+    let func = function(device, "paged_reduce", Some(dtype))?;
     let cfg = LaunchConfig {
         grid_dim: (plan.rows as u32, num_heads, 1),
         block_dim: (head_dim, 1, 1),

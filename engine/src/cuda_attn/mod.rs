@@ -1,10 +1,10 @@
 //! Paged attention on a GPU (`engine.attention = "cuda"`): kernels/paged_attention.cu reads
 //! K and V in place from the same pool the generic path uses, through the block tables,
 //! instead of gathering, padding and expanding them. This module holds what the host decides
-//! for an iteration (the [`KernelPlan`]: tiles of query rows, block tables, splits of the
-//! context), built once and shared by every layer; `launch` (CUDA builds) queues the kernels,
-//! and a CPU twin of the kernels (tests) checks the plan and the algorithm against
-//! [`reference`] without a GPU.
+//! for an iteration (the [`KernelPlan`]: tiles of query rows and splits of the context),
+//! built once and shared by every layer, and the block tables kept on the device between
+//! iterations ([`tables`]); `launch` (CUDA builds) queues the kernels, and a CPU twin of the
+//! kernels (tests) checks the plan and the algorithm against [`reference`] without a GPU.
 
 pub mod case;
 #[cfg(feature = "cuda")]
@@ -12,11 +12,14 @@ pub mod device_check;
 #[cfg(feature = "cuda")]
 mod launch;
 pub mod reference;
+mod state;
+pub mod tables;
 #[cfg(test)]
 mod twin;
 
 #[cfg(feature = "cuda")]
-pub use launch::{multiprocessors, CudaIndex, CudaPagedAttention};
+pub use launch::{multiprocessors, CudaIndex, CudaPagedAttention, DeviceTables};
+pub use state::{heads, Batch, CudaAttention};
 
 use crate::paged_attn::{CacheShape, SeqAttnMeta};
 use crate::EngineError;
@@ -96,7 +99,7 @@ pub fn shared_bytes(pairs: usize, head_dim: usize) -> usize {
 /// One tile: consecutive query rows of one sequence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Tile {
-    /// The sequence's row in the block tables.
+    /// The sequence's row in the device's block tables.
     pub seq: u32,
     pub first_row: u32,
     pub rows: u32,
@@ -110,10 +113,8 @@ pub struct KernelPlan {
     pub heads: Heads,
     pub block_size: usize,
     pub tiles: Vec<Tile>,
-    /// (sequences, max_blocks) block ids, rows padded with 0 (never read: a tile reads
-    /// only the blocks its keys fill).
-    pub block_tables: Vec<u32>,
-    pub max_blocks: usize,
+    /// Columns of the device's block tables (a tile reads only the blocks its keys fill).
+    pub table_width: usize,
     /// The cache slot of each batch row's new K/V.
     pub slots: Vec<u32>,
     /// Query rows in the batch.
@@ -128,41 +129,37 @@ pub struct KernelPlan {
 
 impl KernelPlan {
     /// The plan for `seqs` (their new tokens are the batch's rows, `slot_mapping` their
-    /// slots). Splits the context until the grid has at least `min_blocks` blocks (about
-    /// two per multiprocessor), never below one chunk of keys per split.
+    /// slots, `table_rows` their rows of the device's block tables, `table_width` wide).
+    /// Splits the context until the grid has at least `min_blocks` blocks (about two per
+    /// multiprocessor), never below one chunk of keys per split.
     pub fn new(
         seqs: &[SeqAttnMeta],
+        (table_rows, table_width): (&[u32], usize),
         slot_mapping: &[usize],
         shape: CacheShape,
         heads: Heads,
         min_blocks: usize,
     ) -> Result<Self, EngineError> {
         heads.check()?;
+        assert_eq!(seqs.len(), table_rows.len(), "one table row per sequence");
         let per_tile = heads.rows_per_tile();
-        let max_blocks = seqs
-            .iter()
-            .map(|m| m.block_table.len())
-            .max()
-            .unwrap_or(0)
-            .max(1);
         let mut tiles = Vec::new();
-        let mut block_tables = vec![0u32; seqs.len() * max_blocks];
         let mut max_keys = 1;
-        for (s, m) in seqs.iter().enumerate() {
+        for (m, &row) in seqs.iter().zip(table_rows) {
             let keys = m.num_computed_tokens + m.num_new_tokens;
-            if keys.div_ceil(shape.block_size) > m.block_table.len() {
+            let blocks = keys.div_ceil(shape.block_size);
+            if blocks > m.block_table.len() || blocks > table_width {
                 return Err(EngineError::InvalidConfig(format!(
-                    "cuda attention: a sequence of {keys} tokens has {} blocks of {}",
+                    "cuda attention: a sequence of {keys} tokens has {} blocks of {} (tables \
+                     {table_width} wide)",
                     m.block_table.len(),
                     shape.block_size
                 )));
             }
             max_keys = max_keys.max(keys);
-            block_tables[s * max_blocks..s * max_blocks + m.block_table.len()]
-                .copy_from_slice(&m.block_table);
             for first in (0..m.num_new_tokens).step_by(per_tile) {
                 tiles.push(Tile {
-                    seq: s as u32,
+                    seq: row,
                     first_row: (m.first_row + first) as u32,
                     rows: per_tile.min(m.num_new_tokens - first) as u32,
                     first_pos: (m.num_computed_tokens + first) as u32,
@@ -178,8 +175,7 @@ impl KernelPlan {
             heads,
             block_size: shape.block_size,
             tiles,
-            block_tables,
-            max_blocks,
+            table_width,
             slots: slot_mapping.iter().map(|&s| s as u32).collect(),
             rows: slot_mapping.len(),
             splits: max_keys.div_ceil(split_len),
@@ -196,9 +192,9 @@ impl KernelPlan {
             .collect()
     }
 
-    /// Bytes uploaded per iteration: tiles, block tables and slots.
+    /// Bytes uploaded per iteration besides the block tables' changes: tiles and slots.
     pub fn upload_bytes(&self) -> u64 {
-        4 * (4 * self.tiles.len() + self.block_tables.len() + self.slots.len()) as u64
+        4 * (4 * self.tiles.len() + self.slots.len()) as u64
     }
 
     /// Floats of the partial outputs (rows x heads x splits x head_dim).

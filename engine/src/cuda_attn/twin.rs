@@ -7,10 +7,12 @@ use super::{KernelPlan, CHUNK};
 
 const WARP: usize = 32;
 
-/// The caches as the kernels see them: (slots, kv_heads * head_dim) each.
+/// The caches as the kernels see them, (slots, kv_heads * head_dim) each, and the block
+/// tables, (rows, plan.table_width).
 pub struct Caches<'a> {
     pub k: &'a [f32],
     pub v: &'a [f32],
+    pub tables: &'a [u32],
 }
 
 /// The partial outputs of every (row, head, split), as the attention kernel writes them.
@@ -75,7 +77,7 @@ fn block(
     let keys = (t.first_pos + t.rows) as usize;
     let start = split * plan.split_len;
     let end = (start + plan.split_len).min(keys);
-    let table = &plan.block_tables[t.seq as usize * plan.max_blocks..][..plan.max_blocks];
+    let table = &caches.tables[t.seq as usize * plan.table_width..][..plan.table_width];
     let bs = plan.block_size;
     for c0 in (start..end).step_by(CHUNK) {
         let n = CHUNK.min(end - c0);
@@ -178,13 +180,18 @@ mod tests {
 
     /// The twin's worst difference from the reference under a plan of `min_blocks`.
     fn worst(case: &Case, min_blocks: usize) -> (f64, KernelPlan) {
-        let plan = case.plan(min_blocks).unwrap();
+        let (plan, tables) = case.plan(min_blocks).unwrap();
         let (mut k, mut v) = case.cached_pool();
         let (new_k, new_v) = case.new_kv();
         let row = case.heads.num_kv_heads * case.heads.head_dim;
         write_slots(&new_k, &mut k, &plan.slots, row);
         write_slots(&new_v, &mut v, &plan.slots, row);
-        let got = attention(&plan, &case.q, &Caches { k: &k, v: &v });
+        let caches = Caches {
+            k: &k,
+            v: &v,
+            tables: &tables,
+        };
+        let got = attention(&plan, &case.q, &caches);
         (case.worst_error(&got), plan)
     }
 
@@ -256,7 +263,7 @@ mod tests {
                 false,
                 |x| x,
             );
-            let plan = case.plan(1).unwrap();
+            let (plan, _) = case.plan(1).unwrap();
             let mut seen = vec![0; plan.rows];
             for t in &plan.tiles {
                 assert!(t.rows as usize * group <= 16.max(group));
@@ -270,16 +277,16 @@ mod tests {
     }
 
     #[test]
-    fn a_decode_step_uploads_its_tiles_block_tables_and_slots_only() {
+    fn a_decode_step_uploads_its_tiles_and_slots() {
         let mut rng = StdRng::seed_from_u64(11);
         let lens = [(40, 1), (100, 1), (3, 1)];
         let case = Case::new(&mut rng, heads(3, 64), &lens, false, |x| x);
-        let plan = case.plan(1).unwrap();
-        // One tile of one row per sequence; block tables padded to the longest (7 blocks of
-        // 16 for 101 keys); one slot per row.
+        let (plan, _) = case.plan(1).unwrap();
+        // One tile of one row per sequence and one slot per row; the tables are 8 wide (7
+        // blocks of 16 for 101 keys, doubled), sent apart.
         assert_eq!(plan.tiles.len(), 3);
-        assert_eq!(plan.max_blocks, 7);
-        assert_eq!(plan.upload_bytes(), 4 * (4 * 3 + 3 * 7 + 3));
+        assert_eq!(plan.table_width, 8);
+        assert_eq!(plan.upload_bytes(), 4 * (4 * 3 + 3));
         assert_eq!(plan.tile_words().len(), 4 * plan.tiles.len());
     }
 

@@ -1,0 +1,138 @@
+//! The CUDA backend across iterations: the block tables' host mirror and device copy, and
+//! one forward pass through the kernels per iteration.
+
+use candle_core::{Device, Result, Tensor};
+use dppo_model::CausalLm;
+
+use super::tables::{TableMirror, TableUpload};
+use super::{Heads, KernelPlan, LAUNCHES_PER_LAYER};
+use crate::cost::IterationCost;
+use crate::generic_attn::TensorKvCache;
+use crate::paged_attn::SeqAttnMeta;
+use crate::sequence::SeqId;
+
+/// The iteration's batch as the backend needs it.
+pub struct Batch<'a> {
+    pub metas: &'a [SeqAttnMeta],
+    /// The sequence of each meta.
+    pub seq_ids: &'a [SeqId],
+    pub slot_mapping: &'a [usize],
+    pub input_ids: &'a Tensor,
+    pub positions: &'a Tensor,
+}
+
+/// What the CUDA backend keeps between iterations.
+#[derive(Default)]
+pub struct CudaAttention {
+    tables: TableMirror,
+    #[cfg(feature = "cuda")]
+    device_tables: Option<super::launch::DeviceTables>,
+}
+
+impl CudaAttention {
+    /// Runs `model` over `batch`, the kernels reading `cache`; `live` tells which sequences
+    /// still exist (the others' table rows are freed). Adds the uploads and launches to
+    /// `cost`.
+    pub fn forward(
+        &mut self,
+        model: &CausalLm,
+        cache: &mut TensorKvCache,
+        batch: &Batch<'_>,
+        live: impl Fn(SeqId) -> bool,
+        cost: &mut IterationCost,
+    ) -> Result<Tensor> {
+        let seqs: Vec<(SeqId, &[u32])> = batch
+            .seq_ids
+            .iter()
+            .zip(batch.metas)
+            .map(|(&s, m)| (s, m.block_table.as_slice()))
+            .collect();
+        let (rows, upload) = self.tables.update(&seqs, live);
+        let plan = KernelPlan::new(
+            batch.metas,
+            (&rows, self.tables.width()),
+            batch.slot_mapping,
+            cache.shape(),
+            heads(model),
+            2 * multiprocessors(model.device())?,
+        )
+        .map_err(candle_core::Error::wrap)?;
+        let layers = model.config().num_hidden_layers as u64;
+        cost.h2d_bytes += plan.upload_bytes()
+            + match &upload {
+                TableUpload::Whole => 4 * self.tables.host().len() as u64,
+                TableUpload::Entries(pairs) => 4 * pairs.len() as u64,
+            };
+        // The kernels of every layer, and the table's scatter when entries changed.
+        cost.attention_ops += LAUNCHES_PER_LAYER * layers
+            + matches!(&upload, TableUpload::Entries(p) if !p.is_empty()) as u64;
+        self.launch(model, cache, batch, plan, &upload)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn launch(
+        &mut self,
+        model: &CausalLm,
+        cache: &mut TensorKvCache,
+        batch: &Batch<'_>,
+        plan: KernelPlan,
+        upload: &TableUpload,
+    ) -> Result<Tensor> {
+        use super::launch::{CudaIndex, CudaPagedAttention, DeviceTables};
+        let device = model.device();
+        let tables = match (&mut self.device_tables, upload) {
+            (Some(tables), TableUpload::Entries(pairs)) => {
+                tables.write_entries(pairs)?;
+                tables
+            }
+            (slot, _) => slot.insert(DeviceTables::new(self.tables.host(), device)?),
+        };
+        let index = CudaIndex::new(plan, device)?;
+        let mut backend = CudaPagedAttention {
+            cache,
+            index: &index,
+            tables,
+        };
+        model.forward(batch.input_ids, batch.positions, &mut backend)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn launch(
+        &mut self,
+        _: &CausalLm,
+        _: &mut TensorKvCache,
+        _: &Batch<'_>,
+        _: KernelPlan,
+        _: &TableUpload,
+    ) -> Result<Tensor> {
+        candle_core::bail!("cuda attention in a build without CUDA")
+    }
+}
+
+/// The heads of `model`, as the kernels see them.
+pub fn heads(model: &CausalLm) -> Heads {
+    let cfg = model.config();
+    Heads {
+        num_heads: cfg.num_attention_heads,
+        num_kv_heads: cfg.num_key_value_heads,
+        head_dim: cfg.head_dim,
+    }
+}
+
+/// Multiprocessors of the model's GPU: the plan splits contexts until the grid fills them
+/// twice.
+#[cfg(feature = "cuda")]
+fn multiprocessors(device: &Device) -> Result<usize> {
+    match device {
+        Device::Cuda(d) => super::launch::multiprocessors(d),
+        _ => candle_core::bail!("cuda attention on {:?}", device.location()),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn multiprocessors(device: &Device) -> Result<usize> {
+    candle_core::bail!(
+        "cuda attention in a build without CUDA, on {:?}",
+        device.location()
+    )
+}
