@@ -45,7 +45,8 @@ pub struct EngineConfig {
     /// Where tokens are drawn (`engine.sampling`).
     pub sampling: SamplingPlace,
     /// candle-nn's fused kernels for RMSNorm, rotary embedding, SiLU and the attention
-    /// softmax, where the CPU's own fused ops do not apply (`engine.fused_kernels`).
+    /// softmax, where the CPU's own fused ops do not apply, and q/k/v and gate/up as one
+    /// GEMM each where the engine keeps its own weight buffers (`engine.fused_kernels`).
     pub fused_kernels: bool,
 }
 
@@ -159,7 +160,8 @@ impl Engine {
     /// Starts the worker thread for `policy` on `device`.
     pub fn new(policy: &Policy, cfg: EngineConfig, device: Device) -> Result<Self, EngineError> {
         let dtype = cfg.dtype.unwrap_or_else(|| default_dtype(&device));
-        let (publication, weights) = Publication::new(&policy.weights, device.clone(), dtype)?;
+        let (publication, weights) =
+            Publication::new(&policy.weights, device.clone(), dtype, cfg.fused_kernels)?;
         let model = CausalLm::new(&policy.config, &weights)?;
         let mc = &policy.config;
         let shape = CacheShape {

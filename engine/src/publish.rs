@@ -5,7 +5,9 @@
 //! publisher must not write them while an iteration reads them: the step loop publishes a
 //! copy when it trains while the engine generates). Otherwise each tensor is cast into
 //! persistent buffers, in place: two sets allocated once and used in turn, so no step
-//! allocates and buffer addresses stay fixed. On a GPU the copies and casts run on a
+//! allocates and buffer addresses stay fixed; with `fuse` those buffers hold each layer's
+//! q/k/v and gate/up concatenated (`Weights::fuse_projections`), written part by part
+//! through views. On a GPU the copies and casts run on a
 //! stream of their own, so they queue no work on the engine's stream (see
 //! `dppo_model::streams` and docs/design.md, "Streams").
 
@@ -34,13 +36,15 @@ struct Latest {
 }
 
 impl Publication {
-    /// Version 0: `initial` on `device` in `dtype`; returns the weights the engine starts with.
+    /// Version 0: `initial` on `device` in `dtype`, its projections fused when `fuse` and
+    /// the engine keeps buffers of its own; returns the weights the engine starts with.
     pub fn new(
         initial: &Weights,
         device: Device,
         dtype: DType,
+        fuse: bool,
     ) -> Result<(Self, Weights), EngineError> {
-        let weights = transfer(initial, &device, dtype)?;
+        let weights = transfer(initial, &device, dtype, fuse)?;
         let publication = Self {
             staging: own_stream(&device)?,
             device,
@@ -95,12 +99,18 @@ impl Publication {
 }
 
 /// `weights` on `device` in `dtype`: the same tensors (zero-copy) when they already are,
-/// a per-tensor copy or cast otherwise.
-fn transfer(weights: &Weights, device: &Device, dtype: DType) -> Result<Weights, EngineError> {
+/// a per-tensor copy or cast otherwise (its projections fused with `fuse`).
+fn transfer(
+    weights: &Weights,
+    device: &Device,
+    dtype: DType,
+    fuse: bool,
+) -> Result<Weights, EngineError> {
     if is_in(weights, device, dtype) {
         return Ok(weights.clone());
     }
-    Ok(weights.to_device(device)?.to_dtype(dtype)?)
+    let copy = weights.to_device(device)?.to_dtype(dtype)?;
+    Ok(if fuse { copy.fuse_projections()? } else { copy })
 }
 
 /// Whether every tensor of `weights` is on `device` in `dtype`.
@@ -142,7 +152,8 @@ mod tests {
     #[test]
     fn versions_advance_from_zero_and_a_restore_sets_them() {
         let tiny = load_preset("tiny", &Device::Cpu).unwrap();
-        let (publication, _) = Publication::new(&tiny.weights, Device::Cpu, DType::F32).unwrap();
+        let (publication, _) =
+            Publication::new(&tiny.weights, Device::Cpu, DType::F32, false).unwrap();
         assert_eq!(publication.version(), 0);
         assert_eq!(publication.publish(&tiny.weights, None, 0).unwrap().0, 1);
         assert_eq!(publication.publish(&tiny.weights, None, 1).unwrap().0, 2);
@@ -154,8 +165,8 @@ mod tests {
     fn same_device_and_dtype_is_zero_copy_and_a_cast_is_a_copy() {
         let tiny = load_preset("tiny", &Device::Cpu).unwrap();
         let (vars, trainable) = tiny.weights.to_vars().unwrap();
-        let (_, view) = Publication::new(&trainable, Device::Cpu, DType::F32).unwrap();
-        let (_, cast) = Publication::new(&trainable, Device::Cpu, DType::F64).unwrap();
+        let (_, view) = Publication::new(&trainable, Device::Cpu, DType::F32, false).unwrap();
+        let (_, cast) = Publication::new(&trainable, Device::Cpu, DType::F64, false).unwrap();
         // An optimizer update in place is visible through the zero-copy view only.
         let name = "model.norm.weight";
         let var: &Var = &vars[name];
@@ -170,7 +181,8 @@ mod tests {
     fn cast_publications_write_in_place_into_two_buffers_used_in_turn() {
         let tiny = load_preset("tiny", &Device::Cpu).unwrap();
         let (vars, trainable) = tiny.weights.to_vars().unwrap();
-        let (publication, first) = Publication::new(&trainable, Device::Cpu, DType::F64).unwrap();
+        let (publication, first) =
+            Publication::new(&trainable, Device::Cpu, DType::F64, false).unwrap();
         let name = "model.norm.weight";
         let var: &Var = &vars[name];
         let mut ids = vec![first.tensors()[name].id()];
@@ -192,7 +204,8 @@ mod tests {
     fn buffers_the_engine_may_still_read_are_never_written() {
         let tiny = load_preset("tiny", &Device::Cpu).unwrap();
         let (_, trainable) = tiny.weights.to_vars().unwrap();
-        let (publication, first) = Publication::new(&trainable, Device::Cpu, DType::F64).unwrap();
+        let (publication, first) =
+            Publication::new(&trainable, Device::Cpu, DType::F64, false).unwrap();
         let name = "model.norm.weight";
         let (_, v1) = publication.publish(&trainable, None, 0).unwrap();
         // The engine still generates with version 0 (its swap to 1 is held): version 2

@@ -21,6 +21,8 @@ struct Mlp {
     gate_proj: Tensor,
     up_proj: Tensor,
     down_proj: Tensor,
+    /// gate and up concatenated, where the weights were fused (inference).
+    gate_up: Option<Tensor>,
 }
 
 impl Mlp {
@@ -30,11 +32,19 @@ impl Mlp {
             gate_proj: w.get(&format!("{prefix}.gate_proj.weight"), &[i, h])?,
             up_proj: w.get(&format!("{prefix}.up_proj.weight"), &[i, h])?,
             down_proj: w.get(&format!("{prefix}.down_proj.weight"), &[h, i])?,
+            gate_up: w.fused(&format!("{prefix}.gate_up_proj.weight")).cloned(),
         })
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let [gate, up] = linear_many(x, [&self.gate_proj, &self.up_proj], [None, None])?;
+        let [gate, up] = match &self.gate_up {
+            Some(gate_up) => {
+                let y = linear(x, gate_up, None)?;
+                let i = self.gate_proj.dim(0)?;
+                [y.narrow(1, 0, i)?, y.narrow(1, i, i)?]
+            }
+            None => linear_many(x, [&self.gate_proj, &self.up_proj], [None, None])?,
+        };
         linear(&silu_mul(&gate, &up)?, &self.down_proj, None)
     }
 }
@@ -50,6 +60,8 @@ struct Attention {
     k_bias: Option<Tensor>,
     v_bias: Option<Tensor>,
     o_bias: Option<Tensor>,
+    /// q, k and v (weight and bias) concatenated, where the weights were fused (inference).
+    qkv: Option<(Tensor, Option<Tensor>)>,
     // norms (Qwen3)
     q_norm: Option<Tensor>,
     k_norm: Option<Tensor>,
@@ -76,6 +88,10 @@ impl Attention {
             k_bias: opt(cfg.qkv_bias, "k_proj.bias", &[kv_dim])?,
             v_bias: opt(cfg.qkv_bias, "v_proj.bias", &[kv_dim])?,
             o_bias: opt(cfg.o_bias, "o_proj.bias", &[h])?,
+            qkv: w.fused(&format!("{prefix}.qkv_proj.weight")).map(|qkv| {
+                let bias = w.fused(&format!("{prefix}.qkv_proj.bias")).cloned();
+                (qkv.clone(), bias)
+            }),
             q_norm: opt(cfg.qk_norm, "q_norm.weight", &[cfg.head_dim])?,
             k_norm: opt(cfg.qk_norm, "k_norm.weight", &[cfg.head_dim])?,
             num_heads: cfg.num_attention_heads,
@@ -95,15 +111,26 @@ impl Attention {
     ) -> Result<Tensor> {
         let tokens = x.dim(0)?;
         // 1. Project: (tokens, hidden) -> (tokens, heads, head_dim)
-        let [q, k, v] = linear_many(
-            x,
-            [&self.q_proj, &self.k_proj, &self.v_proj],
-            [
-                self.q_bias.as_ref(),
-                self.k_bias.as_ref(),
-                self.v_bias.as_ref(),
-            ],
-        )?;
+        let [q, k, v] = match &self.qkv {
+            Some((qkv, bias)) => {
+                let y = linear(x, qkv, bias.as_ref())?;
+                let (q_dim, kv_dim) = (self.q_proj.dim(0)?, self.k_proj.dim(0)?);
+                [
+                    y.narrow(1, 0, q_dim)?,
+                    y.narrow(1, q_dim, kv_dim)?,
+                    y.narrow(1, q_dim + kv_dim, kv_dim)?,
+                ]
+            }
+            None => linear_many(
+                x,
+                [&self.q_proj, &self.k_proj, &self.v_proj],
+                [
+                    self.q_bias.as_ref(),
+                    self.k_bias.as_ref(),
+                    self.v_bias.as_ref(),
+                ],
+            )?,
+        };
         let q = q.reshape((tokens, self.num_heads, self.head_dim))?;
         let k = k.reshape((tokens, self.num_kv_heads, self.head_dim))?;
         let v = v.reshape((tokens, self.num_kv_heads, self.head_dim))?;

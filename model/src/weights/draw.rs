@@ -45,6 +45,7 @@ impl Weights {
         Ok(Self {
             tensors,
             origin: format!("random(seed={seed})"),
+            fused: BTreeMap::new(),
         })
     }
 }
@@ -251,6 +252,7 @@ mod tests {
                 w.get("model.embed_tokens.weight", &[2100, 64]).unwrap(),
             )]),
             origin: String::new(),
+            fused: BTreeMap::new(),
         });
         let n = emb.len() as f64;
         let mean = emb.iter().map(|&x| x as f64).sum::<f64>() / n;

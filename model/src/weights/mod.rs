@@ -1,6 +1,7 @@
 //! Named parameter tensors, and the files they come from and go to.
 
 mod draw;
+mod fuse;
 mod gguf;
 mod safetensors;
 mod save;
@@ -22,6 +23,8 @@ pub use save::{save_safetensors_atomic, write_atomic};
 pub struct Weights {
     tensors: BTreeMap<String, Tensor>,
     origin: String,
+    /// Concatenated projections whose parts `tensors` holds as views (see [`fuse`]).
+    fused: BTreeMap<String, Tensor>,
 }
 
 /// The parameters a config needs, in canonical order, with their shapes.
@@ -100,6 +103,7 @@ impl Weights {
         Ok(Self {
             tensors: kept,
             origin,
+            fused: BTreeMap::new(),
         })
     }
 
@@ -119,6 +123,7 @@ impl Weights {
         Ok(Self {
             tensors,
             origin: format!("random(seed={seed})"),
+            fused: BTreeMap::new(),
         })
     }
 
@@ -162,21 +167,29 @@ impl Weights {
         self.map(|t| Ok(t.copy()?.detach()))
     }
 
-    /// Zeros of the same names, shapes, dtypes and devices: buffers to write into.
+    /// Zeros of the same names, shapes, dtypes and devices, fused alike: buffers to write
+    /// into.
     pub fn zeros_like(&self) -> Result<Self> {
         self.map(|t| t.zeros_like())
     }
 
+    /// `f` of every tensor; fused projections stay fused (in new buffers).
     fn map(&self, f: impl Fn(&Tensor) -> candle_core::Result<Tensor>) -> Result<Self> {
         let tensors = self
             .tensors
             .iter()
             .map(|(n, t)| Ok((n.clone(), f(t)?)))
             .collect::<Result<_>>()?;
-        Ok(Self {
+        let mapped = Self {
             tensors,
             origin: self.origin.clone(),
-        })
+            fused: BTreeMap::new(),
+        };
+        if self.fused.is_empty() {
+            Ok(mapped)
+        } else {
+            mapped.fuse_projections()
+        }
     }
 
     /// Trainable copies: one [`Var`] per parameter, plus weights that read those vars, so a
@@ -192,6 +205,7 @@ impl Weights {
         let weights = Weights {
             tensors,
             origin: self.origin.clone(),
+            fused: BTreeMap::new(),
         };
         Ok((vars, weights))
     }
