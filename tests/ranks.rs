@@ -134,14 +134,19 @@ const SMALL: [&str; 6] = [
     "eval.every=0",
 ];
 
-/// A policy after 30 one-rank warm-up steps on the small task: right often enough (about
-/// one sample in ten) that groups have mixed rewards and both pruning levels act.
+/// A policy after 30 one-rank warm-up steps at rate 3e-3 on the small task: right often
+/// enough (about one sample in ten) that groups have mixed rewards and both pruning levels
+/// act (at the default's gentler rate 30 steps leave it too rarely right).
 fn warmed_up() -> Policy {
     static POLICY: std::sync::OnceLock<Policy> = std::sync::OnceLock::new();
     POLICY
         .get_or_init(|| {
             let tiny = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
-            let sets: Vec<String> = SMALL.iter().map(|s| s.to_string()).collect();
+            let sets: Vec<String> = SMALL
+                .iter()
+                .chain(&["warmup.lr=3e-3"])
+                .map(|s| s.to_string())
+                .collect();
             let cfg = RunConfig::default_with(&sets).unwrap();
             let (train, eval) = builtin_task("arithmetic", 16, 12, 0).unwrap();
             let mut trainer = Trainer::new(cfg, &tiny, &Device::Cpu, train, eval).unwrap();
