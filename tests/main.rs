@@ -13,6 +13,8 @@ mod model_files;
 mod hostile_files;
 // The generation engine against the contiguous-cache reference.
 mod engine;
+// The CPU engine's logprobs: the same bits whatever the batch, chunking and blocks.
+mod batch_invariance;
 // engine.sampling = "device" through the engine, the kernel's host reference drawing.
 mod device_sampling;
 // engine.fused_kernels: candle-nn's fused kernels in the engine.
