@@ -4,7 +4,10 @@
 
 use candle_core::Device;
 use dppo_engine::naive::generate_naive_on;
-use dppo_engine::{AttentionMode, Engine, EngineConfig, GenerateRequest, SamplingPlace};
+use dppo_engine::{
+    AttentionMode, Completion, Engine, EngineConfig, GenerateRequest, SamplingPlace,
+};
+use dppo_model::{CausalLm, Policy};
 
 use crate::engine::{assert_matches_reference, config, policy, reference, run, tokens, workload};
 
@@ -23,6 +26,22 @@ fn seeded(t: f32) -> Vec<GenerateRequest> {
         r.sampling.seed = Some(100 + i as u64);
     }
     reqs
+}
+
+/// `reqs` drawn by a static batch with the device sampler's noise.
+fn static_reference(
+    policy: &Policy,
+    model: &CausalLm,
+    reqs: &[GenerateRequest],
+) -> Vec<Vec<Completion>> {
+    generate_naive_on(
+        model,
+        reqs,
+        policy.eos_token_ids(),
+        &Device::Cpu,
+        SamplingPlace::Device,
+    )
+    .unwrap()
 }
 
 /// Greedy decoding gives the contiguous reference's tokens and logprobs, with preemption.
@@ -50,14 +69,7 @@ fn seeded_device_samples_equal_the_static_reference_and_ignore_the_batch() {
     let model = policy.model().unwrap();
     for t in [1.0, 0.6] {
         let reqs = seeded(t);
-        let want = generate_naive_on(
-            &model,
-            &reqs,
-            policy.eos_token_ids(),
-            &Device::Cpu,
-            SamplingPlace::Device,
-        )
-        .unwrap();
+        let want = static_reference(&policy, &model, &reqs);
         for (block_size, kv) in [(16, 4096), (4, 96)] {
             let engine = Engine::new(
                 &policy,
@@ -89,14 +101,7 @@ fn truncated_device_draws_equal_the_static_reference() {
     reqs[1].sampling.top_p = 0.9;
     reqs[2].sampling.top_k = 20;
     reqs[2].sampling.top_p = 0.7;
-    let want = generate_naive_on(
-        &model,
-        &reqs,
-        policy.eos_token_ids(),
-        &Device::Cpu,
-        SamplingPlace::Device,
-    )
-    .unwrap();
+    let want = static_reference(&policy, &model, &reqs);
     let engine = Engine::new(
         &policy,
         device_sampled(4, 96, AttentionMode::Auto),

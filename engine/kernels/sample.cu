@@ -58,82 +58,48 @@ __device__ __forceinline__ unsigned int order_key(float x) {
 
 __device__ __forceinline__ float clean(float l) { return l != l ? NEG_INF : l; }
 
-// Block-wide reductions; every thread gets the result. Each has its own shared slots and
-// ends with a barrier, so calls may follow each other.
-__device__ float block_sum(float v) {
-    __shared__ float part[WARPS];
-    __shared__ float total;
-    for (int o = 16; o > 0; o /= 2) v += __shfl_down_sync(FULL_MASK, v, o);
+__device__ __forceinline__ float shfl_down(float v, int o) {
+    return __shfl_down_sync(FULL_MASK, v, o);
+}
+__device__ __forceinline__ unsigned int shfl_down(unsigned int v, int o) {
+    return __shfl_down_sync(FULL_MASK, v, o);
+}
+__device__ __forceinline__ Best shfl_down(Best b, int o) {
+    Best r; r.score = shfl_down(b.score, o); r.index = shfl_down(b.index, o);
+    return r;
+}
+__device__ __forceinline__ Lse shfl_down(Lse a, int o) {
+    Lse r; r.max = shfl_down(a.max, o); r.sum = shfl_down(a.sum, o);
+    return r;
+}
+
+struct Add {
+    template <typename T> __device__ T operator()(T a, T b) const { return a + b; }
+};
+struct MergeBest {
+    __device__ Best operator()(Best a, Best b) const { return best_merge(a, b); }
+};
+struct MergeLse {
+    __device__ Lse operator()(Lse a, Lse b) const { return lse_merge(a, b); }
+};
+
+// A block-wide reduction by `op` (a warp's shuffles, then the warps' partials in order);
+// every thread gets the result. Each instantiation has its own shared slots and ends with a
+// barrier, so calls may follow each other.
+template <typename T, typename Op>
+__device__ T block_reduce(T v, Op op) {
+    __shared__ T part[WARPS];
+    __shared__ T total;
+    for (int o = 16; o > 0; o /= 2) v = op(v, shfl_down(v, o));
     if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
     __syncthreads();
     if (threadIdx.x == 0) {
-        float t = 0.0f;
-        for (int w = 0; w < WARPS; ++w) t += part[w];
+        T t = part[0];
+        for (int w = 1; w < WARPS; ++w) t = op(t, part[w]);
         total = t;
     }
     __syncthreads();
-    float r = total;
-    __syncthreads();
-    return r;
-}
-
-__device__ unsigned int block_count(unsigned int v) {
-    __shared__ unsigned int part[WARPS];
-    __shared__ unsigned int total;
-    for (int o = 16; o > 0; o /= 2) v += __shfl_down_sync(FULL_MASK, v, o);
-    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        unsigned int t = 0;
-        for (int w = 0; w < WARPS; ++w) t += part[w];
-        total = t;
-    }
-    __syncthreads();
-    unsigned int r = total;
-    __syncthreads();
-    return r;
-}
-
-__device__ Best block_best(Best b) {
-    __shared__ Best part[WARPS];
-    __shared__ Best total;
-    for (int o = 16; o > 0; o /= 2) {
-        Best other;
-        other.score = __shfl_down_sync(FULL_MASK, b.score, o);
-        other.index = __shfl_down_sync(FULL_MASK, b.index, o);
-        b = best_merge(b, other);
-    }
-    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = b;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        Best t = part[0];
-        for (int w = 1; w < WARPS; ++w) t = best_merge(t, part[w]);
-        total = t;
-    }
-    __syncthreads();
-    Best r = total;
-    __syncthreads();
-    return r;
-}
-
-__device__ Lse block_lse(Lse a) {
-    __shared__ Lse part[WARPS];
-    __shared__ Lse total;
-    for (int o = 16; o > 0; o /= 2) {
-        Lse other;
-        other.max = __shfl_down_sync(FULL_MASK, a.max, o);
-        other.sum = __shfl_down_sync(FULL_MASK, a.sum, o);
-        a = lse_merge(a, other);
-    }
-    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = a;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        Lse t = part[0];
-        for (int w = 1; w < WARPS; ++w) t = lse_merge(t, part[w]);
-        total = t;
-    }
-    __syncthreads();
-    Lse r = total;
+    T r = total;
     __syncthreads();
     return r;
 }
@@ -154,7 +120,7 @@ __device__ unsigned int truncation_cut(const float *row, unsigned int vocab, flo
             unsigned int n = 0;
             for (unsigned int i = threadIdx.x; i < vocab; i += THREADS)
                 n += order_key(clean(row[i]) * scale) >= mid;
-            if (block_count(n) >= top_k) lo = mid; else hi = mid;
+            if (block_reduce(n, Add()) >= top_k) lo = mid; else hi = mid;
         }
         cut = lo;
     }
@@ -165,7 +131,7 @@ __device__ unsigned int truncation_cut(const float *row, unsigned int vocab, flo
             const float s = clean(row[i]) * scale;
             if (order_key(s) >= cut) m += expf(s - smax);
         }
-        const float target = top_p * block_sum(m);
+        const float target = top_p * block_reduce(m, Add());
         unsigned int lo = cut, hi = top;
         while (hi - lo > 1) {
             const unsigned int mid = lo + (hi - lo) / 2;
@@ -174,7 +140,7 @@ __device__ unsigned int truncation_cut(const float *row, unsigned int vocab, flo
                 const float s = clean(row[i]) * scale;
                 if (order_key(s) >= mid) m += expf(s - smax);
             }
-            if (block_sum(m) >= target) lo = mid; else hi = mid;
+            if (block_reduce(m, Add()) >= target) lo = mid; else hi = mid;
         }
         cut = lo;
     }
@@ -207,9 +173,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) gumbel_sample(
         lse_push(raw, l);
         smax = fmaxf(smax, l * scale);
     }
-    raw = block_lse(raw);
+    raw = block_reduce(raw, MergeLse());
     Best top; top.score = smax; top.index = 0;
-    smax = block_best(top).score;
+    smax = block_reduce(top, MergeBest()).score;
     // 2. Top-k and top-p: the scores kept are those whose key reaches `cut`.
     const unsigned int cut =
         greedy ? 0u : truncation_cut(row, vocab, scale, smax, top_ks[d], top_ps[d], min_ps[d]);
@@ -236,8 +202,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) gumbel_sample(
             best = best_merge(best, here);
         }
     }
-    best = block_best(best);
-    kept = block_lse(kept);
+    best = block_reduce(best, MergeBest());
+    kept = block_reduce(kept, MergeLse());
     const float raw_lse = raw.max + logf(raw.sum);
     if (threadIdx.x == 0) {
         const unsigned int t = best.index < vocab ? best.index : 0u;
@@ -260,7 +226,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) gumbel_sample(
             Best here; here.score = l; here.index = i;
             b = best_merge(b, here);
         }
-        b = block_best(b);
+        b = block_reduce(b, MergeBest());
         if (threadIdx.x == 0) {
             top_ids[d * MAX_TOP + j] = b.index;
             top_logprobs[d * MAX_TOP + j] = b.score - raw_lse;

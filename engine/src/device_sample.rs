@@ -72,7 +72,7 @@ fn on_gpu(logits: &Tensor, draws: &[DeviceDraw]) -> Result<Vec<Drawn>> {
         bail!("device sampling: the logits are not contiguous on a GPU");
     };
     let slice = storage.as_cuda_slice::<f32>()?.slice(start..end);
-    let func = device.get_or_load_custom_func("gumbel_sample", "dppo_sample", &ptx(device)?)?;
+    let func = MODULE.function(device, "gumbel_sample")?;
     let stream = device.cuda_stream();
     let w = candle_core::Error::wrap;
     let rows: Vec<u32> = draws.iter().map(|d| d.row).collect();
@@ -105,7 +105,7 @@ fn on_gpu(logits: &Tensor, draws: &[DeviceDraw]) -> Result<Vec<Drawn>> {
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut launch = func.builder();
+    let mut launch = stream.launch_builder(&func);
     launch
         .arg(&slice)
         .arg(&vocab)
@@ -154,31 +154,10 @@ fn on_gpu(logits: &Tensor, draws: &[DeviceDraw]) -> Result<Vec<Drawn>> {
 #[cfg(feature = "cuda")]
 const THREADS: u32 = 256;
 
-/// The kernel's PTX for `device`'s compute capability, compiled once per process.
+/// kernels/sample.cu as the GPU loads it.
 #[cfg(feature = "cuda")]
-fn ptx(device: &candle_core::CudaDevice) -> Result<String> {
-    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
-    use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
-    use std::sync::OnceLock;
-
-    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
-    let context = device.cuda_stream().context().clone();
-    PTX.get_or_init(|| {
-        let cap = |a| context.attribute(a).map_err(|e| e.to_string());
-        let major = cap(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
-        let minor = cap(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
-        let arch: &'static str = Box::leak(format!("compute_{major}{minor}").into_boxed_str());
-        let opts = CompileOptions {
-            arch: Some(arch),
-            ..CompileOptions::default()
-        };
-        compile_ptx_with_opts(SOURCE, opts)
-            .map(|ptx| ptx.to_src())
-            .map_err(|e| format!("compiling kernels/sample.cu with NVRTC: {e}"))
-    })
-    .clone()
-    .map_err(candle_core::Error::msg)
-}
+static MODULE: crate::nvrtc::Module =
+    crate::nvrtc::Module::new("dppo_sample", "kernels/sample.cu", SOURCE);
 
 /// Without CUDA the only device is the CPU, which [`sample`] serves itself.
 #[cfg(not(feature = "cuda"))]

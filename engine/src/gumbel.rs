@@ -218,6 +218,25 @@ mod tests {
         }
     }
 
+    /// How often each token of a 9-logit row is drawn at positions `0..n` of one sample.
+    fn token_counts(
+        logits: &[f32; 9],
+        params: &DrawParams,
+        n: u32,
+        sample_index: u32,
+    ) -> [usize; 9] {
+        let mut counts = [0usize; 9];
+        for position in 0..n {
+            let key = DrawKey {
+                key: 0x5eed,
+                position,
+                sample_index,
+            };
+            counts[draw(logits, params, &key).token as usize] += 1;
+        }
+        counts
+    }
+
     /// Truncated draws follow the renormalised tempered softmax over the kept tokens and
     /// never leave them (chi-square over 20,000 draws; 0.999 quantiles 13.8 and 16.3 for 2
     /// and 3 degrees of freedom).
@@ -239,15 +258,7 @@ mod tests {
                 ..plain(1.0 / t)
             };
             let n = 20_000;
-            let mut counts = [0usize; 9];
-            for position in 0..n {
-                let key = DrawKey {
-                    key: 0x5eed,
-                    position,
-                    sample_index: 1,
-                };
-                counts[draw(&logits, &params, &key).token as usize] += 1;
-            }
+            let counts = token_counts(&logits, &params, n, 1);
             let weight = |i: usize| (f64::from(logits[i]) / f64::from(t)).exp();
             let z: f64 = kept.iter().map(|&i| weight(i)).sum();
             let mut chi2 = 0.0;
@@ -330,15 +341,7 @@ mod tests {
         let logits = [1.0f32, 0.5, -0.3, 2.0, f32::NAN, 0.0, -1.5, 1.2, 0.7];
         for temperature in [1.0f32, 0.7] {
             let n = 20_000;
-            let mut counts = [0usize; 9];
-            for position in 0..n {
-                let key = DrawKey {
-                    key: 0x5eed,
-                    position,
-                    sample_index: 3,
-                };
-                counts[draw(&logits, &plain(1.0 / temperature), &key).token as usize] += 1;
-            }
+            let counts = token_counts(&logits, &plain(1.0 / temperature), n, 3);
             assert_eq!(counts[4], 0, "a NaN logit is never drawn");
             let weights: Vec<f64> = logits
                 .iter()

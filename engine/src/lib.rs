@@ -12,6 +12,8 @@ pub mod generic_attn;
 pub mod gumbel;
 pub mod kv_pool;
 pub mod naive;
+#[cfg(feature = "cuda")]
+mod nvrtc;
 pub mod paged_attn;
 pub mod plan;
 mod publish;

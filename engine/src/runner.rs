@@ -8,7 +8,7 @@ use dppo_model::CausalLm;
 use serde::{Deserialize, Serialize};
 
 use crate::cost::{nanos, IterationCost};
-use crate::cuda_attn::{heads, Batch, CudaAttention};
+use crate::cuda_attn::{Batch, CudaAttention};
 use crate::generic_attn::{BatchIndex, GenericPagedAttention, TensorKvCache};
 use crate::paged_attn::{CacheShape, KvCache, PagedAttention, SeqAttnMeta};
 use crate::plan::Plan;
@@ -92,15 +92,16 @@ impl Runner {
             head_dim: cfg.head_dim,
         };
         let attention = attention.resolve(&device, model.dtype())?;
-        if attention == AttentionMode::Cuda {
-            heads(&model).check()?;
-        }
+        let cuda = match attention {
+            AttentionMode::Cuda => Some(CudaAttention::new(&model, &device)?),
+            _ => None,
+        };
         let cache = match attention {
             AttentionMode::Cpu => Cache::Cpu(KvCache::new(shape)),
             _ => Cache::Tensor(TensorKvCache::new(shape, model.dtype(), &device)?),
         };
         Ok(Self {
-            cuda: (attention == AttentionMode::Cuda).then(CudaAttention::default),
+            cuda,
             model,
             cache,
             device,
@@ -164,8 +165,8 @@ impl Runner {
         cost.h2d_bytes += 4 * (2 * n + sample_rows.len()) as u64;
         let input_ids = Tensor::from_vec(input_ids, n, &self.device)?;
         let positions = Tensor::from_vec(positions, n, &self.device)?;
-        let hidden = match &mut self.cache {
-            Cache::Cpu(cache) => {
+        let hidden = match (&mut self.cache, &mut self.cuda) {
+            (Cache::Cpu(cache), _) => {
                 cache.copy_blocks(&plan.block_copies);
                 let mut backend = PagedAttention {
                     cache,
@@ -174,7 +175,7 @@ impl Runner {
                 };
                 self.model.forward(&input_ids, &positions, &mut backend)?
             }
-            Cache::Tensor(cache) if self.cuda.is_some() => {
+            (Cache::Tensor(cache), Some(cuda)) => {
                 cache.copy_blocks(&plan.block_copies)?;
                 let seq_ids: Vec<SeqId> = plan.seqs.iter().map(|s| s.seq_id).collect();
                 let batch = Batch {
@@ -185,10 +186,9 @@ impl Runner {
                     positions: &positions,
                 };
                 let live = |id| scheduler.seq(id).is_some();
-                let cuda = self.cuda.as_mut().expect("matched");
                 cuda.forward(&self.model, cache, &batch, live, cost)?
             }
-            Cache::Tensor(cache) => {
+            (Cache::Tensor(cache), None) => {
                 cache.copy_blocks(&plan.block_copies)?;
                 let index = BatchIndex::new(&metas, &slot_mapping, cache.shape(), &self.device)?;
                 cost.h2d_bytes += index.bytes() as u64;

@@ -3,8 +3,6 @@
 //! output is a new tensor. The plan's tiles and slots go to the device once per iteration;
 //! the block tables stay there ([`DeviceTables`]), changed entry by entry.
 
-use std::sync::OnceLock;
-
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -18,6 +16,10 @@ use dppo_model::AttentionBackend;
 
 use super::{KernelPlan, SOURCE, THREADS};
 use crate::generic_attn::TensorKvCache;
+
+/// kernels/paged_attention.cu as the GPU loads it.
+static MODULE: crate::nvrtc::Module =
+    crate::nvrtc::Module::new("dppo_paged_attention", "kernels/paged_attention.cu", SOURCE);
 
 /// Threads of a write block and of a merge block.
 const WRITE_THREADS: u32 = 128;
@@ -136,32 +138,7 @@ fn function(device: &CudaDevice, name: &str, dtype: Option<DType>) -> Result<Cud
         Some(dtype) => format!("{name}_{}", suffix(dtype)?),
         None => name.to_string(),
     };
-    let func = device.get_or_load_custom_func(&name, "dppo_paged_attention", &ptx(device)?)?;
-    Ok(func.into_cuda_function())
-}
-
-/// The module's PTX for `device`'s compute capability, compiled once per process.
-fn ptx(device: &CudaDevice) -> Result<String> {
-    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
-    use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
-
-    static PTX: OnceLock<std::result::Result<String, String>> = OnceLock::new();
-    let context = device.cuda_stream().context().clone();
-    PTX.get_or_init(|| {
-        let cap = |a| context.attribute(a).map_err(|e| e.to_string());
-        let major = cap(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
-        let minor = cap(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
-        let arch: &'static str = Box::leak(format!("compute_{major}{minor}").into_boxed_str());
-        let opts = CompileOptions {
-            arch: Some(arch),
-            ..CompileOptions::default()
-        };
-        compile_ptx_with_opts(SOURCE, opts)
-            .map(|ptx| ptx.to_src())
-            .map_err(|e| format!("compiling kernels/paged_attention.cu with NVRTC: {e}"))
-    })
-    .clone()
-    .map_err(candle_core::Error::msg)
+    MODULE.function(device, &name)
 }
 
 /// Writes the batch's K (or V) rows into their slots of one layer's pool tensor.

@@ -19,7 +19,7 @@ mod twin;
 
 #[cfg(feature = "cuda")]
 pub use launch::{multiprocessors, CudaIndex, CudaPagedAttention, DeviceTables};
-pub use state::{heads, Batch, CudaAttention};
+pub use state::{Batch, CudaAttention};
 
 use crate::paged_attn::{CacheShape, SeqAttnMeta};
 use crate::EngineError;

@@ -10,6 +10,7 @@ use crate::cost::IterationCost;
 use crate::generic_attn::TensorKvCache;
 use crate::paged_attn::SeqAttnMeta;
 use crate::sequence::SeqId;
+use crate::EngineError;
 
 /// The iteration's batch as the backend needs it.
 pub struct Batch<'a> {
@@ -22,14 +23,27 @@ pub struct Batch<'a> {
 }
 
 /// What the CUDA backend keeps between iterations.
-#[derive(Default)]
 pub struct CudaAttention {
     tables: TableMirror,
+    /// Blocks a grid should hold (twice the GPU's multiprocessors): the plan splits
+    /// contexts until it does.
+    min_blocks: usize,
     #[cfg(feature = "cuda")]
     device_tables: Option<super::launch::DeviceTables>,
 }
 
 impl CudaAttention {
+    /// The backend for `model` on `device`; an error names what the kernels cannot serve.
+    pub fn new(model: &CausalLm, device: &Device) -> std::result::Result<Self, EngineError> {
+        heads(model).check()?;
+        Ok(Self {
+            tables: TableMirror::default(),
+            min_blocks: 2 * multiprocessors(device)?,
+            #[cfg(feature = "cuda")]
+            device_tables: None,
+        })
+    }
+
     /// Runs `model` over `batch`, the kernels reading `cache`; `live` tells which sequences
     /// still exist (the others' table rows are freed). Adds the uploads and launches to
     /// `cost`.
@@ -54,7 +68,7 @@ impl CudaAttention {
             batch.slot_mapping,
             cache.shape(),
             heads(model),
-            2 * multiprocessors(model.device())?,
+            self.min_blocks,
         )
         .map_err(candle_core::Error::wrap)?;
         let layers = model.config().num_hidden_layers as u64;
@@ -110,7 +124,7 @@ impl CudaAttention {
 }
 
 /// The heads of `model`, as the kernels see them.
-pub fn heads(model: &CausalLm) -> Heads {
+fn heads(model: &CausalLm) -> Heads {
     let cfg = model.config();
     Heads {
         num_heads: cfg.num_attention_heads,
@@ -119,8 +133,7 @@ pub fn heads(model: &CausalLm) -> Heads {
     }
 }
 
-/// Multiprocessors of the model's GPU: the plan splits contexts until the grid fills them
-/// twice.
+/// Multiprocessors of the GPU.
 #[cfg(feature = "cuda")]
 fn multiprocessors(device: &Device) -> Result<usize> {
     match device {
