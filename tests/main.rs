@@ -45,6 +45,8 @@ mod memory;
 mod trainer;
 // The learner against the rollout: temperature and the mismatch metrics.
 mod mismatch;
+// On the CPU in f32 the learner's logprobs are the engine's bit for bit.
+mod exact_learner;
 // Checkpoints of earlier versions resume bit for bit.
 mod resume;
 // Data parallelism on CPU ranks: W ranks train as one; the --devices launcher.

@@ -1,4 +1,6 @@
-//! Checkpoints written by earlier versions of dppo resume and continue bit for bit.
+//! Checkpoints written by earlier versions of dppo resume and continue as their runs did:
+//! bit for bit, except the learner's metrics where the learner's arithmetic has changed
+//! since (see [`learner_arithmetic`]).
 //!
 //! `tests/fixtures/checkpoint-5c72f55/` was written at commit 5c72f55 by
 //! `dppo run --set steps=4 --set checkpoint.every=2 --set checkpoint.keep=2` (DPPO on the
@@ -51,14 +53,40 @@ fn resumes_to_its_metrics(fixture: &Path, sets: &[String]) -> RunConfig {
             .collect();
     for want in want {
         // Metrics added since (`mismatch/*`, `response_length/*`) are not in the fixture;
-        // every metric it has must come back bit for bit.
+        // every metric it has must come back.
         let got: Map<String, Value> = untimed(trainer.step().unwrap())
             .into_iter()
             .filter(|(k, _)| want.contains_key(k))
             .collect();
-        assert_eq!(got, want, "step {}", trainer.step);
+        assert_eq!(
+            got.keys().collect::<Vec<_>>(),
+            want.keys().collect::<Vec<_>>(),
+            "step {}",
+            trainer.step
+        );
+        for (key, value) in &want {
+            let what = format!("step {}: {key}", trainer.step);
+            if learner_arithmetic(key) {
+                let (got, want) = (got[key].as_f64().unwrap(), value.as_f64().unwrap());
+                assert!(
+                    (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+                    "{what}: {got} vs {want}"
+                );
+            } else {
+                assert_eq!(&got[key], value, "{what}");
+            }
+        }
     }
     cfg
+}
+
+/// Metrics computed from the learner's logprobs. Those of the fixtures' runs were computed
+/// before the learner's forward took the engine's arithmetic (#41 point 4: its logprobs
+/// changed in the last bits, its measured mismatch from about 1e-6 to 0), so they come back
+/// within 1e-5; every other metric (rewards, lengths, pruning, the resumed random streams)
+/// comes back bit for bit.
+fn learner_arithmetic(key: &str) -> bool {
+    key.starts_with("actor/") || key.starts_with("mismatch/")
 }
 
 #[test]

@@ -1,8 +1,7 @@
 //! Block bookkeeping of the paged KV cache: free blocks, reference counts, block tables.
 //! Never touches a tensor (the runner owns the storage).
 
-/// Index of a KV block; a block holds `block_size` consecutive token slots.
-pub type BlockId = u32;
+pub use dppo_model::block_attn::BlockId;
 
 /// A copy-on-write order: copy the first `num_tokens` slots of block `src` into `dst`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -7,7 +7,6 @@ mod cost;
 pub mod cuda_attn;
 pub mod device_sample;
 pub mod engine;
-mod fast_exp;
 pub mod generic_attn;
 pub mod gumbel;
 pub mod kv_pool;

@@ -1,8 +1,10 @@
 //! Token sampling from one sequence's logits row. Each sample draws from its own RNG, so a
 //! seeded result never depends on what else is in the batch.
 
-use crate::fast_exp::exp_nonpositive;
+use dppo_model::behaviour::{self, Shaping};
 use rand::{rngs::StdRng, Rng, SeedableRng};
+
+pub use behaviour::top_ids;
 
 /// Most alternatives a request may ask for per token (OpenAI's limit).
 pub const MAX_TOP_LOGPROBS: usize = 20;
@@ -69,6 +71,16 @@ impl SamplingParams {
     pub fn is_greedy(&self) -> bool {
         self.temperature == 0.0
     }
+
+    /// The shaping of the distribution drawn from (when not greedy).
+    pub fn shaping(&self) -> Shaping {
+        Shaping {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+        }
+    }
 }
 
 /// One sampled token.
@@ -121,18 +133,10 @@ impl SeqRng {
 /// `logprob` is the log-probability of the drawn token under the distribution of steps 3-6,
 /// renormalised: the behaviour policy's logprob that RL importance ratios need.
 pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut SeqRng) -> Sampled {
-    let cleaned: Vec<f32>;
-    // One pass over the row without early exit, so that it runs as vector code.
-    let logits = if logits.iter().fold(false, |nan, x| nan | x.is_nan()) {
-        cleaned = logits
-            .iter()
-            .map(|&x| if x.is_nan() { f32::NEG_INFINITY } else { x })
-            .collect();
-        &cleaned
-    } else {
-        logits
-    };
-    let max = max_of(logits) as f64;
+    let logits = behaviour::cleaned(logits);
+    let logits: &[f32] = &logits;
+    let max32 = behaviour::max_of(logits);
+    let max = max32 as f64;
     let log_z = std::cell::OnceCell::new();
     let raw = |i: usize| {
         let log_z = *log_z.get_or_init(|| {
@@ -155,21 +159,20 @@ pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut SeqRng) -> Samp
             top_logprobs,
         };
     }
-    // Weights exp((l - max) / t) in f32 (each in [0, 1]), summed in f64.
-    let (max32, inv_t) = (max as f32, 1.0 / params.temperature);
-    let (token, logprob) = if params.top_k == 0 && params.top_p >= 1.0 && params.min_p == 0.0 {
-        let weights: Vec<f32> = logits
-            .iter()
-            .map(|&l| exp_nonpositive((l - max32) * inv_t))
-            .collect();
-        draw_from_all(&weights, rng.0.random::<f64>())
+    // Weights exp((l - max) / t) in f32 (each in [0, 1]), summed in f64, and the logprob,
+    // in `behaviour`'s arithmetic: the learner's.
+    let shaping = params.shaping();
+    let (token, logprob) = if !shaping.truncates() {
+        let (weights, chunk_sums, z) =
+            behaviour::full_weights(logits, max32, shaping.inv_temperature());
+        let token = draw_from_all(&weights, &chunk_sums, rng.0.random::<f64>() * z);
+        (token, behaviour::log_prob(f64::from(weights[token]), z))
     } else {
-        let weight = |i: usize| f64::from(exp_nonpositive((logits[i] - max32) * inv_t));
-        let (ids, weights) = candidates(logits, params, weight);
+        let (ids, weights) = behaviour::candidates(logits, &shaping, max32);
         let z: f64 = weights.iter().sum();
         let u = rng.0.random::<f64>() * z;
         let pick = first_past(weights.iter().copied(), 0.0, u).map_or(weights.len() - 1, |p| p.0);
-        (ids[pick], (weights[pick] / z).ln() as f32)
+        (ids[pick], behaviour::log_prob(weights[pick], z))
     };
     Sampled {
         token_id: token as u32,
@@ -179,47 +182,22 @@ pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut SeqRng) -> Samp
     }
 }
 
-/// Ordering by logit, highest first, lower id on ties.
-fn by_rank(logits: &[f32]) -> impl Fn(&usize, &usize) -> std::cmp::Ordering + '_ {
-    |a, b| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b))
-}
-
-/// Ids of the `k` largest logits, largest first (lower ids first on ties).
-pub(crate) fn top_ids(logits: &[f32], k: usize) -> Vec<usize> {
-    if k == 0 {
-        return Vec::new();
-    }
-    let mut ids: Vec<usize> = (0..logits.len()).collect();
-    if k < ids.len() {
-        ids.select_nth_unstable_by(k - 1, by_rank(logits));
-        ids.truncate(k);
-    }
-    ids.sort_unstable_by(by_rank(logits));
-    ids
-}
-
-/// Inverse-CDF draw over every token, `u01` uniform in [0, 1): the token and its
-/// log-probability. The weights are summed in f64 a chunk of tokens at a time (eight running
-/// sums per chunk), the chunk totals in order; the draw finds its chunk by those totals, then
-/// its token by a running sum inside the chunk. Fixed orders, and about one pass over the
-/// vocabulary instead of a dependent f64 add per token.
-fn draw_from_all(weights: &[f32], u01: f64) -> (usize, f32) {
-    const CHUNK: usize = 1024;
-    let chunk_sums: Vec<f64> = weights.chunks(CHUNK).map(sum_f64).collect();
-    let z: f64 = chunk_sums.iter().sum();
-    let u = u01 * z;
+/// Inverse-CDF draw over every token for `u` uniform in [0, z), from
+/// [`behaviour::full_weights`]' weights, chunk sums and total `z`: the draw finds its chunk
+/// by the chunk totals, then its token by a running sum inside the chunk. Fixed orders, and
+/// about one pass over the vocabulary instead of a dependent f64 add per token.
+fn draw_from_all(weights: &[f32], chunk_sums: &[f64], u: f64) -> usize {
     let last = chunk_sums.len() - 1;
     let (chunk, before) = first_past(chunk_sums.iter().copied(), 0.0, u)
         .unwrap_or_else(|| (last, chunk_sums[..last].iter().sum()));
-    let start = chunk * CHUNK;
-    let in_chunk = &weights[start..(start + CHUNK).min(weights.len())];
+    let start = chunk * behaviour::CHUNK;
+    let in_chunk = &weights[start..(start + behaviour::CHUNK).min(weights.len())];
     let pick = first_past(in_chunk.iter().map(|&w| f64::from(w)), before, u)
         .map(|p| p.0)
         // Rounding can leave `u` past the running sum's end: the chunk's last drawable token.
         .or_else(|| in_chunk.iter().rposition(|&w| w > 0.0))
         .unwrap_or(in_chunk.len() - 1);
-    let token = start + pick;
-    (token, (f64::from(weights[token]) / z).ln() as f32)
+    start + pick
 }
 
 /// Inverse CDF: the first index at which `start` plus the running sum of `weights` passes
@@ -231,71 +209,6 @@ fn first_past(weights: impl IntoIterator<Item = f64>, start: f64, u: f64) -> Opt
         acc += w;
         (u < acc).then_some((i, before))
     })
-}
-
-/// The largest of `x` (no NaN), in sixteen running maxima (the maximum does not depend on
-/// the order, so this is only for speed).
-fn max_of(x: &[f32]) -> f32 {
-    let mut lanes = [f32::NEG_INFINITY; 16];
-    let chunks = x.chunks_exact(16);
-    let tail = chunks
-        .remainder()
-        .iter()
-        .copied()
-        .fold(f32::NEG_INFINITY, f32::max);
-    for c in chunks {
-        for (lane, &v) in lanes.iter_mut().zip(c) {
-            *lane = lane.max(v);
-        }
-    }
-    lanes.into_iter().fold(tail, f32::max)
-}
-
-/// Sum in f64 with eight running sums over `i mod 8`, then added in order.
-fn sum_f64(x: &[f32]) -> f64 {
-    let mut lanes = [0f64; 8];
-    let chunks = x.chunks_exact(8);
-    let tail: f64 = chunks.remainder().iter().map(|&v| f64::from(v)).sum();
-    for c in chunks {
-        for (lane, &v) in lanes.iter_mut().zip(c) {
-            *lane += f64::from(v);
-        }
-    }
-    lanes.iter().sum::<f64>() + tail
-}
-
-/// The tokens kept by min-p / top-k / top-p (at least one of them active) with their
-/// unnormalised weights (the most likely weighs 1), most likely first.
-fn candidates(
-    logits: &[f32],
-    params: &SamplingParams,
-    weight: impl Fn(usize) -> f64,
-) -> (Vec<usize>, Vec<f64>) {
-    let k = match params.top_k {
-        0 => logits.len(),
-        k => k.min(logits.len()),
-    };
-    let mut ids = top_ids(logits, k);
-    let mut weights: Vec<f64> = ids.iter().map(|&i| weight(i)).collect();
-    if params.min_p > 0.0 {
-        let keep = weights.partition_point(|&w| w >= f64::from(params.min_p));
-        ids.truncate(keep.max(1));
-        weights.truncate(keep.max(1));
-    }
-    if params.top_p < 1.0 {
-        let z: f64 = weights.iter().sum();
-        let mut mass = 0.0;
-        let keep = weights
-            .iter()
-            .position(|w| {
-                mass += w / z;
-                mass >= params.top_p as f64
-            })
-            .map_or(weights.len(), |j| j + 1);
-        ids.truncate(keep);
-        weights.truncate(keep);
-    }
-    (ids, weights)
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@
 use candle_core::{Result, Tensor};
 
 use crate::attention::AttentionBackend;
+use crate::behaviour::Shaping;
 use crate::config::ModelConfig;
 use crate::fused::{add, rms_norm, silu_mul};
 use crate::linear::{linear, linear_many};
@@ -335,18 +336,19 @@ impl CausalLm {
     /// CPU (see [`crate::lm_head`]): what training needs of the lm-head.
     /// The hidden states are cast to the lm-head's dtype (f32 under bf16 compute).
     pub fn token_stats(&self, hidden: &Tensor, targets: &Tensor) -> Result<TokenStats> {
-        self.nucleus_token_stats(hidden, targets, 1.0)
+        self.shaped_token_stats(hidden, targets, Shaping::NONE)
     }
 
-    /// [`CausalLm::token_stats`] under the softmax renormalised over each row's top-`top_p`
-    /// nucleus, as the engine samples with `top_p < 1`.
-    pub fn nucleus_token_stats(
+    /// [`CausalLm::token_stats`] of the distribution the engine samples from with
+    /// `shaping` (temperature and top-p): on the CPU in f32, the sampler's logprobs bit for
+    /// bit.
+    pub fn shaped_token_stats(
         &self,
         hidden: &Tensor,
         targets: &Tensor,
-        top_p: f64,
+        shaping: Shaping,
     ) -> Result<TokenStats> {
         let hidden = hidden.to_dtype(self.lm_head.dtype())?;
-        lm_head_token_stats(&hidden, &self.lm_head, targets, top_p)
+        lm_head_token_stats(&hidden, &self.lm_head, targets, shaping)
     }
 }

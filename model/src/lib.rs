@@ -5,10 +5,13 @@
 //! that the caller passes in (the trainer's packed backend, the engine's paged backend).
 
 pub mod attention;
+pub mod behaviour;
+pub mod block_attn;
 pub mod config;
 pub mod cpu_kernel;
 pub mod decoder;
 pub mod device;
+pub mod fast_exp;
 pub mod fused;
 pub mod hub;
 pub mod linear;

@@ -3,9 +3,16 @@
 //! the forward keeps two numbers per row, the backward recomputes one chunk of logits at a
 //! time. The composite of differentiable ops it replaces keeps the logits and three more
 //! tensors of their size alive until the backward pass.
+//!
+//! Both compute the behaviour policy's logprobs: the softmax of the logits divided by the
+//! rollout's temperature, over its top-p nucleus ([`Shaping`]). On f32 logits the fused op
+//! takes each value from [`crate::behaviour`], the sampler's own arithmetic, so that the
+//! learner's logprob of a sampled token is the engine's bit for bit.
 
-use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, D};
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
+use rayon::prelude::*;
 
+use crate::behaviour::{self, Shaping};
 use crate::linear::linear;
 use crate::ops::{at_least_f32, log_softmax_last_dim};
 
@@ -26,62 +33,58 @@ pub struct TokenStats {
 const DROPPED: f64 = -1e30;
 
 /// Log-probabilities of `targets` (rows,) u32 under `hidden` (rows, hidden) `@ weight^T`
-/// (weight: (vocab, hidden)), and the entropies, of the full softmax when `top_p >= 1`,
-/// else of the softmax renormalised over each row's nucleus ([`nucleus_mask`]). On the CPU
-/// it is one fused, chunked op; elsewhere the composite of differentiable ops (same values,
-/// all logits held).
+/// (weight: (vocab, hidden)) shaped by `shaping`'s temperature and top-p, and the
+/// entropies. On the CPU it is one fused, chunked op; elsewhere the composite of
+/// differentiable ops (the same values up to rounding, all logits held).
 pub fn lm_head_token_stats(
     hidden: &Tensor,
     weight: &Tensor,
     targets: &Tensor,
-    top_p: f64,
+    shaping: Shaping,
 ) -> Result<TokenStats> {
     if hidden.device().is_cpu() {
         let rows = (CHUNK_ELEMS / weight.dim(0)?.max(1)).max(1);
-        fused(hidden, weight, targets, rows, top_p)
+        fused(hidden, weight, targets, rows, shaping)
     } else {
-        composite(hidden, weight, targets, top_p)
+        composite(hidden, weight, targets, shaping)
     }
 }
 
-/// An additive (rows, vocab) mask over `logits`: 0 on each row's nucleus, [`DROPPED`]
-/// elsewhere. The nucleus is the engine's top-p set: the most likely tokens (lower id first
-/// on ties) up to the first whose cumulative probability reaches `top_p`, and the row's
-/// target always (the engine drew it, so it was in the engine's nucleus; rounding may
-/// place it just outside the learner's). Computed on the host from detached logits.
-pub fn nucleus_mask(logits: &Tensor, targets: &Tensor, top_p: f64) -> Result<Tensor> {
+/// An additive (rows, vocab) mask over `logits`: 0 on the tokens each row's behaviour
+/// distribution keeps ([`behaviour::kept`], the row's target always), [`DROPPED`]
+/// elsewhere; `None` when nothing is left out. Computed on the host from detached logits.
+fn kept_mask(logits: &Tensor, targets: &Tensor, shaping: &Shaping) -> Result<Option<Tensor>> {
+    if !shaping.truncates() {
+        return Ok(None);
+    }
     let (rows, vocab) = logits.dims2()?;
-    let values = logits
-        .detach()
-        .to_dtype(candle_core::DType::F64)?
-        .to_vec2::<f64>()?;
+    let values = logits.detach().to_dtype(DType::F32)?.to_vec2::<f32>()?;
     let targets = targets.to_vec1::<u32>()?;
     let mut mask = vec![DROPPED; rows * vocab];
     for (r, row) in values.iter().enumerate() {
-        let mut order: Vec<usize> = (0..vocab).collect();
-        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
-        let max = row[order[0]];
-        let z: f64 = row.iter().map(|l| (l - max).exp()).sum();
-        let mut mass = 0.0;
-        for &i in &order {
+        let kept = behaviour::kept(row, targets[r] as usize, shaping).expect("it truncates");
+        for i in kept {
             mask[r * vocab + i] = 0.0;
-            mass += (row[i] - max).exp() / z;
-            if mass >= top_p {
-                break;
-            }
         }
-        mask[r * vocab + targets[r] as usize] = 0.0;
     }
-    Tensor::from_vec(mask, (rows, vocab), logits.device())?.to_dtype(logits.dtype())
+    let mask = Tensor::from_vec(mask, (rows, vocab), logits.device())?;
+    Ok(Some(mask.to_dtype(logits.dtype())?))
 }
 
-/// `logits` restricted to the nucleus when `top_p < 1`.
-fn truncated(logits: Tensor, targets: &Tensor, top_p: f64) -> Result<Tensor> {
-    if top_p >= 1.0 {
-        return Ok(logits);
+/// The logits in at least f32, divided by the temperature and restricted to the kept
+/// tokens: the log-softmax of the result is the behaviour logprob (up to rounding).
+fn shaped(logits: &Tensor, targets: &Tensor, shaping: &Shaping) -> Result<Tensor> {
+    let logits = at_least_f32(logits)?;
+    let mask = kept_mask(&logits, targets, shaping)?;
+    let logits = if shaping.temperature == 1.0 {
+        logits
+    } else {
+        (logits * f64::from(shaping.inv_temperature()))?
+    };
+    match mask {
+        Some(mask) => logits + mask,
+        None => Ok(logits),
     }
-    let mask = nucleus_mask(&logits, targets, top_p)?;
-    logits + mask
 }
 
 /// The fused op with `chunk_rows` rows of logits per chunk.
@@ -90,14 +93,14 @@ fn fused(
     weight: &Tensor,
     targets: &Tensor,
     chunk_rows: usize,
-    top_p: f64,
+    shaping: Shaping,
 ) -> Result<TokenStats> {
     let op = FusedLmHead {
         hidden: hidden.detach(),
         weight: weight.detach(),
         targets: targets.clone(),
         chunk_rows,
-        top_p,
+        shaping,
     };
     // (rows, 2): column 0 the logprobs, column 1 the entropies.
     let out = hidden.apply_op2(weight, op)?;
@@ -108,12 +111,13 @@ fn fused(
 }
 
 /// The same results from differentiable primitive ops, holding the whole logits.
-fn composite(hidden: &Tensor, weight: &Tensor, targets: &Tensor, top_p: f64) -> Result<TokenStats> {
-    let logits = truncated(
-        at_least_f32(&linear(hidden, weight, None)?)?,
-        targets,
-        top_p,
-    )?;
+fn composite(
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: &Tensor,
+    shaping: Shaping,
+) -> Result<TokenStats> {
+    let logits = shaped(&linear(hidden, weight, None)?, targets, &shaping)?;
     let logp = log_softmax_last_dim(&logits)?;
     let logprobs = logp.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)?;
     let p_logp = (logp.detach().exp()? * logp.detach())?;
@@ -131,8 +135,7 @@ struct FusedLmHead {
     weight: Tensor,
     targets: Tensor,
     chunk_rows: usize,
-    /// Nucleus of the logits (1: the full softmax).
-    top_p: f64,
+    shaping: Shaping,
 }
 
 impl FusedLmHead {
@@ -152,19 +155,52 @@ impl FusedLmHead {
             // The softmax in f32 at least, as the composite path and PyTorch's autocast do: a
             // bf16 sum over the vocabulary is too coarse for the loss and its gradient.
             let logits = linear(&self.hidden.narrow(0, start, len)?, &self.weight, None)?;
-            let logits = truncated(at_least_f32(&logits)?, &chunk_targets, self.top_p)?;
-            let targets = chunk_targets.unsqueeze(1)?;
-            // The same arithmetic as the composite log-softmax, for the target column only.
-            let shifted = logits.broadcast_sub(&logits.max_keepdim(D::Minus1)?)?;
-            let e = shifted.exp()?;
-            let sum = e.sum_keepdim(D::Minus1)?;
-            let lse = sum.log()?;
-            let logprob = shifted.gather(&targets, 1)?.sub(&lse)?;
-            // H = lse - sum(p * shifted), p = e / sum.
-            let mean_shifted = (e * shifted)?.sum_keepdim(D::Minus1)?.div(&sum)?;
-            outs.push(Tensor::cat(&[logprob, (lse - mean_shifted)?], 1)?);
+            let logits = at_least_f32(&logits)?;
+            outs.push(if logits.dtype() == DType::F32 {
+                self.behaviour_stats(&logits, &chunk_targets)?
+            } else {
+                self.softmax_stats(&logits, &chunk_targets)?
+            });
         }
         Tensor::cat(&outs, 0)
+    }
+
+    /// (len, 2) from f32 logits (len, vocab): each row's values from the sampler's
+    /// arithmetic ([`behaviour::target_stats`]), rows in parallel.
+    fn behaviour_stats(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let (len, vocab) = logits.dims2()?;
+        let targets = targets.to_vec1::<u32>()?;
+        let logits = logits.contiguous()?;
+        let (storage, layout) = logits.storage_and_layout();
+        let (candle_core::Storage::Cpu(CpuStorage::F32(values)), Some((start, end))) =
+            (&*storage, layout.contiguous_offsets())
+        else {
+            candle_core::bail!("lm-head op: expected contiguous f32 logits on the CPU");
+        };
+        let stats: Vec<[f32; 2]> = values[start..end]
+            .par_chunks(vocab)
+            .zip(targets.par_iter())
+            .map(|(row, &t)| {
+                let (logprob, entropy) = behaviour::target_stats(row, t as usize, &self.shaping);
+                [logprob, entropy as f32]
+            })
+            .collect();
+        Tensor::from_vec(stats.concat(), (len, 2), logits.device())
+    }
+
+    /// (len, 2) from wider logits, by tensor ops: the composite's log-softmax arithmetic,
+    /// for the target column only.
+    fn softmax_stats(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let logits = shaped(logits, targets, &self.shaping)?;
+        let targets = targets.unsqueeze(1)?;
+        let shifted = logits.broadcast_sub(&logits.max_keepdim(D::Minus1)?)?;
+        let e = shifted.exp()?;
+        let sum = e.sum_keepdim(D::Minus1)?;
+        let lse = sum.log()?;
+        let logprob = shifted.gather(&targets, 1)?.sub(&lse)?;
+        // H = lse - sum(p * shifted), p = e / sum.
+        let mean_shifted = (e * shifted)?.sum_keepdim(D::Minus1)?.div(&sum)?;
+        Tensor::cat(&[logprob, (lse - mean_shifted)?], 1)
     }
 }
 
@@ -207,20 +243,19 @@ impl CustomOp2 for FusedLmHead {
         // record ops that would keep the graph alive. The entropy column has no gradient.
         let (hidden, weight) = (hidden.detach(), weight.detach());
         let grad = grad_out.narrow(1, 0, 1)?;
+        let inv_t = f64::from(self.shaping.inv_temperature());
         let mut grad_hidden = Vec::new();
         let mut grad_weight: Option<Tensor> = None;
         for (start, len) in self.chunks(hidden.dim(0)?) {
             let h = hidden.narrow(0, start, len)?;
             let chunk_targets = self.targets.narrow(0, start, len)?;
             let targets = chunk_targets.unsqueeze(1)?;
-            // d logprob / d logits = onehot(target) - softmax(logits), 0 off the nucleus; in
-            // the forward's precision, then back to the operands' dtype for the matmuls.
-            let logits = at_least_f32(&linear(&h, &weight, None)?)?;
-            let logits = truncated(logits, &chunk_targets, self.top_p)?;
-            let g = grad
-                .narrow(0, start, len)?
-                .to_dtype(logits.dtype())?
-                .contiguous()?;
+            // d logprob / d logits = (onehot(target) - softmax(shaped logits)) / t, 0 off
+            // the kept tokens; in the forward's precision, then back to the operands' dtype
+            // for the matmuls.
+            let logits = shaped(&linear(&h, &weight, None)?, &chunk_targets, &self.shaping)?;
+            let g =
+                (grad.narrow(0, start, len)?.to_dtype(logits.dtype())? * inv_t)?.contiguous()?;
             let probs = candle_nn::ops::softmax_last_dim(&logits)?;
             let grad_logits = probs
                 .broadcast_mul(&g.neg()?)?
@@ -305,9 +340,9 @@ mod tests {
         // Chunks of 4, 4 and 3 rows; one chunk of all rows; f32, f64, and bf16, whose
         // softmax both paths compute in f32 (the gradients' matmuls stay bf16).
         for (dtype, tol) in [(DType::F32, 1e-5), (DType::F64, 1e-5), (DType::BF16, 2e-2)] {
-            let want = run(|h, w, t| composite(h, w, t, 1.0), dtype);
+            let want = run(|h, w, t| composite(h, w, t, Shaping::NONE), dtype);
             for chunk_rows in [4, ROWS, 64] {
-                let got = run(|h, w, t| fused(h, w, t, chunk_rows, 1.0), dtype);
+                let got = run(|h, w, t| fused(h, w, t, chunk_rows, Shaping::NONE), dtype);
                 let what = ["logprobs", "entropy", "loss", "grad hidden", "grad weight"];
                 for ((g, w), what) in got.iter().zip(&want).zip(what) {
                     assert_eq!(g.len(), w.len(), "{what}");
@@ -316,7 +351,7 @@ mod tests {
             }
         }
         let (h, w, targets, _) = inputs(DType::BF16);
-        let stats = fused(h.as_tensor(), w.as_tensor(), &targets, 4, 1.0).unwrap();
+        let stats = fused(h.as_tensor(), w.as_tensor(), &targets, 4, Shaping::NONE).unwrap();
         assert_eq!(
             stats.logprobs.dtype(),
             DType::F32,
@@ -324,25 +359,27 @@ mod tests {
         );
     }
 
-    /// With a nucleus, the fused op still matches the composite in value and gradient, and
-    /// each logprob is the target's under the softmax renormalised over the tokens whose
-    /// cumulative probability (most likely first) first reaches top_p, plus the target.
+    /// With a temperature and a nucleus, the fused op still matches the composite in value
+    /// and gradient, and each logprob is the target's under the softmax of the logits over
+    /// the temperature renormalised over the tokens whose cumulative probability (most
+    /// likely first) first reaches top_p, plus the target.
     #[test]
     fn nucleus_logprobs_renormalise_over_the_top_p_set() {
-        let top_p = 0.6;
+        let (temperature, top_p) = (0.7, 0.6);
+        let shaping = Shaping::nucleus(temperature, top_p);
         for dtype in [DType::F32, DType::F64] {
-            let want = run(|h, w, t| composite(h, w, t, top_p), dtype);
-            let got = run(|h, w, t| fused(h, w, t, 4, top_p), dtype);
+            let want = run(|h, w, t| composite(h, w, t, shaping), dtype);
+            let got = run(|h, w, t| fused(h, w, t, 4, shaping), dtype);
             for (g, w) in got.iter().zip(&want) {
                 assert_rel_close(g, w, 1e-5, &format!("{dtype:?} nucleus"));
             }
         }
         let (h, w, targets, _) = inputs(DType::F64);
-        let logits = linear(h.as_tensor(), w.as_tensor(), None)
+        let logits = (linear(h.as_tensor(), w.as_tensor(), None).unwrap() / f64::from(temperature))
             .unwrap()
             .to_vec2::<f64>()
             .unwrap();
-        let got = fused(h.as_tensor(), w.as_tensor(), &targets, 4, top_p).unwrap();
+        let got = fused(h.as_tensor(), w.as_tensor(), &targets, 4, shaping).unwrap();
         let got = values(&got.logprobs);
         let targets = targets.to_vec1::<u32>().unwrap();
         let mut truncated = 0;
@@ -354,7 +391,7 @@ mod tests {
             for &i in &order {
                 kept.push(i);
                 mass += row[i].exp() / z;
-                if mass >= top_p {
+                if mass >= f64::from(top_p) {
                     break;
                 }
             }
@@ -364,16 +401,23 @@ mod tests {
             }
             truncated += usize::from(kept.len() < VOCAB);
             let lse = kept.iter().map(|&i| row[i].exp()).sum::<f64>().ln();
-            assert!((got[r] - (row[t] - lse)).abs() < 1e-9, "row {r}");
+            assert!((got[r] - (row[t] - lse)).abs() < 1e-6, "row {r}");
         }
         assert_eq!(truncated, ROWS, "every row's nucleus leaves tokens out");
     }
 
+    /// At temperature 1 and at 0.7.
     #[test]
     fn fused_gradient_matches_finite_differences() {
+        for shaping in [Shaping::NONE, Shaping::nucleus(0.7, 1.0)] {
+            gradient_matches_finite_differences(shaping);
+        }
+    }
+
+    fn gradient_matches_finite_differences(shaping: Shaping) {
         let (h, w, targets, coef) = inputs(DType::F64);
         let loss_at = |h: &Tensor, w: &Tensor| {
-            let s = fused(h, w, &targets, 4, 1.0).unwrap();
+            let s = fused(h, w, &targets, 4, shaping).unwrap();
             (&s.logprobs * &coef).unwrap().sum_all().unwrap()
         };
         let grads = loss_at(h.as_tensor(), w.as_tensor()).backward().unwrap();

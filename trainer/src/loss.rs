@@ -2,6 +2,7 @@
 //! weights from pruning and normalisers computed once over the full, unpruned batch.
 
 use candle_core::{DType, Device, Result, Tensor};
+use dppo_model::behaviour::Shaping;
 use dppo_model::lm_head::TokenStats;
 use dppo_model::{CausalLm, PackedRow};
 use serde::{Deserialize, Serialize};
@@ -174,19 +175,16 @@ impl CompletionRows {
     }
 
     /// Logprobs of the targets and entropies (M,) under `model` at the completion rows, of
-    /// `softmax(logits / temperature)` over the top-`top_p` nucleus; the lm-head runs on
-    /// those rows only. The lm-head is linear without a bias, so dividing its input divides
-    /// the logits.
+    /// `softmax(logits / temperature)` over the top-`top_p` nucleus (the engine's sampling
+    /// distribution, in the sampler's arithmetic on the CPU); the lm-head runs on those
+    /// rows only.
     fn token_stats(&self, model: &CausalLm, temperature: f64, top_p: f64) -> Result<TokenStats> {
         let r = &self.row;
         let hidden = model.forward(&r.input_ids, &r.positions, &mut r.attention())?;
         let rows = hidden.index_select(&self.rows, 0)?;
-        let rows = if temperature == 1.0 {
-            rows
-        } else {
-            (rows / temperature)?
-        };
-        model.nucleus_token_stats(&rows, &self.targets, top_p)
+        // The config's values are f32 (the engine's), widened: narrowing is exact.
+        let shaping = Shaping::nucleus(temperature as f32, top_p as f32);
+        model.shaped_token_stats(&rows, &self.targets, shaping)
     }
 }
 

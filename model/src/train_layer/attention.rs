@@ -1,13 +1,21 @@
 //! Block-diagonal causal attention of a packed row, forward and backward, on slices: one
 //! task per sequence (its rows of every buffer are contiguous, so tasks own disjoint
-//! slices), and within it one small product per query head, reading its kv head in place
-//! (no repeated keys, no transposed copies). The probabilities are kept for the backward
-//! pass; the softmax and its gradient are the kernels of [`crate::fused`].
+//! slices). The forward lays each sequence's keys and values out in blocks and runs the
+//! engine's kernel ([`crate::block_attn`]) at every position, so that a token's attention
+//! is the engine's to the bit; it keeps the probabilities for the backward pass. The
+//! backward runs one small product per query head, reading its kv head in place, and the
+//! softmax's gradient kernel of [`crate::fused`].
 
+use candle_core::Result;
 use rayon::prelude::*;
 
 use super::matmul::{matmul, Threads, View};
+use crate::block_attn::{BlockAttention, BlockId, BlockLayout};
 use crate::fused::{CausalSoftmax, Kernel, SoftmaxGrad};
+
+/// Token slots per block of a sequence's keys and values in the forward: a multiple of
+/// every kernel's vector width (the results do not depend on it).
+const BLOCK: usize = 16;
 
 /// The head layout of a layer's attention.
 #[derive(Debug, Clone, Copy)]
@@ -90,16 +98,23 @@ fn head_view<'a>(data: &'a [f32], head: usize, h: &Heads, width: usize) -> View<
 }
 
 /// Attention output (tokens, q_dim) and the probabilities (per sequence, per head, a
-/// (len, len) matrix) of roped `q` (tokens, q_dim) over `k`, `v` (tokens, kv_dim).
+/// (len, len) matrix, zero above the diagonal) of roped `q` (tokens, q_dim) over `k`, `v`
+/// (tokens, kv_dim).
 pub(super) fn forward(
     h: &Heads,
     cu_seqlens: &[usize],
     q: &[f32],
     k: &[f32],
     v: &[f32],
-) -> (Vec<f32>, Vec<f32>) {
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let cpu = crate::cpu_kernel().map_err(candle_core::Error::wrap)?;
     let lens = lengths(cu_seqlens);
-    let (qd, kd, d) = (h.q_dim(), h.kv_dim(), h.head_dim);
+    let (qd, kd, d, rep) = (h.q_dim(), h.kv_dim(), h.head_dim, h.rep());
+    let layout = BlockLayout {
+        block_size: BLOCK,
+        kv_heads: h.kv_heads,
+        head_dim: d,
+    };
     let mut out = vec![0f32; q.len()];
     let mut probs = vec![0f32; probs_len(h, &lens)];
     let tasks: Vec<_> = split(&mut out, &lens, |l| l * qd)
@@ -113,41 +128,30 @@ pub(super) fn forward(
     tasks
         .into_par_iter()
         .for_each(|(((((o, p), q), k), v), &len)| {
-            let softmax = h.softmax(len);
-            let mut scores = vec![0f32; len * len];
-            for head in 0..h.heads {
-                let g = head / h.rep();
-                matmul(
-                    &mut scores,
-                    0,
-                    len,
-                    head_view(q, head, h, qd),
-                    head_view(k, g, h, kd).t(),
-                    (len, len, d),
-                    false,
-                    Threads::Caller,
-                );
-                let p = &mut p[head * len * len..][..len * len];
-                for (i, (row, s)) in p
-                    .chunks_exact_mut(len)
-                    .zip(scores.chunks_exact(len))
-                    .enumerate()
-                {
-                    softmax.run(i, &[s], row);
+            let blocks = len.div_ceil(BLOCK);
+            let mut k_pool = vec![0f32; blocks * layout.block_len()];
+            let mut v_pool = vec![0f32; blocks * layout.block_len()];
+            for j in 0..len {
+                let span = j * kd..(j + 1) * kd;
+                layout.store(&mut k_pool, &mut v_pool, j, &k[span.clone()], &v[span]);
+            }
+            let table: Vec<BlockId> = (0..blocks as BlockId).collect();
+            let kernel = BlockAttention::new(&k_pool, &v_pool, layout);
+            let mut weights = vec![0f32; rep * len];
+            for i in 0..len {
+                for g in 0..h.kv_heads {
+                    let heads = i * qd + g * rep * d..i * qd + (g + 1) * rep * d;
+                    let weights = &mut weights[..rep * (i + 1)];
+                    let (q, out) = (&q[heads.clone()], &mut o[heads]);
+                    kernel.attend_group(cpu, q, g, i, &table, out, Some(&mut *weights));
+                    for (r, w) in weights.chunks_exact(i + 1).enumerate() {
+                        let head = g * rep + r;
+                        p[(head * len + i) * len..][..=i].copy_from_slice(w);
+                    }
                 }
-                matmul(
-                    o,
-                    head * d,
-                    qd,
-                    View::rows(p, len),
-                    head_view(v, g, h, kd),
-                    (len, d, len),
-                    false,
-                    Threads::Caller,
-                );
             }
         });
-    (out, probs)
+    Ok((out, probs))
 }
 
 /// Gradients `(dq, dk, dv)` of [`forward`]'s inputs from the gradient `d_out` of its

@@ -205,7 +205,7 @@ pub(super) fn forward(d: &Dims, w: &Weights, x: &[f32], row: &Packed) -> Result<
     };
     let q = apply(&d.rope(hd.heads, false), &[&q, row.cos, row.sin]);
     let k = apply(&d.rope(hd.kv_heads, false), &[&k, row.cos, row.sin]);
-    let (attn, probs) = attention::forward(hd, row.cu_seqlens, &q, &k, &v);
+    let (attn, probs) = attention::forward(hd, row.cu_seqlens, &q, &k, &v)?;
     let [mut h] = projections(&attn, qd, [(w.get(Param::O), hid)])?;
     add_bias(&mut h, w.opt(Param::OBias));
     add_into(&mut h, x);
