@@ -106,9 +106,9 @@ def main():
         d = root / f"d{seed}" / "metrics.jsonl"
         if not seed.isdigit() or not d.exists():
             continue
-        grpo = curve(g)
+        grpo = [p for p in curve(g) if p[0] <= b]
         if [p[0] for p in grpo][-1:] != [b]:
-            print(f"seed {seed}: GRPO has not reached step {b}; skipped")
+            print(f"seed {seed}: GRPO has no evaluation at step {b}; skipped")
             continue
         acc = {s: a for s, _, a in grpo}
         target = sum(acc[b - k] for k in (8, 4, 0)) / 3
