@@ -8,10 +8,13 @@ use dppo_model::cpu_kernel::KERNEL_ENV;
 use dppo_model::CpuKernel;
 
 /// Test-name filters of the suites that depend on the kernel: the paged engine against the
-/// contiguous reference and batch invariance, the model against the HF fixtures, and the
-/// bit-exact resume and isolation from served traffic of `dppo run`.
-const KERNEL_SUITES: [&str; 5] = [
+/// contiguous reference and batch invariance, the learner equal to the engine bit for bit,
+/// the model against the HF fixtures, and the bit-exact resume and isolation from served
+/// traffic of `dppo run`.
+const KERNEL_SUITES: [&str; 7] = [
     "engine::",
+    "batch_invariance::",
+    "exact_learner::",
     "model_parity::",
     "cli::one_step_off_policy_resumes",
     "cli::resumed_run_ends",
