@@ -33,16 +33,6 @@ def curve(path):
     return points
 
 
-def rl_time_of(path, steps):
-    """RL time of a run's first `steps` steps."""
-    total = 0.0
-    for line in open(path):
-        d = json.loads(line)
-        if d.get("step", 0) >= 1 and d["step"] <= steps:
-            total += d.get("timing_s/step", 0.0)
-    return total
-
-
 def time_to(points, target):
     """RL time of the first evaluation whose running mean of three reaches `target`."""
     for i in range(2, len(points)):
@@ -112,7 +102,7 @@ def main():
             continue
         acc = {s: a for s, _, a in grpo}
         target = sum(acc[b - k] for k in (8, 4, 0)) / 3
-        t_grpo_total = rl_time_of(g, b)
+        t_grpo_total = grpo[-1][1]  # RL time through step B, where its last evaluation is
         dppo_all = curve(d)
         dppo = [p for p in dppo_all if p[1] <= t_grpo_total]
         t_g, t_d = time_to(grpo, target), time_to(dppo, target)

@@ -5,8 +5,9 @@
 
 use std::mem::MaybeUninit;
 
-use candle_core::{CpuStorage, DType, Result, Storage, Tensor};
+use candle_core::{DType, Result, Tensor};
 use dppo_model::block_attn::{BlockAttention, BlockLayout};
+use dppo_model::host_data::with_f32;
 use dppo_model::parallel::multi_threaded;
 use dppo_model::uninit;
 use dppo_model::AttentionBackend;
@@ -193,20 +194,6 @@ impl AttentionBackend for PagedAttention<'_> {
         let out = unsafe { uninit::assume_init(out) };
         Tensor::from_vec(out, (num_tokens, num_heads, head_dim), k.device())
     }
-}
-
-/// `f` of the f32 elements of `t` in order: borrowed from the storage of a contiguous f32
-/// CPU tensor (the projections' outputs), copied otherwise.
-fn with_f32<T>(t: &Tensor, f: impl FnOnce(&[f32]) -> T) -> Result<T> {
-    {
-        let (storage, layout) = t.storage_and_layout();
-        if let (Storage::Cpu(CpuStorage::F32(data)), Some((start, end))) =
-            (&*storage, layout.contiguous_offsets())
-        {
-            return Ok(f(&data[start..end]));
-        }
-    }
-    Ok(f(&t.flatten_all()?.to_vec1::<f32>()?))
 }
 
 /// For every batch row, the index of the sequence it belongs to.

@@ -185,11 +185,23 @@ pub fn kept(logits: &[f32], target: usize, shaping: &Shaping) -> Option<Vec<usiz
         return None;
     }
     let logits = cleaned(logits);
-    let (mut ids, _) = candidates(&logits, shaping, max_of(&logits));
+    Some(kept_weights(&logits, target, shaping, max_of(&logits)).0)
+}
+
+/// [`candidates`] with `target` appended (at its weight) where it is missing.
+fn kept_weights(
+    logits: &[f32],
+    target: usize,
+    shaping: &Shaping,
+    max: f32,
+) -> (Vec<usize>, Vec<f64>) {
+    let (mut ids, mut weights) = candidates(logits, shaping, max);
     if !ids.contains(&target) {
         ids.push(target);
+        let inv_t = shaping.inv_temperature();
+        weights.push(f64::from(weight(logits[target], max, inv_t)));
     }
-    Some(ids)
+    (ids, weights)
 }
 
 /// The behaviour logprob of `target` in a logits row, and the entropy (in f64, a metric)
@@ -213,11 +225,7 @@ pub fn target_stats(logits: &[f32], target: usize, shaping: &Shaping) -> (f32, f
         let h = entropy(&mut weights.iter().map(|&w| f64::from(w)).enumerate(), z);
         return (log_prob(f64::from(weights[target]), z), h);
     }
-    let (mut ids, mut weights) = candidates(&logits, shaping, max);
-    if !ids.contains(&target) {
-        ids.push(target);
-        weights.push(f64::from(weight(logits[target], max, inv_t)));
-    }
+    let (ids, weights) = kept_weights(&logits, target, shaping, max);
     let z: f64 = weights.iter().sum();
     let w_target = weights[ids.iter().position(|&i| i == target).expect("kept")];
     let h = entropy(&mut ids.iter().copied().zip(weights.iter().copied()), z);

@@ -387,6 +387,32 @@ mod tests {
             .collect()
     }
 
+    /// K and V pools of `num_blocks` blocks holding `keys` and `vals` (a token's slot after
+    /// another) at the slots `table` gives their positions.
+    fn pools(
+        layout: BlockLayout,
+        num_blocks: usize,
+        table: &[BlockId],
+        keys: &[f32],
+        vals: &[f32],
+    ) -> (Vec<f32>, Vec<f32>) {
+        let mut k_pool = vec![0f32; num_blocks * layout.block_len()];
+        let mut v_pool = k_pool.clone();
+        let (bs, row) = (layout.block_size, layout.slot_len());
+        for j in 0..keys.len() / row {
+            let slot = table[j / bs] as usize * bs + j % bs;
+            let span = j * row..(j + 1) * row;
+            layout.store(
+                &mut k_pool,
+                &mut v_pool,
+                slot,
+                &keys[span.clone()],
+                &vals[span],
+            );
+        }
+        (k_pool, v_pool)
+    }
+
     /// Every compiled path of the kernel, on every shape class (block sizes that are and
     /// are not multiples of the vector width, head sizes with and without a remainder mod
     /// 4 and mod the registers' dimensions, groups of 1 to 4 heads), against softmax
@@ -407,25 +433,13 @@ mod tests {
                     kv_heads,
                     head_dim: d,
                 };
-                let mut k_pool = vec![0f32; num_blocks * layout.block_len()];
-                let mut v_pool = k_pool.clone();
                 // The sequence uses every other block, from the end.
                 let table: Vec<BlockId> = (0..(pos + 1).div_ceil(bs))
                     .map(|b| (num_blocks - 1 - 2 * b) as BlockId)
                     .collect();
                 let row = layout.slot_len();
                 let (keys, vals) = (values((pos + 1) * row, 1), values((pos + 1) * row, 2));
-                for j in 0..=pos {
-                    let slot = table[j / bs] as usize * bs + j % bs;
-                    let span = j * row..(j + 1) * row;
-                    layout.store(
-                        &mut k_pool,
-                        &mut v_pool,
-                        slot,
-                        &keys[span.clone()],
-                        &vals[span],
-                    );
-                }
+                let (k_pool, v_pool) = pools(layout, num_blocks, &table, &keys, &vals);
                 let kernel = BlockAttention::new(&k_pool, &v_pool, layout);
                 for kv_head in 0..kv_heads {
                     let q = values(group * d, 3 + kv_head as u64);
@@ -486,19 +500,7 @@ mod tests {
             };
             let blocks = len.div_ceil(bs);
             let table: Vec<BlockId> = (0..blocks).map(|b| (b * spread) as BlockId).collect();
-            let mut k_pool = vec![0f32; blocks * spread * layout.block_len()];
-            let mut v_pool = k_pool.clone();
-            for j in 0..len {
-                let slot = table[j / bs] as usize * bs + j % bs;
-                let span = j * row..(j + 1) * row;
-                layout.store(
-                    &mut k_pool,
-                    &mut v_pool,
-                    slot,
-                    &keys[span.clone()],
-                    &vals[span],
-                );
-            }
+            let (k_pool, v_pool) = pools(layout, blocks * spread, &table, &keys, &vals);
             let kernel = BlockAttention::new(&k_pool, &v_pool, layout);
             let mut out = vec![0f32; group * d];
             let mut probs = vec![0f32; group * len];

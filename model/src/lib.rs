@@ -13,6 +13,7 @@ pub mod decoder;
 pub mod device;
 pub mod fast_exp;
 pub mod fused;
+pub mod host_data;
 pub mod hub;
 pub mod linear;
 pub mod lm_head;

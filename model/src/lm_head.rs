@@ -13,6 +13,7 @@ use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, D
 use rayon::prelude::*;
 
 use crate::behaviour::{self, Shaping};
+use crate::host_data::with_f32;
 use crate::linear::linear;
 use crate::ops::{at_least_f32, log_softmax_last_dim};
 
@@ -170,21 +171,17 @@ impl FusedLmHead {
     fn behaviour_stats(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
         let (len, vocab) = logits.dims2()?;
         let targets = targets.to_vec1::<u32>()?;
-        let logits = logits.contiguous()?;
-        let (storage, layout) = logits.storage_and_layout();
-        let (candle_core::Storage::Cpu(CpuStorage::F32(values)), Some((start, end))) =
-            (&*storage, layout.contiguous_offsets())
-        else {
-            candle_core::bail!("lm-head op: expected contiguous f32 logits on the CPU");
-        };
-        let stats: Vec<[f32; 2]> = values[start..end]
-            .par_chunks(vocab)
-            .zip(targets.par_iter())
-            .map(|(row, &t)| {
-                let (logprob, entropy) = behaviour::target_stats(row, t as usize, &self.shaping);
-                [logprob, entropy as f32]
-            })
-            .collect();
+        let stats: Vec<[f32; 2]> = with_f32(logits, |values| {
+            values
+                .par_chunks(vocab)
+                .zip(targets.par_iter())
+                .map(|(row, &t)| {
+                    let (logprob, entropy) =
+                        behaviour::target_stats(row, t as usize, &self.shaping);
+                    [logprob, entropy as f32]
+                })
+                .collect()
+        })?;
         Tensor::from_vec(stats.concat(), (len, 2), logits.device())
     }
 
