@@ -16,9 +16,9 @@ const KERNEL_SUITES: [&str; 7] = [
     "batch_invariance::",
     "exact_learner::",
     "model_parity::",
-    "cli::one_step_off_policy_resumes",
-    "cli::resumed_run_ends",
-    "cli::serving_during_training",
+    "cli::resume::one_step_off_policy_resumes",
+    "cli::resume::resumed_run_ends",
+    "cli::serve::serving_during_training",
 ];
 
 /// How many tests a libtest run passed, from its `test result:` line.
@@ -28,6 +28,14 @@ fn passed(stdout: &str) -> usize {
         .filter_map(|l| l.strip_prefix("test result: ok. "))
         .filter_map(|rest| rest.split(' ').next()?.parse::<usize>().ok())
         .sum()
+}
+
+/// Whether a test whose name starts with `filter` passed, from libtest's `test NAME ... ok`.
+fn passed_under(stdout: &str, filter: &str) -> bool {
+    stdout.lines().any(|l| {
+        l.strip_prefix("test ")
+            .is_some_and(|rest| rest.starts_with(filter) && rest.ends_with(" ... ok"))
+    })
 }
 
 #[test]
@@ -58,6 +66,12 @@ fn kernel_dependent_suites_pass_under_every_kernel() {
             count >= 10,
             "under kernel {kernel} only {count} tests ran:\n{stdout}"
         );
+        for suite in KERNEL_SUITES {
+            assert!(
+                passed_under(&stdout, suite),
+                "under kernel {kernel} no test named {suite}* passed (renamed?):\n{stdout}"
+            );
+        }
         eprintln!("kernel {kernel}: {count} tests passed");
     }
 }

@@ -55,6 +55,8 @@ mod ranks;
 mod configs;
 // Datasets in the formats people have: verl's schema.
 mod datasets;
+// The verifier on every gold answer of the shipped data sets.
+mod verifier;
 // External rewards: the example server and script, failures, concurrency, a dying process.
 mod rewards;
 // Models named by Hugging Face id, from a local hub cache.

@@ -6,6 +6,7 @@
 mod auth;
 mod metrics;
 pub mod openai;
+mod reply;
 mod routes;
 pub mod text;
 
@@ -267,6 +268,14 @@ impl ApiError {
             param: param.map(str::to_string),
             ..Self::new(StatusCode::BAD_REQUEST, message)
         }
+    }
+
+    /// 503: the server is shutting down and takes no more work.
+    pub(crate) fn shutting_down() -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the server is shutting down".into(),
+        )
     }
 
     /// The status answered.

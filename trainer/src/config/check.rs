@@ -3,7 +3,8 @@
 
 use std::collections::BTreeMap;
 
-use super::keys::{self, KEYS, RULES};
+use super::keys::{self, KEYS};
+use super::rules::RULES;
 use super::{ConfigError, RunConfig};
 
 /// Where the values of a configuration came from: the `--set` overrides, else the file.

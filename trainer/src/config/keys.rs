@@ -6,199 +6,8 @@ use std::fmt;
 
 use dppo_model::DeviceSpec;
 
-use super::reward::BUILT_IN_NAMES;
+use super::rules::RULES;
 use super::RunConfig;
-use crate::report::metrics_log::Logger;
-
-/// A requirement that no single key's constraint states: it relates keys, or a list's items.
-pub struct Rule {
-    /// The key an error names.
-    pub key: &'static str,
-    /// What it requires, printed after the key's allowed values.
-    pub says: &'static str,
-    /// Why `cfg` breaks it, if it does.
-    pub broken: fn(&RunConfig) -> Option<String>,
-}
-
-/// Every rule, checked in order once the keys' own constraints hold.
-pub const RULES: &[Rule] = &[
-    Rule {
-        key: "logger",
-        says: "including \"jsonl\" (the plot, dppo compare and resume read metrics.jsonl)",
-        broken: |cfg| {
-            (!cfg.logger.contains(&Logger::Jsonl)).then(|| {
-                format!(
-                    "must include \"jsonl\" (the plot, dppo compare and resume read \
-                     metrics.jsonl), got {:?}",
-                    cfg.logger
-                )
-            })
-        },
-    },
-    Rule {
-        key: "devices",
-        says: "all cpu or all GPUs (NCCL), each GPU once",
-        broken: |cfg| {
-            let gpus: Vec<_> = cfg
-                .devices
-                .iter()
-                .filter(|d| **d != DeviceSpec::Cpu)
-                .collect();
-            if !gpus.is_empty() && gpus.len() != cfg.devices.len() {
-                return Some(
-                    "mixes cpu and cuda ranks: every rank must be a GPU (NCCL) or every rank \
-                     the CPU"
-                        .into(),
-                );
-            }
-            let listed: Vec<_> = cfg.devices.iter().map(ToString::to_string).collect();
-            (1..gpus.len())
-                .any(|i| gpus[..i].contains(&gpus[i]))
-                .then(|| {
-                    format!(
-                        "lists a GPU twice ({}): one rank per GPU (CPU ranks may repeat `cpu`)",
-                        listed.join(", ")
-                    )
-                })
-        },
-    },
-    Rule {
-        key: "rollout_correction.rollout_rs_threshold_lower",
-        says: "below rollout_rs_threshold",
-        broken: |cfg| {
-            let c = &cfg.rollout_correction;
-            (c.rollout_rs_threshold_lower >= c.rollout_rs_threshold).then(|| {
-                format!(
-                    "must be below rollout_correction.rollout_rs_threshold ({}), got {}",
-                    c.rollout_rs_threshold, c.rollout_rs_threshold_lower
-                )
-            })
-        },
-    },
-    Rule {
-        key: "actor.weight_decay",
-        says: "with actor.lr * weight_decay < 1 and warmup.lr * weight_decay < 1",
-        broken: |cfg| {
-            let wd = cfg.actor.weight_decay;
-            (cfg.actor.lr * wd >= 1.0 || cfg.warmup.lr * wd >= 1.0).then(|| {
-                format!(
-                    "must have actor.lr * weight_decay < 1 and warmup.lr * weight_decay < 1 \
-                     (decoupled decay would flip the weights' sign), got {wd} with actor.lr {} \
-                     and warmup.lr {}",
-                    cfg.actor.lr, cfg.warmup.lr
-                )
-            })
-        },
-    },
-    Rule {
-        key: "data.train_weights",
-        says: "one per data.train file",
-        broken: |cfg| {
-            let files = cfg.data.train.paths();
-            let weights = cfg.data.train_weights.as_ref()?;
-            (weights.len() != files.len()).then(|| {
-                format!(
-                    "must have one weight per data.train file ({}), got {}",
-                    files.len(),
-                    weights.len()
-                )
-            })
-        },
-    },
-    Rule {
-        key: "data.train",
-        says: "a built-in task alone",
-        broken: |cfg| {
-            let files = cfg.data.train.paths();
-            (files.len() > 1 && files.iter().any(|f| f.starts_with("builtin:"))).then(|| {
-                format!(
-                    "a built-in task cannot be mixed with files, got {}",
-                    cfg.data.train
-                )
-            })
-        },
-    },
-    Rule {
-        key: "reward.combine",
-        says: "naming only defined rewards",
-        broken: |cfg| unknown_reward(cfg, cfg.reward.combine.iter()),
-    },
-    Rule {
-        key: "reward.routes",
-        says: "naming only defined rewards",
-        broken: |cfg| unknown_reward(cfg, cfg.reward.routes.values()),
-    },
-    Rule {
-        key: "reward.functions",
-        says: "not named verifier, url or command",
-        broken: |cfg| {
-            let taken = cfg
-                .reward
-                .functions
-                .keys()
-                .find(|n| BUILT_IN_NAMES.contains(&n.as_str()))?;
-            Some(format!(
-                "{taken:?} is a built-in name (verifier, url, command): name it otherwise"
-            ))
-        },
-    },
-    Rule {
-        key: "reward.overlong_buffer",
-        says: "less than rollout.max_response_len",
-        broken: |cfg| {
-            let (buffer, max_len) = (
-                cfg.reward.verifier.overlong_buffer,
-                cfg.rollout.max_response_len,
-            );
-            (buffer >= max_len).then(|| {
-                format!("must be less than rollout.max_response_len ({max_len}), got {buffer}")
-            })
-        },
-    },
-];
-
-/// `reward.functions`: each entry a table of `url` (a string), `command` (strings) and
-/// `extract` (a mode), at most one of `url` and `command` (serde checks the values).
-fn functions_table(table: &toml::Table) -> bool {
-    table.values().all(|f| {
-        f.as_table().is_some_and(|f| {
-            let known = f
-                .keys()
-                .all(|k| ["url", "command", "extract"].contains(&k.as_str()));
-            known && !(f.contains_key("url") && f.contains_key("command"))
-        })
-    })
-}
-
-/// `reward.combine`: names to finite weights, at least one.
-fn weights_table(table: &toml::Table) -> bool {
-    let finite = |v: &toml::Value| match v {
-        toml::Value::Integer(_) => true,
-        toml::Value::Float(x) => x.is_finite(),
-        _ => false,
-    };
-    !table.is_empty() && table.values().all(finite)
-}
-
-/// `reward.routes`: data sources to weight tables.
-fn routes_table(table: &toml::Table) -> bool {
-    table
-        .values()
-        .all(|w| w.as_table().is_some_and(weights_table))
-}
-
-/// Why `weights` name a reward `cfg` does not define, if they do.
-fn unknown_reward<'a>(
-    cfg: &RunConfig,
-    mut weights: impl Iterator<Item = &'a super::reward::Weights>,
-) -> Option<String> {
-    let names = cfg.reward.names();
-    let unknown = weights.find_map(|w| w.keys().find(|n| !names.contains(&n.as_str())))?;
-    Some(format!(
-        "names {unknown:?}, which is not defined (defined: {})",
-        names.join(", ")
-    ))
-}
 
 /// One key of the configuration.
 pub struct KeyDoc {
@@ -357,6 +166,36 @@ impl KeyDoc {
         }
         text
     }
+}
+
+/// `reward.functions`: each entry a table of `url` (a string), `command` (strings) and
+/// `extract` (a mode), at most one of `url` and `command` (serde checks the values).
+fn functions_table(table: &toml::Table) -> bool {
+    table.values().all(|f| {
+        f.as_table().is_some_and(|f| {
+            let known = f
+                .keys()
+                .all(|k| ["url", "command", "extract"].contains(&k.as_str()));
+            known && !(f.contains_key("url") && f.contains_key("command"))
+        })
+    })
+}
+
+/// `reward.combine`: names to finite weights, at least one.
+fn weights_table(table: &toml::Table) -> bool {
+    let finite = |v: &toml::Value| match v {
+        toml::Value::Integer(_) => true,
+        toml::Value::Float(x) => x.is_finite(),
+        _ => false,
+    };
+    !table.is_empty() && table.values().all(finite)
+}
+
+/// `reward.routes`: data sources to weight tables.
+fn routes_table(table: &toml::Table) -> bool {
+    table
+        .values()
+        .all(|w| w.as_table().is_some_and(weights_table))
 }
 
 /// The entry of dotted `key`.

@@ -2,8 +2,10 @@
 //! between steps, non-finite steps.
 
 use super::*;
+use crate::checkpoint;
 use crate::data::builtin_task;
 use crate::group::{Group, Sample};
+use crate::prune::{AlgorithmState, GresoState, PromptHistory};
 
 #[test]
 fn warm_up_steps_publish_and_leave_the_rl_position() {
