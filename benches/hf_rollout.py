@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 def questions(num):
-    """The prompts of `dppo bench rollout` (bin/cmd/bench.rs), word for word."""
+    """The prompts of `dppo bench rollout` (bin/cmd/bench/rollout.rs), word for word."""
     out = []
     for i in range(num):
         a, b = 17 + 13 * i, 5 + 7 * i

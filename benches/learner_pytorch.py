@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM
 
 
 def batch(vocab, seqs, prompt_len, completion_len):
-    """`dppo bench train`'s batch (bin/cmd/bench.rs): ids, advantages, old logprobs."""
+    """`dppo bench train`'s batch (bin/cmd/bench/train.rs): ids, advantages, old logprobs."""
     length = prompt_len + completion_len
     ids = torch.tensor([[(i * 31 + t * 7) % vocab for t in range(length)] for i in range(seqs)])
     adv = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(seqs)]).unsqueeze(1)

@@ -4,13 +4,13 @@
 use anyhow::Context;
 use dppo_engine::{Engine, EngineConfig, SamplingParams};
 use dppo_model::weights::write_atomic;
-use dppo_model::DeviceSpec;
 use dppo_rewards::rule_name;
 use dppo_trainer::config::RunConfig;
 use dppo_trainer::data::{default_extract_mode, held_out, Fields, Problem};
 use dppo_trainer::eval::{evaluate, EvalSet, EvalSpec, Graded};
 use serde_json::json;
 
+use super::load_args::LoadArgs;
 use super::reward_args::RewardArgs;
 use std::path::{Path, PathBuf};
 
@@ -21,12 +21,8 @@ pub struct Args {
     /// `.gguf` file, or a Hugging Face id (`Org/Name`) in the local hub cache.
     #[arg(long)]
     model: String,
-    /// Hub revision (branch, tag or commit) when --model is a Hugging Face id; default main.
-    #[arg(long)]
-    revision: Option<String>,
-    /// Where the engine runs: cpu, cuda or cuda:N (cuda needs a build with `--features cuda`).
-    #[arg(long, default_value = "cpu")]
-    device: DeviceSpec,
+    #[command(flatten)]
+    load: LoadArgs,
     /// A JSONL file, or `builtin:arithmetic`: the held-out split of a run with this `--seed`
     /// (the built-in default's 1000 problems; a run with `data.num_eval = n` used the first n).
     #[arg(long)]
@@ -63,8 +59,7 @@ pub struct Args {
 
 /// Evaluates and prints one JSON object.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let device = args.device.open()?;
-    let policy = super::load_policy(&args.model, args.revision.as_deref(), &device)?;
+    let (device, policy) = args.load.load(&args.model)?;
     let (cfg, reward_spec, scorer) = args.reward.scorer(default_extract_mode(&args.data))?;
     let fields = Fields {
         question: args.question_field.clone(),

@@ -2,8 +2,9 @@
 
 use dppo_engine::{Engine, EngineConfig, GenerateRequest, SamplingParams};
 use dppo_model::ChatMessage;
-use dppo_model::DeviceSpec;
 use serde_json::json;
+
+use super::load_args::LoadArgs;
 
 /// Arguments of `dppo generate`.
 #[derive(Debug, clap::Args)]
@@ -13,12 +14,8 @@ pub struct Args {
     /// file, or a Hugging Face id (`Org/Name`) in the local hub cache.
     #[arg(long, default_value = "builtin:tiny")]
     model: String,
-    /// Hub revision (branch, tag or commit) when --model is a Hugging Face id; default main.
-    #[arg(long)]
-    revision: Option<String>,
-    /// Where the engine runs: cpu, cuda or cuda:N (cuda needs a build with `--features cuda`).
-    #[arg(long, default_value = "cpu")]
-    device: DeviceSpec,
+    #[command(flatten)]
+    load: LoadArgs,
     /// The prompt text.
     #[arg(long)]
     prompt: String,
@@ -50,8 +47,7 @@ pub struct Args {
 
 /// Generates and prints the samples.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let device = args.device.open()?;
-    let policy = super::load_policy(&args.model, args.revision.as_deref(), &device)?;
+    let (device, policy) = args.load.load(&args.model)?;
     let text = if args.chat {
         policy
             .tokenizer

@@ -8,6 +8,7 @@ pub mod convert;
 pub mod doctor;
 pub mod eval;
 pub mod generate;
+pub mod load_args;
 pub mod memory;
 pub mod ranks;
 pub mod reward_args;

@@ -4,9 +4,10 @@ use std::io::Write;
 use std::sync::Arc;
 
 use dppo_engine::{Engine, EngineConfig};
-use dppo_model::DeviceSpec;
 use dppo_model::Policy;
-use dppo_server::{ServerConfig, ServerHandle};
+use dppo_server::{ApiKey, ServerConfig, ServerHandle};
+
+use super::load_args::LoadArgs;
 
 /// Arguments of `dppo serve`.
 #[derive(Debug, clap::Args)]
@@ -15,12 +16,8 @@ pub struct Args {
     /// `.gguf` file, or a Hugging Face id (`Org/Name`) in the local hub cache.
     #[arg(long)]
     model: String,
-    /// Hub revision (branch, tag or commit) when --model is a Hugging Face id; default main.
-    #[arg(long)]
-    revision: Option<String>,
-    /// Where the engine runs: cpu, cuda or cuda:N (cuda needs a build with `--features cuda`).
-    #[arg(long, default_value = "cpu")]
-    device: DeviceSpec,
+    #[command(flatten)]
+    load: LoadArgs,
     /// Address to listen on (port 0 picks a free port).
     #[arg(long, default_value = "127.0.0.1:8000")]
     addr: String,
@@ -40,13 +37,12 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on every route but /health (default: the
     /// DPPO_API_KEY environment variable; no key when neither is set).
     #[arg(long)]
-    api_key: Option<String>,
+    api_key: Option<ApiKey>,
 }
 
 /// Serves until Ctrl-C.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let device = args.device.open()?;
-    let policy = super::load_policy(&args.model, args.revision.as_deref(), &device)?;
+    let (device, policy) = args.load.load(&args.model)?;
     let engine = Arc::new(Engine::new(&policy, EngineConfig::default(), device)?);
     let handle = start(engine, &policy, &args.model, &args.addr, &args.serve)?;
     handle.wait()?;
@@ -70,10 +66,12 @@ pub fn start(
             .unwrap_or_else(|| model.to_string()),
         max_pending: args.max_pending,
         handle_ctrl_c: true,
-        api_key: args
-            .api_key
-            .clone()
-            .or_else(|| std::env::var("DPPO_API_KEY").ok().filter(|k| !k.is_empty())),
+        api_key: args.api_key.clone().or_else(|| {
+            std::env::var("DPPO_API_KEY")
+                .ok()
+                .filter(|k| !k.is_empty())
+                .map(ApiKey::new)
+        }),
     };
     let handle = dppo_server::spawn(
         engine,

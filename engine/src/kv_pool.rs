@@ -54,7 +54,8 @@ impl KvPool {
     }
 
     /// References to `block` (0 when free).
-    pub fn ref_count(&self, block: BlockId) -> u32 {
+    #[cfg(test)]
+    pub(crate) fn ref_count(&self, block: BlockId) -> u32 {
         self.ref_counts[block as usize]
     }
 

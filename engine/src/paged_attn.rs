@@ -3,15 +3,11 @@
 //! concatenation of caches). The CPU kernel is [`dppo_model::block_attn`] (shared with the
 //! learner), run in parallel over (token, KV head).
 
-use std::mem::MaybeUninit;
-
 use candle_core::{DType, Result, Tensor};
 use dppo_model::block_attn::{BlockAttention, BlockLayout};
 use dppo_model::host_data::with_f32;
-use dppo_model::parallel::multi_threaded;
 use dppo_model::uninit;
 use dppo_model::AttentionBackend;
-use rayon::prelude::*;
 
 use crate::kv_pool::{BlockCopy, BlockId};
 
@@ -159,7 +155,6 @@ impl AttentionBackend for PagedAttention<'_> {
         })??;
         // 2. Attend, reading K/V in place through block tables.
         let len = num_tokens * num_heads * head_dim;
-        let mut out = uninit::buffer(len);
         let token_seq = token_owners(self.seqs, num_tokens);
         let kernel = BlockAttention::new(
             &self.cache.k[layer_idx],
@@ -167,31 +162,19 @@ impl AttentionBackend for PagedAttention<'_> {
             self.cache.shape.layout(),
         );
         // One task per (token, KV head): the query heads sharing that KV head read each key
-        // and value row once between them. Each task initialises its own rows of `out`.
+        // and value row once between them, writing its own rows of the output.
         let num_kv_heads = self.cache.shape.num_kv_heads;
         let group = num_heads / num_kv_heads;
         let cpu = dppo_model::cpu_kernel().map_err(candle_core::Error::wrap)?;
-        with_f32(q, |q| {
-            let attend_group = |(idx, out_rows): (usize, &mut [MaybeUninit<f32>])| {
+        let out = with_f32(q, |q| {
+            uninit::filled_rows(len, group * head_dim, |idx, out_rows| {
                 let (t, kv_head) = (idx / num_kv_heads, idx % num_kv_heads);
                 let meta = &self.seqs[token_seq[t]];
                 let pos = meta.num_computed_tokens + (t - meta.first_row);
                 let q_rows = &q[idx * group * head_dim..(idx + 1) * group * head_dim];
-                let out_rows = uninit::zeroed(out_rows);
                 kernel.attend_group(cpu, q_rows, kv_head, pos, &meta.block_table, out_rows, None);
-            };
-            if multi_threaded() {
-                out.par_chunks_mut(group * head_dim)
-                    .enumerate()
-                    .for_each(attend_group);
-            } else {
-                out.chunks_mut(group * head_dim)
-                    .enumerate()
-                    .for_each(attend_group);
-            }
+            })
         })?;
-        // SAFETY: every task initialised its rows, and the rows cover `out`.
-        let out = unsafe { uninit::assume_init(out) };
         Tensor::from_vec(out, (num_tokens, num_heads, head_dim), k.device())
     }
 }

@@ -127,7 +127,7 @@ impl Completion {
     }
 }
 
-/// Index of the first stop string in `text`, and where it starts.
+/// Byte offset of the earliest stop-string match in `text`.
 pub fn find_stop(text: &str, stop: &[String]) -> Option<usize> {
     stop.iter().filter_map(|s| text.find(s.as_str())).min()
 }

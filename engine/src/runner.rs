@@ -113,16 +113,10 @@ impl Runner {
         self.model = model;
     }
 
-    /// The model in use.
-    pub fn model(&self) -> &CausalLm {
-        &self.model
-    }
-
-    /// Runs `plan`. Returns the logits of the last new token of every scheduled sequence
-    /// that samples; prefill chunks that sample nothing have none.
-    /// Runs `plan`'s forward pass and fetches its logits rows, adding the time and the bytes
-    /// moved to `cost`.
-    /// With `on_device` the rows stay on the device for [`crate::device_sample`].
+    /// Runs `plan`'s forward pass: the logits of the last new token of every scheduled
+    /// sequence that samples (prefill chunks that sample nothing have none), fetched to the
+    /// host, or left on the device for [`crate::device_sample`] with `on_device`; the time
+    /// and the bytes moved are added to `cost`.
     pub fn run(
         &mut self,
         plan: &Plan,

@@ -30,14 +30,6 @@ pub enum Priority {
     High,
 }
 
-/// Where a sequence is in its life.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SeqStatus {
-    Waiting,
-    Running,
-    Finished(FinishReason),
-}
-
 /// Plain state of one sequence; the scheduler moves it, the runner reads it.
 #[derive(Debug, Clone)]
 pub struct Sequence {
@@ -57,7 +49,6 @@ pub struct Sequence {
     pub max_tokens: usize,
     pub eos_token_ids: Arc<[u32]>,
     pub priority: Priority,
-    pub status: SeqStatus,
 }
 
 impl Sequence {
@@ -74,10 +65,5 @@ impl Sequence {
     /// Generated tokens so far.
     pub fn num_output_tokens(&self) -> usize {
         self.len() - self.num_prompt_tokens
-    }
-
-    /// The generated tokens.
-    pub fn output_ids(&self) -> &[u32] {
-        &self.token_ids[self.num_prompt_tokens..]
     }
 }

@@ -1,8 +1,7 @@
 //! The behaviour policy of one logits row: the token weights and log-probabilities the
 //! engine's sampler draws with, in its exact arithmetic. The sampler and the learner both
 //! compute them here, so that on the CPU in f32 the learner's logprob of a sampled token is
-//! the sampler's to the bit, and a synchronous step's ratio is exactly 1 (issue #41,
-//! point 4).
+//! the sampler's to the bit, and a synchronous step's ratio is exactly 1.
 
 use std::borrow::Cow;
 

@@ -161,7 +161,8 @@ impl ModelConfig {
         Ok(cfg)
     }
 
-    /// Checks the shapes fit together; every constructor calls this once.
+    /// Checks the shapes fit together (`from_hf_json` and the GGUF loader call it on what
+    /// they read).
     pub fn validate(&self) -> std::result::Result<(), String> {
         let positive = [
             ("vocab_size", self.vocab_size),

@@ -340,8 +340,8 @@ impl CausalLm {
     }
 
     /// [`CausalLm::token_stats`] of the distribution the engine samples from with
-    /// `shaping` (temperature and top-p): on the CPU in f32, the sampler's logprobs bit for
-    /// bit.
+    /// `shaping` (temperature, min-p, top-k, top-p): on the CPU in f32, the sampler's
+    /// logprobs bit for bit.
     pub fn shaped_token_stats(
         &self,
         hidden: &Tensor,

@@ -5,7 +5,7 @@
 //! tensors of their size alive until the backward pass.
 //!
 //! Both compute the behaviour policy's logprobs: the softmax of the logits divided by the
-//! rollout's temperature, over its top-p nucleus ([`Shaping`]). On f32 logits the fused op
+//! rollout's temperature, over the tokens its min-p, top-k and top-p keep ([`Shaping`]). On f32 logits the fused op
 //! takes each value from [`crate::behaviour`], the sampler's own arithmetic, so that the
 //! learner's logprob of a sampled token is the engine's bit for bit.
 
@@ -29,12 +29,12 @@ pub struct TokenStats {
     pub entropy: Tensor,
 }
 
-/// A logit outside the nucleus: its exp is 0 and 0 times it is 0 (an infinity would make
+/// A logit the shaping drops: its exp is 0 and 0 times it is 0 (an infinity would make
 /// the entropy's `p * log p` NaN).
 const DROPPED: f64 = -1e30;
 
 /// Log-probabilities of `targets` (rows,) u32 under `hidden` (rows, hidden) `@ weight^T`
-/// (weight: (vocab, hidden)) shaped by `shaping`'s temperature and top-p, and the
+/// (weight: (vocab, hidden)) shaped by `shaping` (temperature, min-p, top-k, top-p), and the
 /// entropies. On the CPU it is one fused, chunked op; elsewhere the composite of
 /// differentiable ops (the same values up to rounding, all logits held).
 pub fn lm_head_token_stats(

@@ -1,8 +1,9 @@
 //! Differentiable composite ops.
 //!
 //! candle's fused `softmax_last_dim`, `rms_norm`, `RmsNorm::forward` and `rotary_emb::rope*`
-//! have no backward pass and silently drop gradients (candle #2168, #3568, #3569), so the
-//! model is written with these compositions of primitive ops only.
+//! have no backward pass and silently drop gradients (candle #2168, #3568, #3569). These
+//! compositions of primitive ops are what training runs wherever the fused ops of
+//! [`crate::fused`] (which carry their own backward) do not apply.
 
 use candle_core::{DType, Result, Tensor, D};
 

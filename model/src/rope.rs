@@ -54,9 +54,4 @@ impl Rope {
             self.sin.index_select(positions, 0)?,
         ))
     }
-
-    /// Number of positions the tables cover.
-    pub fn max_positions(&self) -> usize {
-        self.cos.dims()[0]
-    }
 }

@@ -23,7 +23,8 @@ impl ChatMessage {
     }
 }
 
-/// A parsed chat template plus the special tokens it may refer to.
+/// A chat template (its source, syntax-checked at construction) plus the special tokens it
+/// may refer to.
 #[derive(Debug, Clone)]
 pub struct ChatTemplate {
     source: String,

@@ -4,6 +4,10 @@
 
 use std::mem::MaybeUninit;
 
+use rayon::prelude::*;
+
+use crate::parallel::multi_threaded;
+
 /// A buffer of `len` elements, none initialised yet.
 pub fn buffer<T>(len: usize) -> Vec<MaybeUninit<T>> {
     let mut buf = Vec::with_capacity(len);
@@ -19,6 +23,25 @@ pub fn zeroed<T: Copy + Default>(part: &mut [MaybeUninit<T>]) -> &mut [T] {
     }
     // SAFETY: every element was just initialised; `MaybeUninit<T>` has `T`'s layout.
     unsafe { &mut *(part as *mut [MaybeUninit<T>] as *mut [T]) }
+}
+
+/// `len` elements in rows of `width` (the last may be shorter), each zeroed and then filled
+/// by `f(row index, row)` on the thread that computes it, in parallel when rayon has
+/// several threads.
+pub fn filled_rows<T: Copy + Default + Send>(
+    len: usize,
+    width: usize,
+    f: impl Fn(usize, &mut [T]) + Sync,
+) -> Vec<T> {
+    let mut out = buffer(len);
+    let fill = |(r, row): (usize, &mut [MaybeUninit<T>])| f(r, zeroed(row));
+    if multi_threaded() {
+        out.par_chunks_mut(width).enumerate().for_each(fill);
+    } else {
+        out.chunks_mut(width).enumerate().for_each(fill);
+    }
+    // SAFETY: the rows cover the buffer, and `zeroed` initialised each.
+    unsafe { assume_init(out) }
 }
 
 /// `buf` as initialised values.

@@ -115,15 +115,6 @@ pub struct RewardSpec {
     pub overlong_penalty: f64,
 }
 
-/// One generated completion as the reward sees it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Response<'a> {
-    pub text: &'a str,
-    pub num_tokens: usize,
-    /// It ended on the token limit (finish reason `length`).
-    pub is_truncated: bool,
-}
-
 /// A completion that cannot have come from the rollout it is scored for.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RewardError {
@@ -132,29 +123,6 @@ pub enum RewardError {
         num_tokens: usize,
         max_tokens: usize,
     },
-}
-
-/// A scored completion: its training reward and the verdict behind it.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Scored {
-    /// 1 when correct, else 0, plus the overlong penalty (<= 0).
-    pub reward: f64,
-    pub verdict: Verdict,
-}
-
-/// The training reward of `response`: correctness under `spec.mode`, plus
-/// [`overlong_penalty`].
-pub fn score(
-    response: &Response<'_>,
-    gold: &Answer,
-    spec: &RewardSpec,
-) -> Result<Scored, RewardError> {
-    let penalty = overlong_penalty(response.num_tokens, spec)?;
-    let verdict = verify(response.text, response.is_truncated, gold, spec.mode);
-    Ok(Scored {
-        reward: f64::from(u8::from(verdict.is_correct)) + penalty,
-        verdict,
-    })
 }
 
 /// DAPO's soft overlong penalty (verl's `overlong_buffer`): 0 up to `max_tokens - buffer`
@@ -183,7 +151,8 @@ mod tests {
         verify(text, is_truncated, &gold, mode).is_correct
     }
 
-    /// Issue 21: the completion that `flexible`'s old last-number fallback paid for.
+    /// A truncated ramble that happens to mention the gold number is no answer: `flexible`
+    /// takes no last-number fallback.
     #[test]
     fn issue_21_a_truncated_ramble_that_mentions_the_gold_scores_zero() {
         let completion = "Let me compute step by step.\nSo, the final answer is 84.\n\n\
@@ -202,12 +171,7 @@ mod tests {
                 overlong_buffer: 0,
                 overlong_penalty: 1.0,
             };
-            let response = Response {
-                text: completion,
-                num_tokens: 400,
-                is_truncated: true,
-            };
-            assert_eq!(score(&response, &gold, &spec).unwrap().reward, 0.0);
+            assert_eq!(overlong_penalty(400, &spec).unwrap(), 0.0, "{mode}");
         }
         let verdict = verify(
             completion,
@@ -320,13 +284,9 @@ mod tests {
         for (tokens, want) in [(10, 0.0), (80, 0.0), (90, -0.25), (100, -0.5)] {
             assert_eq!(overlong_penalty(tokens, &spec).unwrap(), want, "{tokens}");
         }
-        let response = Response {
-            text: "\\boxed{3}",
-            num_tokens: 90,
-            is_truncated: false,
-        };
-        let scored = score(&response, &parse_gold("3").unwrap(), &spec).unwrap();
-        assert_eq!((scored.reward, scored.verdict.is_correct), (0.75, true));
+        let verdict = verify("\\boxed{3}", false, &parse_gold("3").unwrap(), spec.mode);
+        let reward = f64::from(u8::from(verdict.is_correct)) + overlong_penalty(90, &spec).unwrap();
+        assert_eq!(reward, 0.75);
         let err = overlong_penalty(101, &spec).unwrap_err().to_string();
         assert!(
             err.contains("101 tokens exceeds the token limit of 100"),

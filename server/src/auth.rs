@@ -2,6 +2,9 @@
 //! `Authorization: Bearer KEY`, compared in constant time, and answers 401 in OpenAI's
 //! error body without it.
 
+use std::convert::Infallible;
+use std::fmt;
+use std::str::FromStr;
 use std::sync::Arc;
 
 use axum::extract::{Request, State};
@@ -10,6 +13,36 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
 use crate::{ApiError, AppState};
+
+/// A bearer key: compared and sent, never printed (`Debug` shows only that one is set), so
+/// no `{:?}` of a configuration can put it in a log.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ApiKey(String);
+
+impl ApiKey {
+    pub fn new(key: impl Into<String>) -> Self {
+        Self(key.into())
+    }
+
+    /// The key itself, for the `Authorization` header and the comparison.
+    pub fn reveal(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ApiKey(<redacted>)")
+    }
+}
+
+impl FromStr for ApiKey {
+    type Err = Infallible;
+
+    fn from_str(s: &str) -> Result<Self, Infallible> {
+        Ok(Self::new(s))
+    }
+}
 
 /// The one route open without a key: liveness probes carry no credentials.
 const OPEN_ROUTE: &str = "/health";
@@ -32,7 +65,7 @@ pub(crate) async fn require_key(
         .and_then(|v| v.to_str().ok())
         .and_then(bearer_token);
     let error = match given {
-        Some(token) if constant_time_eq(token.as_bytes(), key.as_bytes()) => {
+        Some(token) if constant_time_eq(token.as_bytes(), key.reveal().as_bytes()) => {
             return next.run(req).await;
         }
         Some(_) => ApiError {
@@ -83,6 +116,21 @@ mod tests {
         for given in [&b"sk-abd"[..], b"sk-ab", b"sk-abcd", b"", b"SK-ABC"] {
             assert!(!constant_time_eq(given, b"sk-abc"), "{given:?}");
         }
+    }
+
+    #[test]
+    fn a_configuration_prints_without_its_key() {
+        let cfg = crate::ServerConfig {
+            addr: "127.0.0.1:0".into(),
+            model_name: "m".into(),
+            max_pending: 1,
+            handle_ctrl_c: false,
+            api_key: Some("sk-secret-123".parse().unwrap()),
+        };
+        let printed = format!("{cfg:?} {cfg:#?}");
+        assert!(!printed.contains("sk-secret-123"), "{printed}");
+        assert!(printed.contains("ApiKey(<redacted>)"), "{printed}");
+        assert_eq!(cfg.api_key.unwrap().reveal(), "sk-secret-123");
     }
 
     #[test]

@@ -23,6 +23,7 @@ use dppo_model::TextTokenizer;
 use serde_json::json;
 use tokio::sync::watch;
 
+pub use crate::auth::ApiKey;
 use crate::metrics::Counters;
 
 /// How long in-flight requests get to wind down after a shutdown request.
@@ -40,7 +41,7 @@ pub struct ServerConfig {
     /// Stop on Ctrl-C (SIGINT): cancel in-flight requests and return from [`ServerHandle::wait`].
     pub handle_ctrl_c: bool,
     /// When set, every route but `/health` needs `Authorization: Bearer <api_key>`.
-    pub api_key: Option<String>,
+    pub api_key: Option<ApiKey>,
 }
 
 /// Errors starting or running the server.
@@ -63,7 +64,7 @@ struct AppState {
     tokenizer: TextTokenizer,
     eos_token_ids: Vec<u32>,
     model_name: String,
-    api_key: Option<String>,
+    api_key: Option<ApiKey>,
     max_pending: usize,
     pending: AtomicUsize,
     counters: Counters,
@@ -157,7 +158,11 @@ pub fn spawn(
     if cfg.max_pending == 0 {
         return Err(ServerError::Config("max_pending must be at least 1".into()));
     }
-    if cfg.api_key.as_ref().is_some_and(|k| k.trim().is_empty()) {
+    if cfg
+        .api_key
+        .as_ref()
+        .is_some_and(|k| k.reveal().trim().is_empty())
+    {
         return Err(ServerError::Config("the API key is empty".into()));
     }
     let bind_err = |source| ServerError::Bind {

@@ -10,7 +10,7 @@ use candle_core::Device;
 use dppo_engine::{Engine, EngineConfig, GenerateRequest};
 use dppo_model::template::ChatMessage;
 use dppo_model::{Arch, Policy, Weights};
-use dppo_server::{spawn, ServerConfig, ServerHandle};
+use dppo_server::{spawn, ApiKey, ServerConfig, ServerHandle};
 use serde_json::{json, Value};
 
 use crate::http::{post, request};
@@ -96,7 +96,7 @@ fn serve_with_key(max_pending: usize, policy: Policy, api_key: Option<&str>) -> 
         model_name: MODEL.into(),
         max_pending,
         handle_ctrl_c: false,
-        api_key: api_key.map(str::to_string),
+        api_key: api_key.map(ApiKey::new),
     };
     let handle = spawn(
         engine.clone(),

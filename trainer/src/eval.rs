@@ -1,6 +1,6 @@
 //! Held-out evaluation through the engine: avg@n and unbiased pass@k (Chen et al. 2021).
 
-use dppo_engine::{Engine, FinishReason, GenerateRequest, Priority, SamplingParams};
+use dppo_engine::{Engine, GenerateRequest, Priority, SamplingParams};
 use dppo_model::TextTokenizer;
 
 use crate::data::{drop_long_prompts, problem_prompts, Problem};
@@ -130,14 +130,7 @@ pub fn evaluate(
         };
         let items = completions
             .iter()
-            .map(|c| {
-                Ok(RewardItem {
-                    completion: tokenizer.decode(&c.token_ids, true)?,
-                    num_tokens: c.token_ids.len(),
-                    is_truncated: c.finish_reason == FinishReason::Length,
-                    ..RewardItem::for_prompt(p, &prompt)
-                })
-            })
+            .map(|c| RewardItem::of_completion(p, &prompt, c, tokenizer))
             .collect::<Result<Vec<_>, TrainError>>()?;
         let what = format!("held-out prompt {} ({})", p.prompt_id, p.data_source);
         let scored = scorer.score(&items, p.answer.as_ref(), &what, false)?;

@@ -60,8 +60,6 @@ pub enum TrainError {
     )]
     Rank { rank: usize, reason: String },
     #[error(transparent)]
-    Reward(#[from] dppo_rewards::RewardError),
-    #[error(transparent)]
     RewardBackend(#[from] reward::RewardFailure),
     #[error(transparent)]
     Device(#[from] dppo_model::DeviceError),

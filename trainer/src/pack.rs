@@ -54,16 +54,16 @@ pub fn density(lengths: &[usize], num_buffers: usize, capacity: usize) -> f64 {
     lengths.iter().sum::<usize>() as f64 / (num_buffers * capacity) as f64
 }
 
-/// The density of a padded batch of the same sequences: one row each, padded to `row_len`
-/// (`max_prompt_len + max_response_len`, as verl pads).
-pub fn padded_density(lengths: &[usize], row_len: usize) -> f64 {
-    density(lengths, lengths.len(), row_len)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use rand::{rngs::StdRng, Rng, SeedableRng};
+
+    /// The density of a padded batch of the same sequences: one row each, padded to
+    /// `row_len` (`max_prompt_len + max_response_len`, as verl pads).
+    fn padded_density(lengths: &[usize], row_len: usize) -> f64 {
+        density(lengths, lengths.len(), row_len)
+    }
 
     #[test]
     fn first_fit_decreasing_within_a_window() {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use crate::kv_pool::KvPool;
 use crate::plan::{Plan, ScheduledSeq};
-use crate::sequence::{FinishReason, Priority, RequestId, SeqId, SeqStatus, Sequence};
+use crate::sequence::{FinishReason, Priority, RequestId, SeqId, Sequence};
 use crate::EngineError;
 
 /// Limits of one iteration.
@@ -160,7 +160,6 @@ impl Scheduler {
             max_tokens: req.max_tokens,
             eos_token_ids: req.eos_token_ids,
             priority: req.priority,
-            status: SeqStatus::Waiting,
         };
         self.seqs.insert(seq_id, seq);
         self.enqueue(seq_id, false);
@@ -225,7 +224,6 @@ impl Scheduler {
             self.waiting.pop_front();
             let slot = self.running_slot(seq.priority);
             self.running.insert(slot, seq_id);
-            self.seqs.get_mut(&seq_id).expect("live").status = SeqStatus::Running;
             self.push_scheduled(seq_id, num_new, &mut plan);
             budget -= num_new;
         }
@@ -315,7 +313,6 @@ impl Scheduler {
         let seq = self.seqs.get_mut(&seq_id).expect("live");
         self.pool.free(&mut seq.block_table);
         seq.num_computed_tokens = 0;
-        seq.status = SeqStatus::Waiting;
         self.enqueue(seq_id, true);
         tracing::debug!(seq_id, "preempted (recompute)");
     }
@@ -355,8 +352,8 @@ impl Scheduler {
                     sample_idx,
                     finish,
                 });
-                if let Some(reason) = finish {
-                    self.finish(seq_id, reason);
+                if finish.is_some() {
+                    self.finish(seq_id);
                 }
             }
         }
@@ -397,12 +394,11 @@ impl Scheduler {
     }
 
     /// Retires `seq_id` now (EOS, stop string, cancellation): its blocks return at once.
-    pub fn finish(&mut self, seq_id: SeqId, reason: FinishReason) -> Option<Sequence> {
+    pub fn finish(&mut self, seq_id: SeqId) -> Option<Sequence> {
         let mut seq = self.seqs.remove(&seq_id)?;
         self.running.retain(|&s| s != seq_id);
         self.waiting.retain(|&s| s != seq_id);
         self.pool.free(&mut seq.block_table);
-        seq.status = SeqStatus::Finished(reason);
         Some(seq)
     }
 
@@ -415,7 +411,7 @@ impl Scheduler {
             .map(|s| s.seq_id)
             .collect();
         for &id in &ids {
-            self.finish(id, FinishReason::Cancelled);
+            self.finish(id);
         }
         ids
     }

@@ -22,7 +22,8 @@ use crate::EngineError;
 
 mod draw;
 
-/// Counters the worker keeps; read with [`crate::Engine::stats`].
+/// What the worker reports, read with [`crate::Engine::stats`]: the pool's fixed shape,
+/// counters summed since start, and gauges of the moment (queue, running, blocks used).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct EngineStats {
     pub num_blocks: usize,
@@ -346,7 +347,7 @@ impl Worker {
             let tail = &out[out.len().saturating_sub(window)..];
             let text = self.tokenizer.decode(tail, false).unwrap_or_default();
             if find_stop(&text, &state.req.stop).is_some() {
-                self.scheduler.finish(a.seq_id, FinishReason::Stop);
+                self.scheduler.finish(a.seq_id);
                 finish = Some(FinishReason::Stop);
             }
         }

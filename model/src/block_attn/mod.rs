@@ -2,7 +2,7 @@
 //! The engine's paged attention reads its KV cache with it, and the learner's training
 //! layer reads each packed sequence with it (laid out in blocks for the purpose), so that
 //! both compute a token's attention in the same operations and the same order: on the CPU
-//! in f32 the learner's logprobs are the engine's to the bit (issue #41, point 4). The
+//! in f32 the learner's logprobs are the engine's to the bit. The
 //! result does not depend on the block size or on where the blocks lie.
 
 use crate::cpu_kernel::CpuKernel;

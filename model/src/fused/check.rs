@@ -14,7 +14,7 @@ pub(crate) fn values(t: &Tensor) -> Vec<f64> {
         .unwrap()
 }
 
-/// Random operands of `shapes` as vars of `dtype`, and a probe of the output's shape.
+/// Random operands of `shapes` as vars of `dtype`.
 fn operands(shapes: &[&[usize]], dtype: DType) -> Vec<Var> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(17);
     shapes

@@ -15,13 +15,10 @@ mod rope;
 mod rows;
 mod silu_mul;
 
-use std::mem::MaybeUninit;
 use std::ops::{Add, Div, Mul, Neg, Sub};
 
 use candle_core::{bail, CpuStorage, DType, Layout, Result, Tensor};
-use rayon::prelude::*;
 
-use crate::parallel::multi_threaded;
 use crate::uninit;
 
 pub use add::add;
@@ -91,18 +88,6 @@ fn slice<'a, T>(data: &'a [T], layout: &Layout) -> Result<&'a [T]> {
     }
 }
 
-/// Rows of `width` elements of `out`, each zeroed and then filled by `f(row index, row)`,
-/// in parallel: the buffer is first written by the thread that computes it, not cleared
-/// serially beforehand.
-fn for_rows<R: Real>(out: &mut [MaybeUninit<R>], width: usize, f: impl Fn(usize, &mut [R]) + Sync) {
-    let fill = |(r, row): (usize, &mut [MaybeUninit<R>])| f(r, uninit::zeroed(row));
-    if multi_threaded() {
-        out.par_chunks_mut(width).enumerate().for_each(fill);
-    } else {
-        out.chunks_mut(width).enumerate().for_each(fill);
-    }
-}
-
 /// A function of float operands computed per element or per row, in parallel.
 pub(crate) trait Kernel: Sync {
     /// Elements per independent unit (a row; 1 for elementwise functions).
@@ -139,8 +124,7 @@ pub(crate) fn apply<R: Real, K: Kernel>(kernel: &K, inputs: &[&[R]]) -> Vec<R> {
     let width = kernel.width().max(1);
     // Elementwise kernels take blocks of many elements at once.
     let block = if width == 1 { 1 << 14 } else { width };
-    let mut out = uninit::buffer(len);
-    for_rows(&mut out, block, |b, chunk| {
+    uninit::filled_rows(len, block, |b, chunk| {
         let start = b * block;
         let parts: Vec<&[R]> = inputs
             .iter()
@@ -153,9 +137,7 @@ pub(crate) fn apply<R: Real, K: Kernel>(kernel: &K, inputs: &[&[R]]) -> Vec<R> {
             })
             .collect();
         kernel.run(start / width, &parts, chunk);
-    });
-    // SAFETY: `for_rows` initialised every element.
-    unsafe { uninit::assume_init(out) }
+    })
 }
 
 #[cfg(test)]

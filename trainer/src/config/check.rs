@@ -1,4 +1,4 @@
-//! Validation of a configuration against the key table ([`crate::keys::KEYS`]) and
+//! Validation of a configuration against the key table ([`super::keys::KEYS`]) and
 //! the few rules that relate keys, naming where each bad value came from.
 
 use std::collections::BTreeMap;
@@ -339,5 +339,26 @@ mod tests {
             err.contains("invalid value for actor.weight_decay: must have"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_reward_address_with_credentials_is_refused_without_echoing_them() {
+        let text =
+            format!("{DEFAULT_TOML}\n[reward]\nurl = \"http://me:hunter2@host:8000/score\"\n");
+        let err = error(&text, &[]);
+        assert!(err.contains("reward.url carries credentials"), "{err}");
+        assert!(err.starts_with("my.toml:"), "{err}");
+        assert!(!err.contains("hunter2"), "{err}");
+        let err = error(
+            DEFAULT_TOML,
+            &["reward.functions.judge.url=\"http://u:p@h/\""],
+        );
+        assert!(
+            err.contains("reward.functions.judge.url carries credentials"),
+            "{err}"
+        );
+        // An `@` after the host is part of the path, not a credential.
+        let fine = format!("{DEFAULT_TOML}\n[reward]\nurl = \"http://host:8000/a@b?c=d@e\"\n");
+        RunConfig::from_toml(&fine, "my.toml", &[]).unwrap();
     }
 }

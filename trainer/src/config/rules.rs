@@ -140,6 +140,20 @@ pub const RULES: &[Rule] = &[
         },
     },
     Rule {
+        key: "reward.url",
+        says:
+            "with no credentials in the address (user:password@), which is logged and \
+               written to config.toml: a bearer token goes in the variable reward.api_key_env names",
+        broken: |cfg| {
+            let key = cfg.reward.urls().find(|(_, url)| has_credentials(url))?.0;
+            Some(format!(
+                "{key} carries credentials (user:password@) that would be logged and written \
+                 to config.toml; put a bearer token in an environment variable and name it in \
+                 reward.api_key_env"
+            ))
+        },
+    },
+    Rule {
         key: "reward.overlong_buffer",
         says: "less than rollout.max_response_len",
         broken: |cfg| {
@@ -153,6 +167,13 @@ pub const RULES: &[Rule] = &[
         },
     },
 ];
+
+/// Whether `url`'s authority (between `//` and the path) holds userinfo.
+fn has_credentials(url: &str) -> bool {
+    let rest = url.split_once("//").map_or(url, |(_, rest)| rest);
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    authority.contains('@')
+}
 
 /// Why `weights` name a reward `cfg` does not define, if they do.
 fn unknown_reward<'a>(

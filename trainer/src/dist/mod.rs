@@ -5,8 +5,8 @@
 //! train as one rank with B prompts.
 //!
 //! Three implementations: [`Single`] (world size 1: identities, no sockets), [`TcpCollective`]
-//! (CPU ranks over loopback or any TCP network, with a fixed reduction order so that runs
-//! are deterministic; it exists to test everything above the collective on a CPU), and,
+//! (the host collective of any rank, CPU or GPU without NCCL, over loopback or any TCP
+//! network, with a fixed reduction order so that runs are deterministic), and,
 //! with the `nccl` cargo feature, [`NcclCollective`] (GPU ranks; NCCL for device tensors,
 //! its TCP rendezvous for the small host-side exchanges).
 

@@ -1,4 +1,4 @@
-//! CPU ranks over TCP (loopback on one machine): a star around rank 0. Every collective
+//! Ranks over TCP (loopback on one machine): a star around rank 0. Every collective
 //! sends each rank's contribution to rank 0, which combines them in rank order 0, 1, ..., W-1
 //! and sends the result back, so every rank gets the same bits and a run is deterministic.
 //! Every frame names its collective's sequence number and kind, so ranks that fall out of

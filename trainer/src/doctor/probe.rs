@@ -5,10 +5,9 @@ use candle_core::Device;
 
 use super::{Check, Options};
 
-/// The CUDA libraries a CUDA build loads, by file-name prefix (libcudart is the runtime).
-/// NVRTC is loaded only when something compiles a kernel at run time, which nothing in
-/// this build does yet: its absence is reported, not failed (on an H200 with driver 580,
-/// 2026-11-26, the linked binary did not ask for it).
+/// The CUDA libraries a CUDA build links, by file-name prefix (libcudart is the runtime,
+/// NVRTC compiles the engine's paged attention and sampling kernels at run time); each must
+/// be mapped into the process, NCCL only in a build with the `nccl` feature.
 pub const CUDA_LIBRARIES: [&str; 7] = [
     "libcuda.so",
     "libcudart.so",

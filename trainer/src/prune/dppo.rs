@@ -28,11 +28,6 @@ impl Dppo {
             cfg,
         }
     }
-
-    /// The prompt history (read by tests and benchmarks).
-    pub fn history_mut(&mut self) -> &mut PromptHistory {
-        &mut self.history
-    }
 }
 
 impl PruningAlgorithm for Dppo {
@@ -119,7 +114,7 @@ mod tests {
                     ability_sum: 0.0,
                     group_size: 0,
                 };
-                dppo.history_mut().entries.insert(id, stats);
+                dppo.history.entries.insert(id, stats);
             }
             let mut order = ProblemOrder::new(0, TRAIN_STREAM, 256);
             let mut pool = PromptPool {

@@ -114,11 +114,6 @@ impl Greso {
             state: GresoState::default(),
         }
     }
-
-    /// The state (set by tests).
-    pub fn state_mut(&mut self) -> &mut GresoState {
-        &mut self.state
-    }
 }
 
 impl PruningAlgorithm for Greso {
@@ -218,7 +213,7 @@ mod tests {
         // Every even prompt was all-correct on its last 16 visits: skipped with
         // probability 0.99 (GRESO's floor keeps 1%).
         for id in prompt_ids.iter().filter(|&&id| id % 2 == 0) {
-            greso.state_mut().visits.insert(*id, vec![1.0; 16]);
+            greso.state.visits.insert(*id, vec![1.0; 16]);
         }
         let mut pool = PromptPool {
             order: &mut order,
@@ -234,7 +229,7 @@ mod tests {
         assert_eq!(order.drawn(), drawn.problems.len() as u64);
         // With fewer rollable prompts than a batch, one pass over the training set ends it.
         for &id in &prompt_ids {
-            greso.state_mut().visits.insert(id, vec![1.0; 16]);
+            greso.state.visits.insert(id, vec![1.0; 16]);
         }
         let mut pool = PromptPool {
             order: &mut order,

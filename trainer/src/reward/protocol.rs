@@ -5,8 +5,12 @@
 
 use std::collections::BTreeMap;
 
+use dppo_engine::{Completion, FinishReason};
+use dppo_model::TextTokenizer;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+
+use crate::TrainError;
 
 /// One completion to score, with what its prompt's data row says about it.
 #[derive(Debug, Clone, PartialEq)]
@@ -24,18 +28,23 @@ pub struct RewardItem {
 }
 
 impl RewardItem {
-    /// An item of problem `p`'s prompt (`prompt`: its text as the model saw it), the
-    /// completion still empty.
-    pub fn for_prompt(p: &crate::data::Problem, prompt: &str) -> Self {
-        Self {
+    /// The item of completion `c` (decoded with `tokenizer`) of problem `p`'s prompt
+    /// (`prompt`: its text as the model saw it, empty when the reward does not read it).
+    pub fn of_completion(
+        p: &crate::data::Problem,
+        prompt: &str,
+        c: &Completion,
+        tokenizer: &TextTokenizer,
+    ) -> Result<Self, TrainError> {
+        Ok(Self {
             prompt: prompt.to_string(),
-            completion: String::new(),
+            completion: tokenizer.decode(&c.token_ids, true)?,
             label: p.label.clone(),
             data_source: p.data_source.clone(),
             extra_info: p.extra_info.clone(),
-            num_tokens: 0,
-            is_truncated: false,
-        }
+            num_tokens: c.token_ids.len(),
+            is_truncated: c.finish_reason == FinishReason::Length,
+        })
     }
 }
 

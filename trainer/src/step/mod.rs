@@ -277,6 +277,8 @@ impl Trainer {
             };
             dump.write(Path::new(dir), &self.tokenizer)?;
         }
+        // `timing_s/reward`: the work on the scored rollout (scoring itself overlaps
+        // generation and is in `timing_s/gen`).
         timed("reward", t);
         if self.cfg.rollout.one_step_off_policy {
             let t = Instant::now();

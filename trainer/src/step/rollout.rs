@@ -38,7 +38,8 @@ pub struct StepRollout {
     /// one step off-policy overlaps with training. A metric only: 0 when not recorded.
     #[serde(default)]
     pub(super) gen_busy_s: f64,
-    /// What the reward counted (checkpoints written before hold its first two fields).
+    /// What the reward counted (older checkpoints hold only its first two fields; the rest
+    /// default to empty).
     #[serde(flatten)]
     pub(super) tally: RewardTally,
 }

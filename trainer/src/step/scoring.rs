@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 
-use dppo_engine::{FinishReason, RequestHandle};
+use dppo_engine::RequestHandle;
 use dppo_model::TextTokenizer;
 
 use crate::data::Problem;
@@ -162,12 +162,12 @@ fn collect(
             });
         }
         tokens += c.token_ids.len();
-        items.push(RewardItem {
-            completion: tokenizer.decode(&c.token_ids, true)?,
-            num_tokens: c.token_ids.len(),
-            is_truncated: c.finish_reason == FinishReason::Length,
-            ..RewardItem::for_prompt(&job.problem, &prompt)
-        });
+        items.push(RewardItem::of_completion(
+            &job.problem,
+            &prompt,
+            &c,
+            tokenizer,
+        )?);
         samples.push(Sample {
             prompt_ids: job.tokens.clone(),
             reward: 0.0,

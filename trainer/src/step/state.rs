@@ -42,8 +42,8 @@ pub struct TrainerState {
     /// Steps skipped so far for a non-finite loss or gradient (`train/nonfinite_steps`).
     #[serde(default)]
     pub num_nonfinite_steps: u64,
-    /// Whether its records are keyed by stable prompt ids; checkpoints written before keyed
-    /// a file's prompts by line number, mapped when they resume.
+    /// Whether its records are keyed by stable prompt ids; `false` (older checkpoints) keys a
+    /// file's prompts by line number, mapped to stable ids when they resume.
     #[serde(default)]
     pub stable_prompt_ids: bool,
 }

@@ -226,8 +226,8 @@ fn an_empty_training_set_is_a_config_error() {
 
 #[test]
 fn a_run_restores_only_its_algorithms_share_of_an_old_checkpoint() {
-    // Written at commit 5c72f55, when every checkpoint carried both the prompt history and
-    // GRESO's state (tests/resume.rs resumes it bit for bit).
+    // A checkpoint in the format of commit 5c72f55, which carries both the prompt history
+    // and GRESO's state whatever the algorithm (tests/resume.rs resumes it bit for bit).
     let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../tests/fixtures/checkpoint-5c72f55/step-000002");
     let old: serde_json::Value =

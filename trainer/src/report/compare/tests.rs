@@ -1,5 +1,4 @@
-//! The comparison's numbers on hand-made metrics, checked by hand (and against the Python
-//! script this module replaced).
+//! The comparison's numbers on hand-made metrics, checked by hand.
 
 use super::*;
 
