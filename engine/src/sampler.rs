@@ -45,7 +45,7 @@ impl Default for SamplingParams {
 
 impl SamplingParams {
     /// Checks ranges; the error names the field and the value.
-    pub fn validate(&self) -> Result<(), String> {
+    pub(crate) fn validate(&self) -> Result<(), String> {
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             return Err(format!(
                 "temperature must be >= 0 and finite, got {}",

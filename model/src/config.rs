@@ -163,7 +163,7 @@ impl ModelConfig {
 
     /// Checks the shapes fit together (`from_hf_json` and the GGUF loader call it on what
     /// they read).
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub(crate) fn validate(&self) -> std::result::Result<(), String> {
         let positive = [
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
