@@ -75,6 +75,17 @@ pub fn metrics_lines(out: &Path) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// Asserts that runs `a` and `b` wrote the same weights and optimizer state, byte for byte,
+/// in their checkpoint of `step`; `what` says why they should agree.
+pub fn assert_same_checkpoint(a: &Path, b: &Path, step: u64, what: &str) {
+    let dir = format!("checkpoints/step-{step:06}");
+    for file in ["model/model.safetensors", "optimizer.safetensors"] {
+        let x = std::fs::read(a.join(&dir).join(file)).unwrap();
+        let y = std::fs::read(b.join(&dir).join(file)).unwrap();
+        assert!(x == y, "{dir}/{file} differs: {what}");
+    }
+}
+
 /// A committed fixture file or directory.
 pub fn fixture(rel: &str) -> PathBuf {
     repo_root().join("tests/fixtures").join(rel)

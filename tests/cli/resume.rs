@@ -6,6 +6,7 @@ use std::process::Command;
 use serde_json::Value;
 
 use super::{dppo, SMALL};
+use crate::util::assert_same_checkpoint;
 
 /// Runs four RL steps straight (into `dir/a`) and as two steps resumed to four (into
 /// `dir/b`), both with `extra` settings, and asserts that the resumed run ends with exactly
@@ -44,14 +45,7 @@ fn interrupted_and_uninterrupted(
         weights(&a, "2") != weights(&a, "4"),
         "RL steps must change the weights"
     );
-    for file in ["model/model.safetensors", "optimizer.safetensors"] {
-        let x = std::fs::read(a.join("checkpoints/step-000004").join(file)).unwrap();
-        let y = std::fs::read(b.join("checkpoints/step-000004").join(file)).unwrap();
-        assert!(
-            x == y,
-            "{file} differs between the uninterrupted and the resumed run"
-        );
-    }
+    assert_same_checkpoint(&a, &b, 4, "the resumed run against the uninterrupted one");
     (a, b)
 }
 
@@ -240,12 +234,7 @@ fn sigkilled_runs_resume_to_the_uninterrupted_weights() {
         "{kills} kills, {kills_with_checkpoint} after the first checkpoint"
     );
     assert!(spawn(&b).wait().unwrap().success());
-    let last = format!("checkpoints/step-{STEPS:06}");
-    for file in ["model/model.safetensors", "optimizer.safetensors"] {
-        let x = std::fs::read(a.join(&last).join(file)).unwrap();
-        let y = std::fs::read(b.join(&last).join(file)).unwrap();
-        assert!(x == y, "{file} differs after {kills} kills");
-    }
+    assert_same_checkpoint(&a, &b, STEPS, &format!("after {kills} kills"));
     assert_eq!(metric_steps(&b), (1..=STEPS).collect::<Vec<_>>());
 }
 

@@ -5,6 +5,7 @@ use std::process::Command;
 use serde_json::Value;
 
 use super::{dppo, SMALL};
+use crate::util::assert_same_checkpoint;
 
 /// `dppo run --serve`: clients hammering the server while it trains see the policy versions
 /// advance, and the trained weights equal those of a run without a server.
@@ -78,11 +79,7 @@ fn serving_during_training_leaves_the_trained_weights_unchanged() {
         seen.len() >= 2,
         "responses should span policy versions, saw {seen:?}"
     );
-    for file in ["model/model.safetensors", "optimizer.safetensors"] {
-        let x = std::fs::read(a.join("checkpoints/step-000004").join(file)).unwrap();
-        let y = std::fs::read(b.join("checkpoints/step-000004").join(file)).unwrap();
-        assert!(x == y, "{file}: serving changed the trained weights");
-    }
+    assert_same_checkpoint(&a, &b, 4, "serving changed the trained weights");
 }
 
 /// Ctrl-C during `dppo run --serve` ends training after the current step, with a

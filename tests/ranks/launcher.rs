@@ -12,6 +12,7 @@ use dppo_model::Policy;
 use serde_json::{Map, Value};
 
 use super::{values, worst_relative};
+use crate::util::assert_same_checkpoint;
 
 const RUN: [&str; 14] = [
     "--set",
@@ -169,14 +170,12 @@ fn two_cpu_ranks_match_one_rank_and_resume_bit_exactly() {
         300,
     );
     assert!(ok, "{err}");
-    for file in ["model/model.safetensors", "optimizer.safetensors"] {
-        let x = std::fs::read(two.join("checkpoints/step-000004").join(file)).unwrap();
-        let y = std::fs::read(resumed.join("checkpoints/step-000004").join(file)).unwrap();
-        assert!(
-            x == y,
-            "{file}: the resumed 2-rank run differs from the uninterrupted one"
-        );
-    }
+    assert_same_checkpoint(
+        &two,
+        &resumed,
+        4,
+        "the resumed 2-rank run against the uninterrupted one",
+    );
     assert_eq!(metrics(&resumed).len(), 4);
     assert_eq!(trained(&metrics(&two)), trained(&metrics(&resumed)));
     // A one-rank checkpoint (with its rollout made ahead of step 3) resumed on two ranks:
@@ -391,14 +390,12 @@ fn ranks_started_with_torchrun_variables_train_like_the_launcher() {
         let (ok, _, err) = r.join().unwrap();
         assert!(ok, "rank {rank}: {err}");
     }
-    for file in ["model/model.safetensors", "optimizer.safetensors"] {
-        let x = std::fs::read(launched.join("checkpoints/step-000002").join(file)).unwrap();
-        let y = std::fs::read(manual.join("checkpoints/step-000002").join(file)).unwrap();
-        assert!(
-            x == y,
-            "{file}: torchrun-style ranks differ from the launcher's"
-        );
-    }
+    assert_same_checkpoint(
+        &launched,
+        &manual,
+        2,
+        "torchrun-style ranks against the launcher's",
+    );
     // Rank 1 with another learning rate: refused, naming the key.
     let env = torchrun_env();
     let other = dir.path().join("other");
