@@ -92,7 +92,7 @@ def key_numbers(name, text, outdir):
         return {"shapes": data.get("shapes", {})}
     keys = ["tokens_per_s", "fraction_of_compute_limit", "train_tokens_per_s", "step_s",
             "rollout_s", "prompts", "samples", "new_tokens", "compute_dtype", "gpu", "steps",
-            "seconds", "decode_step"]
+            "seconds", "decode_step", "memory_floor"]
     return {k: data[k] for k in keys if data.get(k) is not None}
 
 
@@ -137,6 +137,9 @@ def brief(numbers):
     if step.get("count"):
         parts.append(f"decode step {step['forward_ms'] + step['fetch_ms']:.1f} ms, "
                      f"{step['attention_ops']:.0f} attn ops, {step['h2d_kib']:.0f} KiB up")
+    floor = numbers.get("memory_floor")
+    if floor:
+        parts.append(f"{floor['times_floor']:.1f}x its memory floor at batch {floor['batch']:.0f}")
     if not parts:
         parts = [f"{k}: {v}" for k, v in numbers.items()]
     return "; ".join(parts)[:130]

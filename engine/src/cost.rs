@@ -27,6 +27,11 @@ pub struct IterationCost {
     pub attention_ops: u64,
     /// Times the host waits for the device (copies to the host).
     pub syncs: u64,
+    /// Sequences scheduled (a forking group's prefill row counts once).
+    pub seqs: u64,
+    /// Key/value positions the attention reads, each scheduled sequence's whole context once
+    /// (cached and new tokens): with the weights, the bytes a decode step must move.
+    pub kv_tokens: u64,
 }
 
 impl IterationCost {
@@ -42,6 +47,8 @@ impl IterationCost {
             d2h_bytes: self.d2h_bytes - earlier.d2h_bytes,
             attention_ops: self.attention_ops - earlier.attention_ops,
             syncs: self.syncs - earlier.syncs,
+            seqs: self.seqs - earlier.seqs,
+            kv_tokens: self.kv_tokens - earlier.kv_tokens,
         }
     }
 
@@ -56,6 +63,8 @@ impl IterationCost {
         self.d2h_bytes += other.d2h_bytes;
         self.attention_ops += other.attention_ops;
         self.syncs += other.syncs;
+        self.seqs += other.seqs;
+        self.kv_tokens += other.kv_tokens;
     }
 }
 

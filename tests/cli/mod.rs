@@ -120,6 +120,22 @@ fn bench_rollout_json_reports_both_engines() {
         assert!(report[key].as_f64().unwrap() > 0.0, "{key} in {report}");
     }
     assert!(report["peak_kv_mib"].as_f64().unwrap() > 0.0);
+    // Both prompts prefill in the first iteration; every later one decodes all 4 samples.
+    let floor = &report["memory_floor"];
+    assert_eq!(floor["batch"], 4.0, "{report}");
+    assert_eq!(report["decode_step"]["seqs"], 4.0, "{report}");
+    for key in [
+        "bandwidth_gb_per_s",
+        "weight_mib",
+        "kv_mib",
+        "floor_ms",
+        "step_ms",
+    ] {
+        assert!(floor[key].as_f64().unwrap() > 0.0, "{key} in {report}");
+    }
+    let ratio = floor["step_ms"].as_f64().unwrap() / floor["floor_ms"].as_f64().unwrap();
+    let times = floor["times_floor"].as_f64().unwrap();
+    assert!((times / ratio - 1.0).abs() < 1e-9, "{report}");
 }
 
 /// `dppo run` end to end: it prints the accuracy table and writes the run directory.

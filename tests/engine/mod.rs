@@ -299,6 +299,32 @@ fn stats_count_an_iteration_before_streaming_its_tokens() {
     }
 }
 
+/// The attention's read counters account exactly: each scheduled sequence reads its whole
+/// context once. Two prompts (lengths 5 and 9) prefill together in one iteration, each as
+/// one row sampling its group's G = 3 first tokens; then every sample decodes T - 1 = 5 more
+/// tokens, step k reading its prompt and k generated tokens.
+#[test]
+fn decode_steps_count_the_kv_they_attend() {
+    let policy = policy();
+    let engine = Engine::new(&policy, config(4, 512, AttentionMode::Auto), Device::Cpu).unwrap();
+    let (lens, g, t) = ([5usize, 9], 3, 6);
+    let reqs = lens
+        .iter()
+        .map(|&l| greedy((1..=l as u32).collect(), g, t))
+        .collect();
+    engine.generate(reqs).unwrap();
+    let stats = engine.stats();
+    let decoded = |l: usize| g * (1..t).map(|k| l + k).sum::<usize>();
+    let decode_kv: usize = lens.iter().map(|&l| decoded(l)).sum();
+    let prefill_kv: usize = lens.iter().sum();
+    assert_eq!(stats.num_iterations, t);
+    assert_eq!(stats.num_decode_iterations, t - 1);
+    assert_eq!(stats.decode_cost.kv_tokens as usize, decode_kv);
+    assert_eq!(stats.decode_cost.seqs as usize, lens.len() * g * (t - 1));
+    assert_eq!(stats.cost.kv_tokens as usize, prefill_kv + decode_kv);
+    assert_eq!(stats.cost.seqs as usize, lens.len() * (1 + g * (t - 1)));
+}
+
 #[test]
 fn dropping_the_engine_finishes_queued_work_although_handles_live() {
     let policy = policy();

@@ -6,13 +6,14 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use candle_core::{DType, Device, Tensor};
 use dppo_engine::naive::generate_naive;
 use dppo_engine::{
-    AttentionMode, Engine, EngineConfig, GenerateRequest, IterationCost, SamplingParams,
-    SamplingPlace,
+    AttentionMode, Engine, EngineConfig, EngineStats, GenerateRequest, IterationCost,
+    SamplingParams, SamplingPlace,
 };
 use dppo_model::device::timed;
-use dppo_model::{ChatMessage, DeviceSpec, Policy};
+use dppo_model::{ChatMessage, DeviceSpec, ModelConfig, Policy};
 use serde_json::json;
 
 use super::matmul_rate;
@@ -143,6 +144,20 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
         Some(naive.as_secs_f64())
     };
     let flops_per_s = matmul_rate(&policy.config, &device)?;
+    let dtype = cfg
+        .dtype
+        .unwrap_or_else(|| dppo_engine::engine::default_dtype(&device));
+    let floor = match decode_steps {
+        0 => None,
+        steps => Some(memory_floor(
+            &policy.config,
+            dtype,
+            &stats,
+            steps,
+            &decode_cost,
+            memory_bandwidth(&device)?,
+        )),
+    };
     let limit_tokens_per_s = flops_per_s / (2.0 * policy.config.num_parameters() as f64);
     let tokens_per_s = num_tokens as f64 / ours_s;
     let report = json!({
@@ -172,6 +187,7 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
         "attention": args.attention,
         "iteration": iteration_cost(iterations, &cost),
         "decode_step": iteration_cost(decode_steps, &decode_cost),
+        "memory_floor": floor,
     });
     if args.json {
         println!("{report}");
@@ -232,5 +248,56 @@ fn iteration_cost(iterations: usize, cost: &IterationCost) -> serde_json::Value 
         "d2h_kib": per(cost.d2h_bytes) / 1024.0,
         "attention_ops": per(cost.attention_ops),
         "syncs": per(cost.syncs),
+        "seqs": per(cost.seqs),
+        "kv_tokens": per(cost.kv_tokens),
     })
+}
+
+/// The mean decode step against its memory floor: the weights it reads (all but an untied
+/// embedding table, of which it gathers a few rows) and the KV its sequences attend, each
+/// read once at the measured `bandwidth` (bytes/s), in the engine's `dtype`.
+fn memory_floor(
+    config: &ModelConfig,
+    dtype: DType,
+    stats: &EngineStats,
+    steps: usize,
+    cost: &IterationCost,
+    bandwidth: f64,
+) -> serde_json::Value {
+    const MIB: f64 = (1 << 20) as f64;
+    let steps = steps as f64;
+    let table = match config.tie_word_embeddings {
+        true => 0,
+        false => config.vocab_size * config.hidden_size,
+    };
+    let weight_bytes = ((config.num_parameters() - table) * dtype.size_in_bytes()) as f64;
+    let kv_token_bytes = (stats.block_bytes / stats.block_size) as f64;
+    let kv_bytes = cost.kv_tokens as f64 / steps * kv_token_bytes;
+    let floor_s = (weight_bytes + kv_bytes) / bandwidth;
+    let host_ns =
+        cost.schedule_ns + cost.forward_ns + cost.fetch_ns + cost.sample_ns + cost.emit_ns;
+    let step_s = host_ns as f64 * 1e-9 / steps;
+    json!({
+        "bandwidth_gb_per_s": bandwidth / 1e9,
+        "batch": cost.seqs as f64 / steps,
+        "weight_mib": weight_bytes / MIB,
+        "kv_mib": kv_bytes / MIB,
+        "floor_ms": floor_s * 1e3,
+        "step_ms": step_s * 1e3,
+        "times_floor": step_s / floor_s,
+    })
+}
+
+/// The device's memory bandwidth in bytes/s, best of five: copies of a buffer far larger
+/// than any cache, each reading and writing it once.
+fn memory_bandwidth(device: &Device) -> anyhow::Result<f64> {
+    let bytes: usize = if device.is_cuda() { 1 << 30 } else { 1 << 27 };
+    let buffer = Tensor::zeros(bytes / 4, DType::F32, device)?;
+    timed(device, || buffer.copy())?; // warm-up: the allocator's first pool
+    let mut best = 0f64;
+    for _ in 0..5 {
+        let (_, took) = timed(device, || buffer.copy())?;
+        best = best.max(2.0 * bytes as f64 / took.as_secs_f64());
+    }
+    Ok(best)
 }

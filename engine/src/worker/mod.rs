@@ -276,6 +276,12 @@ impl Worker {
             ));
         }
         cost.schedule_ns = nanos(started);
+        cost.seqs = plan.seqs.len() as u64;
+        cost.kv_tokens = plan
+            .seqs
+            .iter()
+            .map(|s| (s.num_computed_tokens + s.num_new_tokens) as u64)
+            .sum();
         let on_device = self.device_sampling;
         let logits = self
             .runner
