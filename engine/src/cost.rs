@@ -16,7 +16,9 @@ pub struct IterationCost {
     pub fetch_ns: u64,
     /// Sampling on the host.
     pub sample_ns: u64,
-    /// Appending tokens, stop strings and streaming them out.
+    /// Appending the sampled tokens to their sequences (forks, finishes). Stop strings and
+    /// streaming come after the iteration is counted, so that a caller holding its last
+    /// token sees the iteration in the stats, and are not in any field.
     pub emit_ns: u64,
     /// Bytes the engine uploads (ids, positions, attention indices and masks).
     pub h2d_bytes: u64,
@@ -29,8 +31,9 @@ pub struct IterationCost {
     pub syncs: u64,
     /// Sequences scheduled (a forking group's prefill row counts once).
     pub seqs: u64,
-    /// Key/value positions the attention reads, each scheduled sequence's whole context once
-    /// (cached and new tokens): with the weights, the bytes a decode step must move.
+    /// Key/value positions the attention reads: each scheduled sequence's whole context, a
+    /// block shared by several (a group's prompt) once. With the weights, the bytes a
+    /// decode step must at least move.
     pub kv_tokens: u64,
 }
 

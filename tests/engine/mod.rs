@@ -300,9 +300,10 @@ fn stats_count_an_iteration_before_streaming_its_tokens() {
 }
 
 /// The attention's read counters account exactly: each scheduled sequence reads its whole
-/// context once. Two prompts (lengths 5 and 9) prefill together in one iteration, each as
-/// one row sampling its group's G = 3 first tokens; then every sample decodes T - 1 = 5 more
-/// tokens, step k reading its prompt and k generated tokens.
+/// context, the blocks a group's samples share once. Two prompts (lengths 5 and 9, blocks of
+/// 4) prefill together in one iteration, each as one row sampling its group's G = 3 first
+/// tokens; then every sample decodes T - 1 = 5 more tokens, step k reading the prompt's full
+/// blocks (shared) and, of its own, the prompt's last partial block and k generated tokens.
 #[test]
 fn decode_steps_count_the_kv_they_attend() {
     let policy = policy();
@@ -314,7 +315,10 @@ fn decode_steps_count_the_kv_they_attend() {
         .collect();
     engine.generate(reqs).unwrap();
     let stats = engine.stats();
-    let decoded = |l: usize| g * (1..t).map(|k| l + k).sum::<usize>();
+    let decoded = |l: usize| {
+        let shared = l / 4 * 4;
+        (1..t).map(|k| shared + g * (l - shared + k)).sum::<usize>()
+    };
     let decode_kv: usize = lens.iter().map(|&l| decoded(l)).sum();
     let prefill_kv: usize = lens.iter().sum();
     assert_eq!(stats.num_iterations, t);
@@ -459,4 +463,38 @@ fn bad_requests_get_clear_errors() {
     min_p.sampling.min_p = 1.5;
     assert!(err(min_p).contains("min_p must be in [0, 1], got 1.5"));
     assert!(err(greedy(vec![100_000], 1, 4)).contains("outside the vocabulary"));
+}
+
+#[test]
+fn the_cuda_kernels_asked_for_on_the_cpu_are_a_clear_error() {
+    let err = Engine::new(&policy(), config(16, 256, AttentionMode::Cuda), Device::Cpu)
+        .err()
+        .unwrap();
+    assert!(
+        err.to_string()
+            .contains("engine.attention = \"cuda\" runs on a GPU of a CUDA build"),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_cpu_kernel_asked_for_where_it_cannot_run_is_a_clear_error() {
+    let cfg = EngineConfig {
+        dtype: Some(DType::BF16),
+        ..config(16, 256, AttentionMode::Cpu)
+    };
+    let err = Engine::new(&policy(), cfg, Device::Cpu).err().unwrap();
+    assert!(err
+        .to_string()
+        .contains("engine.attention = \"cpu\" runs f32 on the CPU only"));
+    // "auto" picks the generic path for bf16 and matches the explicit choice.
+    let reqs = workload(3, 2, policy().config.vocab_size);
+    let out = |attention| {
+        let cfg = EngineConfig { attention, ..cfg };
+        tokens(&run(
+            &Engine::new(&policy(), cfg, Device::Cpu).unwrap(),
+            &reqs,
+        ))
+    };
+    assert_eq!(out(AttentionMode::Auto), out(AttentionMode::Generic));
 }

@@ -28,40 +28,6 @@ fn smollm2_greedy_paged_equals_contiguous_reference() {
     }
 }
 
-#[test]
-fn the_cuda_kernels_asked_for_on_the_cpu_are_a_clear_error() {
-    let err = Engine::new(&policy(), config(16, 256, AttentionMode::Cuda), Device::Cpu)
-        .err()
-        .unwrap();
-    assert!(
-        err.to_string()
-            .contains("engine.attention = \"cuda\" runs on a GPU of a CUDA build"),
-        "{err}"
-    );
-}
-
-#[test]
-fn the_cpu_kernel_asked_for_where_it_cannot_run_is_a_clear_error() {
-    let cfg = EngineConfig {
-        dtype: Some(DType::BF16),
-        ..config(16, 256, AttentionMode::Cpu)
-    };
-    let err = Engine::new(&policy(), cfg, Device::Cpu).err().unwrap();
-    assert!(err
-        .to_string()
-        .contains("engine.attention = \"cpu\" runs f32 on the CPU only"));
-    // "auto" picks the generic path for bf16 and matches the explicit choice.
-    let reqs = workload(3, 2, policy().config.vocab_size);
-    let out = |attention| {
-        let cfg = EngineConfig { attention, ..cfg };
-        tokens(&run(
-            &Engine::new(&policy(), cfg, Device::Cpu).unwrap(),
-            &reqs,
-        ))
-    };
-    assert_eq!(out(AttentionMode::Auto), out(AttentionMode::Generic));
-}
-
 /// The bf16 engine (weights and KV cache in bf16, the generic path: a GPU's numerics) gives
 /// SmolLM2's f32 greedy tokens for the first 16 tokens of every test prompt, with logprobs
 /// within 0.05 of f32's on average.

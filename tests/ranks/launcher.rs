@@ -379,7 +379,7 @@ fn ranks_started_with_torchrun_variables_train_like_the_launcher() {
         300,
     );
     assert!(ok, "{err}");
-    let env = torchrun_env();
+    let env = torchrun_env(true);
     let ranks: Vec<_> = (0..2)
         .map(|rank| {
             let cmd = dppo_run(&manual, &steps, &env(rank));
@@ -397,7 +397,8 @@ fn ranks_started_with_torchrun_variables_train_like_the_launcher() {
         "torchrun-style ranks against the launcher's",
     );
     // Rank 1 with another learning rate: refused, naming the key.
-    let env = torchrun_env();
+    // Without LOCAL_RANK, as a launcher that sets only RANK starts ranks.
+    let env = torchrun_env(false);
     let other = dir.path().join("other");
     let ranks: Vec<_> = (0..2)
         .map(|rank| {
@@ -423,20 +424,24 @@ fn ranks_started_with_torchrun_variables_train_like_the_launcher() {
     );
 }
 
-/// torchrun's variables for each rank of a two-rank run meeting on a free loopback port.
-fn torchrun_env() -> impl Fn(usize) -> Vec<(&'static str, String)> {
+/// torchrun's variables for each rank of a two-rank run meeting on a free loopback port,
+/// `LOCAL_RANK` among them when `local_rank`.
+fn torchrun_env(local_rank: bool) -> impl Fn(usize) -> Vec<(&'static str, String)> {
     let port = TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
     move |rank| {
-        vec![
+        let mut env = vec![
             ("RANK", rank.to_string()),
             ("WORLD_SIZE", "2".to_string()),
-            ("LOCAL_RANK", rank.to_string()),
             ("MASTER_ADDR", "127.0.0.1".to_string()),
             ("MASTER_PORT", port.to_string()),
-        ]
+        ];
+        if local_rank {
+            env.push(("LOCAL_RANK", rank.to_string()));
+        }
+        env
     }
 }

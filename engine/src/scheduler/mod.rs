@@ -306,6 +306,25 @@ impl Scheduler {
         });
     }
 
+    /// The key/value positions `plan`'s attention reads: every scheduled sequence's context
+    /// (cached and new tokens), a block that several sequences share (a group's prompt)
+    /// counted once.
+    pub fn attended_positions(&self, plan: &Plan) -> usize {
+        let block_size = self.pool.block_size();
+        let mut seen = vec![false; self.pool.num_blocks()];
+        let mut positions = 0;
+        for s in &plan.seqs {
+            let context = s.num_computed_tokens + s.num_new_tokens;
+            let table = &self.seqs[&s.seq_id].block_table;
+            for (i, &block) in table.iter().take(context.div_ceil(block_size)).enumerate() {
+                if !std::mem::replace(&mut seen[block as usize], true) {
+                    positions += block_size.min(context - i * block_size);
+                }
+            }
+        }
+        positions
+    }
+
     /// Frees the blocks of `seq_id` and sends it to the front of the waiting queue; it
     /// will be recomputed from its tokens (prompt and output so far).
     fn preempt(&mut self, seq_id: SeqId) {

@@ -277,11 +277,7 @@ impl Worker {
         }
         cost.schedule_ns = nanos(started);
         cost.seqs = plan.seqs.len() as u64;
-        cost.kv_tokens = plan
-            .seqs
-            .iter()
-            .map(|s| (s.num_computed_tokens + s.num_new_tokens) as u64)
-            .sum();
+        cost.kv_tokens = self.scheduler.attended_positions(&plan) as u64;
         let on_device = self.device_sampling;
         let logits = self
             .runner

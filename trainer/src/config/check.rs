@@ -41,11 +41,18 @@ impl<'a> Origins<'a> {
     }
 
     /// Where `key`'s value came from: the last `--set` of it or of a table holding it,
-    /// else the file, at the key's line when it is written there.
+    /// else the file, at the key's line when it is written there. A `--set` whose value
+    /// holds an `@` (it may carry credentials) is named by its key alone.
     pub(crate) fn of(&self, key: &str) -> String {
         let set_by = |path: &str| key == path || key.starts_with(&format!("{path}."));
-        if let Some((_, spec)) = self.overrides.iter().rev().find(|(path, _)| set_by(path)) {
-            return format!("--set {spec}");
+        let set = self.overrides.iter().rev().find(|(path, _)| set_by(path));
+        if let Some((path, spec)) = set {
+            return match spec.split_once('=') {
+                Some((_, value)) if value.contains('@') => {
+                    format!("--set {path}=(value not shown)")
+                }
+                _ => format!("--set {spec}"),
+            };
         }
         match self.lines.get(key) {
             Some(line) => format!("{}:{line}", self.file),
@@ -349,16 +356,25 @@ mod tests {
         assert!(err.contains("reward.url carries credentials"), "{err}");
         assert!(err.starts_with("my.toml:"), "{err}");
         assert!(!err.contains("hunter2"), "{err}");
-        let err = error(
-            DEFAULT_TOML,
-            &["reward.functions.judge.url=\"http://u:p@h/\""],
-        );
+        let err = error(DEFAULT_TOML, &["reward.url=http://me:hunter2@h/"]);
         assert!(
-            err.contains("reward.functions.judge.url carries credentials"),
+            err.starts_with("--set reward.url=(value not shown): invalid value for reward.url"),
             "{err}"
         );
+        assert!(!err.contains("hunter2"), "{err}");
+        let err = error(DEFAULT_TOML, &["reward.url=http:/me:hunter2@h"]);
+        assert!(err.contains("reward.url carries credentials"), "{err}");
+        let text = format!("{DEFAULT_TOML}\n[reward.functions.judge]\nurl = \"//me:hunter2@h/\"\n");
+        let err = error(&text, &[]);
+        assert!(
+            err.contains("invalid value for reward.functions: reward.functions.judge.url carries"),
+            "{err}"
+        );
+        assert!(!err.contains("hunter2"), "{err}");
         // An `@` after the host is part of the path, not a credential.
-        let fine = format!("{DEFAULT_TOML}\n[reward]\nurl = \"http://host:8000/a@b?c=d@e\"\n");
-        RunConfig::from_toml(&fine, "my.toml", &[]).unwrap();
+        for url in ["http://host:8000/a@b?c=d@e", "http://[::1]:80/x"] {
+            let fine = format!("{DEFAULT_TOML}\n[reward]\nurl = \"{url}\"\n");
+            RunConfig::from_toml(&fine, "my.toml", &[]).unwrap();
+        }
     }
 }

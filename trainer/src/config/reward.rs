@@ -119,18 +119,6 @@ impl RewardSettings {
         }
     }
 
-    /// Every reward server's address with the key that sets it (`reward.url`,
-    /// `reward.functions.NAME.url`).
-    pub fn urls(&self) -> impl Iterator<Item = (String, &str)> {
-        let own = self.url.as_deref().map(|u| ("reward.url".to_string(), u));
-        let named = self.functions.iter().filter_map(|(name, f)| {
-            f.url
-                .as_deref()
-                .map(|u| (format!("reward.functions.{name}.url"), u))
-        });
-        own.into_iter().chain(named)
-    }
-
     /// The names `combine` and `routes` may use: the built-in ones that are set, then
     /// `functions`.
     pub fn names(&self) -> Vec<&str> {

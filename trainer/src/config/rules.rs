@@ -145,12 +145,20 @@ pub const RULES: &[Rule] = &[
             "with no credentials in the address (user:password@), which is logged and \
                written to config.toml: a bearer token goes in the variable reward.api_key_env names",
         broken: |cfg| {
-            let key = cfg.reward.urls().find(|(_, url)| has_credentials(url))?.0;
-            Some(format!(
-                "{key} carries credentials (user:password@) that would be logged and written \
-                 to config.toml; put a bearer token in an environment variable and name it in \
-                 reward.api_key_env"
-            ))
+            let url = cfg.reward.url.as_deref()?;
+            has_credentials(url).then(|| credentials("reward.url"))
+        },
+    },
+    Rule {
+        key: "reward.functions",
+        says: "each url with no credentials in the address (user:password@)",
+        broken: |cfg| {
+            let (name, _) = cfg
+                .reward
+                .functions
+                .iter()
+                .find(|(_, f)| f.url.as_deref().is_some_and(has_credentials))?;
+            Some(credentials(&format!("reward.functions.{name}.url")))
         },
     },
     Rule {
@@ -168,11 +176,25 @@ pub const RULES: &[Rule] = &[
     },
 ];
 
-/// Whether `url`'s authority (between `//` and the path) holds userinfo.
+/// Whether `url`'s authority (after any scheme and slashes, up to the path) holds
+/// userinfo; malformed addresses such as `http:/u:p@h` are read the same way.
 fn has_credentials(url: &str) -> bool {
-    let rest = url.split_once("//").map_or(url, |(_, rest)| rest);
-    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
-    authority.contains('@')
+    let is_scheme = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric());
+    let rest = match url.split_once(':') {
+        Some((scheme, rest)) if is_scheme(scheme) => rest,
+        _ => url,
+    };
+    let authority = rest.trim_start_matches('/').split(['/', '?', '#']).next();
+    authority.is_some_and(|a| a.contains('@'))
+}
+
+/// Why an address with credentials (at `key`) is refused.
+fn credentials(key: &str) -> String {
+    format!(
+        "{key} carries credentials (user:password@) that would be logged and written to \
+         config.toml; put a bearer token in an environment variable and name it in \
+         reward.api_key_env"
+    )
 }
 
 /// Why `weights` name a reward `cfg` does not define, if they do.
