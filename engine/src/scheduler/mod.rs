@@ -98,6 +98,9 @@ pub struct Scheduler {
     running: Vec<SeqId>,
     seqs: HashMap<SeqId, Sequence>,
     next_seq_id: SeqId,
+    /// One mark per block for [`Scheduler::attended_positions`], all clear between calls, so
+    /// that counting costs the scheduled tables' length, not the pool's.
+    attended: Vec<bool>,
 }
 
 impl Scheduler {
@@ -105,6 +108,7 @@ impl Scheduler {
     pub fn new(cfg: SchedulerConfig, pool: KvPool) -> Self {
         Self {
             cfg,
+            attended: vec![false; pool.num_blocks()],
             pool,
             waiting: VecDeque::new(),
             running: Vec::new(),
@@ -309,17 +313,27 @@ impl Scheduler {
     /// The key/value positions `plan`'s attention reads: every scheduled sequence's context
     /// (cached and new tokens), a block that several sequences share (a group's prompt)
     /// counted once.
-    pub fn attended_positions(&self, plan: &Plan) -> usize {
+    pub fn attended_positions(&mut self, plan: &Plan) -> usize {
         let block_size = self.pool.block_size();
-        let mut seen = vec![false; self.pool.num_blocks()];
-        let mut positions = 0;
-        for s in &plan.seqs {
+        let tables = plan.seqs.iter().map(|s| {
             let context = s.num_computed_tokens + s.num_new_tokens;
             let table = &self.seqs[&s.seq_id].block_table;
-            for (i, &block) in table.iter().take(context.div_ceil(block_size)).enumerate() {
-                if !std::mem::replace(&mut seen[block as usize], true) {
+            (
+                context,
+                &table[..context.div_ceil(block_size).min(table.len())],
+            )
+        });
+        let mut positions = 0;
+        for (context, blocks) in tables.clone() {
+            for (i, &block) in blocks.iter().enumerate() {
+                if !std::mem::replace(&mut self.attended[block as usize], true) {
                     positions += block_size.min(context - i * block_size);
                 }
+            }
+        }
+        for (_, blocks) in tables {
+            for &block in blocks {
+                self.attended[block as usize] = false;
             }
         }
         positions
