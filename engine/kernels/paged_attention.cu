@@ -28,10 +28,16 @@ struct f16 { unsigned short x; };
 
 __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(bf16 v) { return __uint_as_float(((unsigned int)v.x) << 16); }
+// PTX's conversions on a GPU; a host compile (the tests run these kernels on the CPU) brings
+// its own, in software.
 __device__ __forceinline__ float to_f32(f16 v) {
+#ifdef __CUDA_ARCH__
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.x));
     return f;
+#else
+    return host_f16_to_f32(v.x);
+#endif
 }
 __device__ __forceinline__ void from_f32(float &o, float v) { o = v; }
 // Round to nearest even, as candle's (the half crate's) conversion.
@@ -42,7 +48,11 @@ __device__ __forceinline__ void from_f32(bf16 &o, float v) {
     o.x = (unsigned short)(u >> 16);
 }
 __device__ __forceinline__ void from_f32(f16 &o, float v) {
+#ifdef __CUDA_ARCH__
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(o.x) : "f"(v));
+#else
+    o.x = host_f32_to_f16(v);
+#endif
 }
 
 template <typename T>

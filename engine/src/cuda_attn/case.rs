@@ -2,8 +2,9 @@
 //! scattered over a pool with holes, forked sequences sharing blocks, and their contiguous
 //! K/V for [`super::reference`]. The CPU twin's tests and `dppo doctor`'s GPU check use them.
 
+use candle_core::DType;
 use rand::rngs::StdRng;
-use rand::Rng;
+use rand::{Rng, SeedableRng};
 
 use super::reference::{self, RefSeq};
 use super::tables::{TableMirror, TableUpload};
@@ -13,6 +14,51 @@ use crate::EngineError;
 
 /// Tokens per block of the cases' pools.
 const BLOCK_SIZE: usize = 16;
+/// (cached, new) tokens of each sequence of a checked batch: long and short decodes, a fresh
+/// prefill, a chunk of a prefill, a one-token context.
+const LENS: [(usize, usize); 6] = [(600, 1), (0, 37), (150, 21), (0, 1), (17, 1), (129, 1)];
+/// A forking group: three samples, two sharing their prompt's blocks.
+const FORK_LENS: [(usize, usize); 3] = [(64, 1), (80, 1), (5, 1)];
+
+/// The batches the kernels are checked on, on a GPU (`dppo doctor`) and in their emulation
+/// on the CPU (tests): GQA ratios 1, 3, 4 and 8, head_dim 64 and 128, a plain and a forking
+/// batch each, their values exact in `dtype`.
+pub fn checked_cases(dtype: DType) -> Vec<Case> {
+    let mut rng = StdRng::seed_from_u64(17);
+    let mut cases = Vec::new();
+    for group in [1, 3, 4, 8] {
+        for head_dim in [64, 128] {
+            let heads = Heads {
+                num_heads: 2 * group,
+                num_kv_heads: 2,
+                head_dim,
+            };
+            for (lens, fork) in [(&LENS[..], false), (&FORK_LENS[..], true)] {
+                let round = |x: f32| round_to(x, dtype);
+                cases.push(Case::new(&mut rng, heads, lens, fork, round));
+            }
+        }
+    }
+    cases
+}
+
+/// The largest |kernel - f64 reference| a checked case may show in `dtype`.
+pub fn tolerance(dtype: DType) -> f64 {
+    match dtype {
+        DType::BF16 => 2e-2,
+        DType::F16 => 4e-3,
+        _ => 1e-4,
+    }
+}
+
+/// `x` as stored in `dtype` and read back.
+pub fn round_to(x: f32, dtype: DType) -> f32 {
+    match dtype {
+        DType::BF16 => half::bf16::from_f32(x).to_f32(),
+        DType::F16 => half::f16::from_f32(x).to_f32(),
+        _ => x,
+    }
+}
 
 /// One random batch.
 #[derive(Debug, Clone)]

@@ -5,19 +5,11 @@
 //! uses for an iteration's changes.
 
 use candle_core::{DType, Device, Result, Tensor};
-use rand::rngs::StdRng;
-use rand::SeedableRng;
 
-use super::case::{worst, Case};
-use super::{multiprocessors, CudaIndex, CudaPagedAttention, DeviceTables, Heads};
+use super::case::{checked_cases, tolerance, worst, Case};
+use super::{multiprocessors, CudaIndex, CudaPagedAttention, DeviceTables};
 use crate::generic_attn::{BatchIndex, GenericPagedAttention, TensorKvCache};
 use dppo_model::AttentionBackend;
-
-/// (cached, new) tokens of each sequence: long and short decodes, a fresh prefill, a chunk
-/// of a prefill, a one-token context.
-const LENS: [(usize, usize); 6] = [(600, 1), (0, 37), (150, 21), (0, 1), (17, 1), (129, 1)];
-/// A forking group: three samples, two sharing their prompt's blocks.
-const FORK_LENS: [(usize, usize); 3] = [(64, 1), (80, 1), (5, 1)];
 
 /// What the check found for one dtype.
 #[derive(Debug, Clone, PartialEq)]
@@ -48,45 +40,24 @@ pub fn run(device: &Device) -> Result<Vec<DtypeReport>> {
     };
     let min_blocks = 2 * multiprocessors(cuda)?;
     let mut reports = Vec::new();
-    for (dtype, tolerance) in [(DType::F32, 1e-4), (DType::BF16, 2e-2), (DType::F16, 4e-3)] {
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
         let mut report = DtypeReport {
             dtype,
             cases: 0,
             vs_reference: 0.0,
             vs_generic: 0.0,
             pools_differing: 0,
-            tolerance,
+            tolerance: tolerance(dtype),
         };
-        let mut rng = StdRng::seed_from_u64(17);
-        let round = |x: f32| round_to(x, dtype);
-        for group in [1, 3, 4, 8] {
-            for head_dim in [64, 128] {
-                let heads = Heads {
-                    num_heads: 2 * group,
-                    num_kv_heads: 2,
-                    head_dim,
-                };
-                for (lens, fork) in [(&LENS[..], false), (&FORK_LENS[..], true)] {
-                    let case = Case::new(&mut rng, heads, lens, fork, round);
-                    // Split as the engine would, and into as many splits as there are chunks.
-                    for blocks in [min_blocks, usize::MAX / 2] {
-                        one_case(&case, dtype, device, blocks, &mut report)?;
-                    }
-                }
+        for case in checked_cases(dtype) {
+            // Split as the engine would, and into as many splits as there are chunks.
+            for blocks in [min_blocks, usize::MAX / 2] {
+                one_case(&case, dtype, device, blocks, &mut report)?;
             }
         }
         reports.push(report);
     }
     Ok(reports)
-}
-
-/// `x` as stored in `dtype` and read back.
-fn round_to(x: f32, dtype: DType) -> f32 {
-    match dtype {
-        DType::BF16 => half::bf16::from_f32(x).to_f32(),
-        DType::F16 => half::f16::from_f32(x).to_f32(),
-        _ => x,
-    }
 }
 
 fn one_case(

@@ -14,15 +14,12 @@ use candle_core::{
 };
 use dppo_model::AttentionBackend;
 
-use super::{KernelPlan, SOURCE, THREADS};
+use super::{table_write_geometry, Geometry, KernelPlan, SOURCE};
 use crate::generic_attn::TensorKvCache;
 
 /// kernels/paged_attention.cu as the GPU loads it.
 static MODULE: crate::nvrtc::Module =
     crate::nvrtc::Module::new("dppo_paged_attention", "kernels/paged_attention.cu", SOURCE);
-
-/// Threads of a write block and of a merge block.
-const WRITE_THREADS: u32 = 128;
 
 /// A plan and its tiles and slots on the device, for one iteration.
 pub struct CudaIndex {
@@ -69,17 +66,22 @@ impl DeviceTables {
         let src = stream.clone_htod(pairs).w()?;
         let n = (pairs.len() / 2) as u32;
         let func = function(&self.device, "write_table_entries", None)?;
-        let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(WRITE_THREADS), 1, 1),
-            block_dim: (WRITE_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = config(table_write_geometry(n as usize));
         let mut launch = stream.launch_builder(&func);
         launch.arg(&mut self.table).arg(&src).arg(&n);
         // SAFETY: the arguments match `write_table_entries`; every index was taken from the
         // mirror of this table, so it lies inside it.
         unsafe { launch.launch(cfg) }.w()?;
         Ok(())
+    }
+}
+
+/// `g` as cudarc takes it.
+fn config(g: Geometry) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: g.grid,
+        block_dim: g.block,
+        shared_mem_bytes: g.shared_bytes,
     }
 }
 
@@ -196,11 +198,7 @@ fn write<T: CudaDType + DeviceRepr>(
     let src = src.as_cuda_slice::<T>()?.slice(start..end);
     let stream = cache.device.cuda_stream();
     let cache = cache.as_cuda_slice_mut::<T>()?;
-    let cfg = LaunchConfig {
-        grid_dim: (rows as u32, 1, 1),
-        block_dim: (WRITE_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = config(plan.write_geometry());
     let mut launch = stream.launch_builder(func);
     launch.arg(&src).arg(cache).arg(&index.slots).arg(&row);
     // SAFETY: the arguments match `write_slots` in kernels/paged_attention.cu; `src` holds
@@ -290,11 +288,7 @@ fn attend<T: CudaDType + DeviceRepr>(
     let stream = device.cuda_stream();
 
     let func = function(device, "paged_attention", Some(dtype))?;
-    let cfg = LaunchConfig {
-        grid_dim: (plan.tiles.len() as u32, kv_heads, splits),
-        block_dim: (THREADS as u32, 1, 1),
-        shared_mem_bytes: plan.shared_bytes() as u32,
-    };
+    let cfg = config(plan.attention_geometry());
     let mut launch = stream.launch_builder(&func);
     launch
         .arg(&q)
@@ -318,11 +312,7 @@ fn attend<T: CudaDType + DeviceRepr>(
     unsafe { launch.launch(cfg) }.w()?;
 
     let func = function(device, "paged_reduce", Some(dtype))?;
-    let cfg = LaunchConfig {
-        grid_dim: (plan.rows as u32, num_heads, 1),
-        block_dim: (head_dim, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = config(plan.reduce_geometry());
     let mut launch = stream.launch_builder(&func);
     launch
         .arg(&acc)

@@ -3,12 +3,15 @@
 //! instead of gathering, padding and expanding them. This module holds what the host decides
 //! for an iteration (the [`KernelPlan`]: tiles of query rows and splits of the context),
 //! built once and shared by every layer, and the block tables kept on the device between
-//! iterations ([`tables`]); `launch` (CUDA builds) queues the kernels, and a CPU twin of the
-//! kernels (tests) checks the plan and the algorithm against [`reference`] without a GPU.
+//! iterations ([`tables`]); `launch` (CUDA builds) queues the kernels. Without a GPU, a CPU
+//! twin of the kernels (tests) checks the plan and the algorithm against [`reference`], and
+//! `emulated` (tests) runs the kernel source itself on the CPU against the twin.
 
 pub mod case;
 #[cfg(feature = "cuda")]
 pub mod device_check;
+#[cfg(all(test, target_os = "linux"))]
+mod emulated;
 #[cfg(feature = "cuda")]
 mod launch;
 pub mod reference;
@@ -40,6 +43,26 @@ const TARGET_PAIRS: usize = 16;
 const MAX_SHARED_BYTES: usize = 48 * 1024;
 /// Launches per layer: the K and V writes, the attention and the merge of its splits.
 pub const LAUNCHES_PER_LAYER: u64 = 4;
+/// Threads of a block that writes K/V rows or block-table entries.
+const WRITE_THREADS: u32 = 128;
+
+/// Grid, block and dynamic shared memory of one launch, as CUDA's launch configuration
+/// takes them (on a GPU and in the kernels' emulation in tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Geometry {
+    pub grid: (u32, u32, u32),
+    pub block: (u32, u32, u32),
+    pub shared_bytes: u32,
+}
+
+/// `write_table_entries` over `entries` (index, block) pairs: a thread each.
+pub fn table_write_geometry(entries: usize) -> Geometry {
+    Geometry {
+        grid: ((entries as u32).div_ceil(WRITE_THREADS), 1, 1),
+        block: (WRITE_THREADS, 1, 1),
+        shared_bytes: 0,
+    }
+}
 
 /// The heads of the model the kernels serve.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -205,5 +228,36 @@ impl KernelPlan {
     /// The attention kernel's shared memory per block.
     pub fn shared_bytes(&self) -> usize {
         shared_bytes(self.max_pairs, self.heads.head_dim)
+    }
+
+    /// `write_slots`: a block per batch row.
+    pub fn write_geometry(&self) -> Geometry {
+        Geometry {
+            grid: (self.rows as u32, 1, 1),
+            block: (WRITE_THREADS, 1, 1),
+            shared_bytes: 0,
+        }
+    }
+
+    /// `paged_attention`: a block per (tile, KV head, split).
+    pub fn attention_geometry(&self) -> Geometry {
+        Geometry {
+            grid: (
+                self.tiles.len() as u32,
+                self.heads.num_kv_heads as u32,
+                self.splits as u32,
+            ),
+            block: (THREADS as u32, 1, 1),
+            shared_bytes: self.shared_bytes() as u32,
+        }
+    }
+
+    /// `paged_reduce`: a block per (row, query head), a thread per dimension.
+    pub fn reduce_geometry(&self) -> Geometry {
+        Geometry {
+            grid: (self.rows as u32, self.heads.num_heads as u32, 1),
+            block: (self.heads.head_dim as u32, 1, 1),
+            shared_bytes: 0,
+        }
     }
 }

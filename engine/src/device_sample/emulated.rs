@@ -1,0 +1,82 @@
+//! kernels/sample.cu itself, run on the CPU ([`crate::kernel_emu`]) over the draws `dppo
+//! doctor` checks on a GPU, held to the host reference by the same measure.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::{checked_draws, Agreement, DeviceDraw, DrawInputs, DrawOutputs, SOURCE, THREADS};
+use crate::gumbel::Drawn;
+use crate::kernel_emu::{Args, Emulator};
+use crate::sampler::MAX_TOP_LOGPROBS;
+
+/// `draws` from `rows` (each `vocab` long) by the emulated kernel, launched as
+/// [`super::sample`] launches it on a GPU.
+fn emulate(emu: &Emulator, rows: &[Vec<f32>], draws: &[DeviceDraw]) -> Vec<Drawn> {
+    let logits: Vec<f32> = rows.concat();
+    let vocab = rows[0].len() as u32;
+    let inputs = DrawInputs::of(draws);
+    let n = draws.len();
+    let mut out = DrawOutputs {
+        tokens: vec![u32::MAX; n],
+        logprobs: vec![f32::NAN; n],
+        model_logprobs: vec![f32::NAN; n],
+        top: (
+            vec![u32::MAX; n * MAX_TOP_LOGPROBS],
+            vec![f32::NAN; n * MAX_TOP_LOGPROBS],
+        ),
+    };
+    let args = Args::default()
+        .arg(logits.as_ptr())
+        .arg(vocab)
+        .arg(inputs.rows.as_ptr())
+        .arg(inputs.keys.as_ptr())
+        .arg(inputs.counters.as_ptr())
+        .arg(inputs.inv_temps.as_ptr())
+        .arg(inputs.top_ks.as_ptr())
+        .arg(inputs.top_ps.as_ptr())
+        .arg(inputs.min_ps.as_ptr())
+        .arg(inputs.n_tops.as_ptr())
+        .arg(out.tokens.as_mut_ptr())
+        .arg(out.logprobs.as_mut_ptr())
+        .arg(out.model_logprobs.as_mut_ptr())
+        .arg(out.top.0.as_mut_ptr())
+        .arg(out.top.1.as_mut_ptr());
+    emu.launch("gumbel_sample", (n as u32, 1, 1), (THREADS, 1, 1), 0, &args)
+        .unwrap();
+    out.drawn(&inputs.n_tops)
+}
+
+/// Logits as the doctor draws them: normal(0, 3).
+fn logits(rng: &mut StdRng, rows: usize, vocab: usize) -> Vec<Vec<f32>> {
+    (0..rows)
+        .map(|_| {
+            (0..vocab)
+                .map(|_| {
+                    let (u, v): (f32, f32) = (rng.random(), rng.random());
+                    3.0 * (-2.0 * (1.0 - u).ln()).sqrt() * (std::f32::consts::TAU * v).cos()
+                })
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn the_kernel_draws_what_its_host_reference_draws() {
+    let emu = Emulator::build("kernels/sample.cu", SOURCE, &["gumbel_sample"]).unwrap();
+    let mut rng = StdRng::seed_from_u64(23);
+    // Qwen's vocabulary, as the doctor checks it, and one that is no multiple of the groups
+    // of four or of the block's threads, with a NaN and an infinity among the logits.
+    for (rows, vocab) in [(16, 151_936), (6, 32_003)] {
+        let mut logits = logits(&mut rng, rows, vocab);
+        logits[1][7] = f32::NAN;
+        logits[2][vocab - 1] = f32::NEG_INFINITY;
+        let draws = checked_draws(rows);
+        let got = emulate(&emu, &logits, &draws);
+        let agreement = Agreement::of(&logits, &draws, &got);
+        assert!(agreement.passed(), "vocabulary {vocab}: {agreement:?}");
+        for (d, g) in draws.iter().zip(&got) {
+            assert!((g.token as usize) < vocab, "{d:?}: {g:?}");
+            assert_eq!(g.top_logprobs.len(), d.params.top_logprobs as usize);
+        }
+    }
+}

@@ -1,0 +1,305 @@
+//! Sampling on the GPU (`engine.sampling = "device"`): the iteration's f32 logits stay on
+//! the device and one kernel launch (kernels/sample.cu, compiled once per process by NVRTC)
+//! draws every sample by the Gumbel-max trick, top-k and top-p applied as a threshold and
+//! top logprobs found on the device; 12 bytes per draw come back (plus 160 per draw when
+//! some draw asks for top logprobs) instead of a vocabulary-sized row. [`crate::gumbel`] is
+//! the kernel's reference.
+
+use candle_core::{Result, Tensor};
+use serde::{Deserialize, Serialize};
+
+use crate::gumbel::{self, DrawKey, DrawParams, Drawn};
+#[cfg(any(feature = "cuda", test))]
+use crate::sampler::MAX_TOP_LOGPROBS;
+
+/// The kernel's CUDA source, compiled by NVRTC at run time (and in CI by
+/// `scripts/check-kernels`).
+pub const SOURCE: &str = include_str!("../../kernels/sample.cu");
+
+/// Where the engine samples (`engine.sampling`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SamplingPlace {
+    /// On the host, from the logits rows copied there: every sampling option.
+    #[default]
+    Host,
+    /// On a GPU, by one kernel: every sampling option. On the CPU the kernel's host
+    /// reference draws instead (the same tokens; for tests).
+    Device,
+}
+
+/// One draw: the logits row it reads, its noise and what it asks.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DeviceDraw {
+    pub row: u32,
+    pub key: DrawKey,
+    pub params: DrawParams,
+}
+
+/// Share of the checked draws that must pick the host reference's token and top logprobs:
+/// only a near-tie of two noisy scores, where the kernel's and the host's `log` round
+/// differently, may part them.
+pub const MIN_AGREEMENT: f64 = 0.99;
+/// Largest logprob difference where a draw agrees (the reductions' orders differ).
+pub const LOGPROB_TOL: f32 = 1e-4;
+
+/// The draws the kernel is checked on (by `dppo doctor` on a GPU, in its emulation on the
+/// CPU by tests): 8 per row of `rows`; temperatures 1, 0.7 and greedy, each plain, with
+/// top-k 50, with top-p 0.9 and with both and min-p 0.05; 5 top logprobs on some.
+pub fn checked_draws(rows: usize) -> Vec<DeviceDraw> {
+    let inv_temperatures = [1.0f32, 1.0 / 0.7, 0.0];
+    let truncations = [
+        (0, 1.0f32, 0.0f32),
+        (50, 1.0, 0.0),
+        (0, 0.9, 0.0),
+        (50, 0.9, 0.05),
+    ];
+    let mut draws = Vec::new();
+    for row in 0..rows {
+        for sample in 0..8u32 {
+            let (top_k, top_p, min_p) = truncations[(row / 3 + sample as usize) % 4];
+            draws.push(DeviceDraw {
+                row: row as u32,
+                key: DrawKey {
+                    key: 0x5eed_0000 + row as u64,
+                    position: 17 + sample,
+                    sample_index: sample,
+                },
+                params: DrawParams {
+                    inv_temperature: inv_temperatures[(row + sample as usize) % 3],
+                    top_k,
+                    top_p,
+                    min_p,
+                    top_logprobs: if sample % 3 == 0 { 5 } else { 0 },
+                },
+            });
+        }
+    }
+    draws
+}
+
+/// How draws agree with their host reference, [`gumbel::draw`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Agreement {
+    /// Draws with the reference's token and top-logprob ids.
+    pub agreed: usize,
+    pub draws: usize,
+    /// The largest logprob difference over the draws that agree.
+    pub worst: f32,
+}
+
+impl Agreement {
+    /// `got[i]` against the reference's draw `draws[i]` from `rows` (the logits).
+    pub fn of(rows: &[Vec<f32>], draws: &[DeviceDraw], got: &[Drawn]) -> Self {
+        let (mut agreed, mut worst) = (0usize, 0f32);
+        for (d, got) in draws.iter().zip(got) {
+            let want = gumbel::draw(&rows[d.row as usize], &d.params, &d.key);
+            let same_tops = want.top_logprobs.len() == got.top_logprobs.len()
+                && want
+                    .top_logprobs
+                    .iter()
+                    .zip(&got.top_logprobs)
+                    .all(|(a, b)| a.0 == b.0);
+            if want.token == got.token && same_tops {
+                agreed += 1;
+                worst = worst
+                    .max((want.logprob - got.logprob).abs())
+                    .max((want.model_logprob - got.model_logprob).abs());
+                for (a, b) in want.top_logprobs.iter().zip(&got.top_logprobs) {
+                    worst = worst.max((a.1 - b.1).abs());
+                }
+            }
+        }
+        Self {
+            agreed,
+            draws: draws.len(),
+            worst,
+        }
+    }
+
+    /// At least [`MIN_AGREEMENT`] agree, within [`LOGPROB_TOL`].
+    pub fn passed(&self) -> bool {
+        self.agreed as f64 >= MIN_AGREEMENT * self.draws as f64 && self.worst <= LOGPROB_TOL
+    }
+}
+
+/// Draws `draws` from `logits` ((rows, vocab) f32). On a GPU by the kernel; on the CPU by
+/// its reference, [`crate::gumbel::draw`], so that the CPU tests run every other step of
+/// this path.
+pub fn sample(logits: &Tensor, draws: &[DeviceDraw]) -> Result<Vec<Drawn>> {
+    if draws.is_empty() {
+        return Ok(Vec::new());
+    }
+    if logits.device().is_cpu() {
+        let rows = logits.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
+        return Ok(draws
+            .iter()
+            .map(|d| gumbel::draw(&rows[d.row as usize], &d.params, &d.key))
+            .collect());
+    }
+    on_gpu(logits, draws)
+}
+
+/// [`sample`] by the kernel.
+#[cfg(feature = "cuda")]
+fn on_gpu(logits: &Tensor, draws: &[DeviceDraw]) -> Result<Vec<Drawn>> {
+    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::{bail, DType, Storage};
+
+    let candle_core::Device::Cuda(device) = logits.device() else {
+        bail!("device sampling: the logits are on neither the CPU nor a GPU");
+    };
+    if logits.dtype() != DType::F32 || logits.rank() != 2 {
+        bail!("device sampling: expected (rows, vocab) f32 logits");
+    }
+    let logits = logits.contiguous()?;
+    let vocab = logits.dim(1)? as u32;
+    let (storage, layout) = logits.storage_and_layout();
+    let (Storage::Cuda(storage), Some((start, end))) = (&*storage, layout.contiguous_offsets())
+    else {
+        bail!("device sampling: the logits are not contiguous on a GPU");
+    };
+    let slice = storage.as_cuda_slice::<f32>()?.slice(start..end);
+    let func = MODULE.function(device, "gumbel_sample")?;
+    let stream = device.cuda_stream();
+    let w = candle_core::Error::wrap;
+    let inputs = DrawInputs::of(draws);
+    let rows = stream.clone_htod(&inputs.rows).map_err(w)?;
+    let keys = stream.clone_htod(&inputs.keys).map_err(w)?;
+    let counters = stream.clone_htod(&inputs.counters).map_err(w)?;
+    let inv_temps = stream.clone_htod(&inputs.inv_temps).map_err(w)?;
+    let top_ks = stream.clone_htod(&inputs.top_ks).map_err(w)?;
+    let top_ps = stream.clone_htod(&inputs.top_ps).map_err(w)?;
+    let min_ps = stream.clone_htod(&inputs.min_ps).map_err(w)?;
+    let n_tops = stream.clone_htod(&inputs.n_tops).map_err(w)?;
+    let n = draws.len();
+    let mut tokens = stream.alloc_zeros::<u32>(n).map_err(w)?;
+    let mut logprobs = stream.alloc_zeros::<f32>(n).map_err(w)?;
+    let mut model = stream.alloc_zeros::<f32>(n).map_err(w)?;
+    let mut top_ids = stream.alloc_zeros::<u32>(n * MAX_TOP_LOGPROBS).map_err(w)?;
+    let mut top_logprobs = stream.alloc_zeros::<f32>(n * MAX_TOP_LOGPROBS).map_err(w)?;
+    let cfg = LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = stream.launch_builder(&func);
+    launch
+        .arg(&slice)
+        .arg(&vocab)
+        .arg(&rows)
+        .arg(&keys)
+        .arg(&counters)
+        .arg(&inv_temps)
+        .arg(&top_ks)
+        .arg(&top_ps)
+        .arg(&min_ps)
+        .arg(&n_tops)
+        .arg(&mut tokens)
+        .arg(&mut logprobs)
+        .arg(&mut model)
+        .arg(&mut top_ids)
+        .arg(&mut top_logprobs);
+    // SAFETY: the arguments match the kernel's signature in kernels/sample.cu, every
+    // buffer holds `n` draws (rows: `rows * vocab` floats; top logprobs MAX_TOP_LOGPROBS
+    // slots each, the kernel's MAX_TOP), and each block writes only its own draw's outputs.
+    unsafe { launch.launch(cfg) }.map_err(w)?;
+    let out = DrawOutputs {
+        tokens: stream.clone_dtoh(&tokens).map_err(w)?,
+        logprobs: stream.clone_dtoh(&logprobs).map_err(w)?,
+        model_logprobs: stream.clone_dtoh(&model).map_err(w)?,
+        // The top logprobs come back only when some draw asked for them.
+        top: if inputs.n_tops.iter().any(|&k| k > 0) {
+            (
+                stream.clone_dtoh(&top_ids).map_err(w)?,
+                stream.clone_dtoh(&top_logprobs).map_err(w)?,
+            )
+        } else {
+            (Vec::new(), Vec::new())
+        },
+    };
+    Ok(out.drawn(&inputs.n_tops))
+}
+
+/// The kernel's per-draw inputs, a buffer each.
+#[cfg(any(feature = "cuda", test))]
+pub(crate) struct DrawInputs {
+    rows: Vec<u32>,
+    /// Two words a draw, low first.
+    keys: Vec<u32>,
+    /// (position, sample index) a draw.
+    counters: Vec<u32>,
+    inv_temps: Vec<f32>,
+    top_ks: Vec<u32>,
+    top_ps: Vec<f32>,
+    min_ps: Vec<f32>,
+    n_tops: Vec<u32>,
+}
+
+#[cfg(any(feature = "cuda", test))]
+impl DrawInputs {
+    pub(crate) fn of(draws: &[DeviceDraw]) -> Self {
+        Self {
+            rows: draws.iter().map(|d| d.row).collect(),
+            keys: draws.iter().flat_map(|d| d.key.key_words()).collect(),
+            counters: draws
+                .iter()
+                .flat_map(|d| [d.key.position, d.key.sample_index])
+                .collect(),
+            inv_temps: draws.iter().map(|d| d.params.inv_temperature).collect(),
+            top_ks: draws.iter().map(|d| d.params.top_k).collect(),
+            top_ps: draws.iter().map(|d| d.params.top_p).collect(),
+            min_ps: draws.iter().map(|d| d.params.min_p).collect(),
+            n_tops: draws.iter().map(|d| d.params.top_logprobs).collect(),
+        }
+    }
+}
+
+/// The kernel's outputs: a token and two logprobs a draw, and `MAX_TOP_LOGPROBS` top ids and
+/// logprobs a draw (empty when no draw asked for them).
+#[cfg(any(feature = "cuda", test))]
+pub(crate) struct DrawOutputs {
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) logprobs: Vec<f32>,
+    pub(crate) model_logprobs: Vec<f32>,
+    pub(crate) top: (Vec<u32>, Vec<f32>),
+}
+
+#[cfg(any(feature = "cuda", test))]
+impl DrawOutputs {
+    /// The draws, `n_tops[i]` top logprobs for draw `i`.
+    pub(crate) fn drawn(&self, n_tops: &[u32]) -> Vec<Drawn> {
+        let (ids, lps) = &self.top;
+        (0..self.tokens.len())
+            .map(|i| Drawn {
+                token: self.tokens[i],
+                logprob: self.logprobs[i],
+                model_logprob: self.model_logprobs[i],
+                top_logprobs: (0..n_tops[i] as usize)
+                    .map(|j| (ids[i * MAX_TOP_LOGPROBS + j], lps[i * MAX_TOP_LOGPROBS + j]))
+                    .collect(),
+            })
+            .collect()
+    }
+}
+
+/// Threads per block: the kernel's `THREADS`.
+#[cfg(any(feature = "cuda", test))]
+const THREADS: u32 = 256;
+
+/// kernels/sample.cu as the GPU loads it.
+#[cfg(feature = "cuda")]
+static MODULE: crate::nvrtc::Module =
+    crate::nvrtc::Module::new("dppo_sample", "kernels/sample.cu", SOURCE);
+
+/// Without CUDA the only device is the CPU, which [`sample`] serves itself.
+#[cfg(not(feature = "cuda"))]
+fn on_gpu(logits: &Tensor, _draws: &[DeviceDraw]) -> Result<Vec<Drawn>> {
+    candle_core::bail!(
+        "device sampling: no kernel for {:?} in this build",
+        logits.device()
+    )
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod emulated;

@@ -1,0 +1,309 @@
+// CUDA kernel sources run on the CPU, for tests. A block's threads are fibers on the calling
+// thread, switched only where CUDA threads wait for each other: at __syncthreads and at a warp
+// shuffle (the warp's lanes exchange through a buffer, a warp-wide barrier between writing and
+// reading). Blocks run one after another. A barrier that some threads never reach, a shuffle
+// from a partial warp or with lanes out of step, and launch sizes a GPU refuses are errors;
+// dynamic shared memory starts filled with 0xff bytes (NaN as floats) in every block.
+// The test harness (kernel_emu/mod.rs) appends the kernel source, with each
+// `extern __shared__ T name[];` rewritten to `T *name = (T *)emu::dynamic_shared();`, and the
+// table of its kernels, then compiles it all as one shared library.
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <utility>
+
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+
+struct uint3 {
+    unsigned int x, y, z;
+};
+
+static uint3 blockIdx, blockDim, gridDim;
+
+__device__ inline float __int_as_float(int i) {
+    float f;
+    memcpy(&f, &i, 4);
+    return f;
+}
+__device__ inline float __uint_as_float(unsigned int u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+__device__ inline unsigned int __float_as_uint(float f) {
+    unsigned int u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+__device__ inline unsigned int __umulhi(unsigned int a, unsigned int b) {
+    return (unsigned int)(((uint64_t)a * b) >> 32);
+}
+__device__ inline unsigned int min(unsigned int a, unsigned int b) { return a < b ? a : b; }
+__device__ inline unsigned int max(unsigned int a, unsigned int b) { return a > b ? a : b; }
+
+// A host compile converts f16 in software (the kernels use PTX's cvt on a GPU).
+inline float host_f16_to_f32(unsigned short bits) {
+    _Float16 h;
+    memcpy(&h, &bits, 2);
+    return (float)h;
+}
+inline unsigned short host_f32_to_f16(float f) {
+    _Float16 h = (_Float16)f;
+    unsigned short bits;
+    memcpy(&bits, &h, 2);
+    return bits;
+}
+
+namespace emu {
+
+constexpr unsigned WARP = 32;
+constexpr unsigned MAX_THREADS = 1024;
+constexpr size_t SHARED_BYTES = 48 * 1024;
+constexpr size_t STACK_BYTES = 64 * 1024;
+
+enum State { READY, AT_BLOCK, AT_WARP, DONE };
+
+struct Fiber {
+    jmp_buf env;
+    ucontext_t context;
+    uint3 tid;
+    State state;
+    bool started;
+    // Shuffles this thread has made: lanes meet at the same count, and the parity picks the
+    // exchange buffer.
+    unsigned shuffles;
+};
+
+struct Kernel {
+    const char *name;
+    unsigned arity;
+    void (*thunk)(void **);
+};
+
+// One block's threads and barriers; launches are serialised by the caller.
+struct Block {
+    Fiber fibers[MAX_THREADS];
+    unsigned n, current, done, at_block;
+    unsigned at_warp[MAX_THREADS / WARP];
+    unsigned warp_shuffle[MAX_THREADS / WARP];
+    uint32_t exchange[MAX_THREADS / WARP][2][WARP];
+    const Kernel *kernel;
+    void **args;
+    jmp_buf launcher;
+    char error[512];
+};
+
+static Block block;
+alignas(16) static unsigned char shared_memory[SHARED_BYTES];
+
+inline void *dynamic_shared() { return shared_memory; }
+
+[[noreturn]] inline void fail(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int n = snprintf(block.error, sizeof block.error, "block (%u, %u, %u), thread %u: ",
+                     blockIdx.x, blockIdx.y, blockIdx.z, block.current);
+    vsnprintf(block.error + n, sizeof block.error - n, fmt, ap);
+    va_end(ap);
+    _longjmp(block.launcher, 2);
+}
+
+// Runs the next ready thread after `after`, in order; back to the launcher when every thread
+// has returned.
+[[noreturn]] inline void run_next(unsigned after) {
+    for (unsigned k = 1; k <= block.n; ++k) {
+        const unsigned i = (after + k) % block.n;
+        Fiber &f = block.fibers[i];
+        if (f.state != READY) continue;
+        block.current = i;
+        if (!f.started) {
+            f.started = true;
+            setcontext(&f.context);
+        }
+        _longjmp(f.env, 1);
+    }
+    if (block.done == block.n) _longjmp(block.launcher, 1);
+    fail("deadlock: %u threads wait at __syncthreads and the rest at warp shuffles",
+         block.at_block);
+}
+
+// The current thread waits: the others run until a barrier releases it.
+inline void wait() {
+    Fiber &f = block.fibers[block.current];
+    if (_setjmp(f.env)) return;
+    run_next(block.current);
+}
+
+inline void entry() {
+    block.kernel->thunk(block.args);
+    block.fibers[block.current].state = DONE;
+    ++block.done;
+    if (block.at_block > 0) fail("returned while %u threads wait at __syncthreads", block.at_block);
+    const unsigned w = block.current / WARP;
+    if (block.at_warp[w] > 0) fail("returned while its warp waits at a shuffle");
+    run_next(block.current);
+}
+
+inline unsigned lanes_of(unsigned w) {
+    return block.n - w * WARP < WARP ? block.n - w * WARP : WARP;
+}
+
+// A warp's exchange of 4-byte values: each lane writes `v`, then reads lane `src`'s.
+template <typename T>
+T exchange(unsigned mask, T v, unsigned src) {
+    static_assert(sizeof(T) == 4, "the emulated shuffles move 4-byte values");
+    const unsigned me = block.current, w = me / WARP, lane = me % WARP;
+    if (mask != 0xffffffffu || lanes_of(w) != WARP) fail("a full-mask shuffle needs a full warp");
+    Fiber &f = block.fibers[me];
+    const unsigned count = f.shuffles++;
+    if (block.at_warp[w] == 0) {
+        block.warp_shuffle[w] = count;
+    } else if (block.warp_shuffle[w] != count) {
+        fail("lane %u makes shuffle %u while its warp makes %u", lane, count,
+             block.warp_shuffle[w]);
+    }
+    uint32_t *buf = block.exchange[w][count & 1];
+    memcpy(&buf[lane], &v, 4);
+    if (++block.at_warp[w] == WARP) {
+        block.at_warp[w] = 0;
+        for (unsigned i = w * WARP; i < (w + 1) * WARP; ++i)
+            if (block.fibers[i].state == AT_WARP) block.fibers[i].state = READY;
+    } else {
+        f.state = AT_WARP;
+        wait();
+    }
+    T r;
+    memcpy(&r, &buf[src], 4);
+    return r;
+}
+
+template <typename... A, size_t... I>
+void call(void (*f)(A...), void **args, std::index_sequence<I...>) {
+    f(*static_cast<A *>(args[I])...);
+}
+
+template <typename... A>
+constexpr unsigned arity(void (*)(A...)) {
+    return sizeof...(A);
+}
+
+template <typename... A>
+void call(void (*f)(A...), void **args) {
+    call(f, args, std::index_sequence_for<A...>{});
+}
+
+inline int refuse(char *err, size_t err_len, const char *what) {
+    snprintf(err, err_len, "%s", what);
+    return 1;
+}
+
+// Runs `name` from `kernels` over the grid, as cuLaunchKernel would (args: pointers to each
+// argument). 0 on success, else 1 with the reason in `err`.
+inline int launch(const Kernel *kernels, size_t count, const char *name, const unsigned *grid,
+                  const unsigned *threads, size_t shared, void **args, unsigned n_args, char *err,
+                  size_t err_len) {
+    const Kernel *kernel = nullptr;
+    for (size_t i = 0; i < count; ++i)
+        if (strcmp(kernels[i].name, name) == 0) kernel = &kernels[i];
+    if (!kernel) return refuse(err, err_len, "no such kernel");
+    if (kernel->arity != n_args) return refuse(err, err_len, "wrong number of arguments");
+    const uint64_t n = (uint64_t)threads[0] * threads[1] * threads[2];
+    if (n == 0 || n > MAX_THREADS || threads[2] > 64)
+        return refuse(err, err_len, "block size a GPU refuses (1..=1024 threads)");
+    if (grid[0] == 0 || grid[1] == 0 || grid[2] == 0 || grid[1] > 65535 || grid[2] > 65535 ||
+        grid[0] > 0x7fffffffu)
+        return refuse(err, err_len, "grid size a GPU refuses");
+    if (shared > SHARED_BYTES) return refuse(err, err_len, "over 48 KiB of dynamic shared memory");
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE), each = STACK_BYTES + page;
+    char *stacks = (char *)mmap(nullptr, n * each, PROT_READ | PROT_WRITE,
+                                MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (stacks == MAP_FAILED) return refuse(err, err_len, "no memory for the threads' stacks");
+    // A guard page under each stack: an overflow faults instead of corrupting a neighbour.
+    for (uint64_t i = 0; i < n; ++i) mprotect(stacks + i * each, page, PROT_NONE);
+    block.n = (unsigned)n;
+    block.kernel = kernel;
+    block.args = args;
+    gridDim = {grid[0], grid[1], grid[2]};
+    blockDim = {threads[0], threads[1], threads[2]};
+    int status = 0;
+    for (unsigned z = 0; z < grid[2] && status == 0; ++z)
+        for (unsigned y = 0; y < grid[1] && status == 0; ++y)
+            for (unsigned x = 0; x < grid[0] && status == 0; ++x) {
+                blockIdx = {x, y, z};
+                memset(shared_memory, 0xff, sizeof shared_memory);
+                block.done = block.at_block = 0;
+                memset(block.at_warp, 0, sizeof block.at_warp);
+                for (unsigned i = 0; i < block.n; ++i) {
+                    Fiber &f = block.fibers[i];
+                    f.tid = {i % threads[0], i / threads[0] % threads[1],
+                             i / (threads[0] * threads[1])};
+                    f.state = READY;
+                    f.started = false;
+                    f.shuffles = 0;
+                    getcontext(&f.context);
+                    f.context.uc_stack.ss_sp = stacks + i * each + page;
+                    f.context.uc_stack.ss_size = STACK_BYTES;
+                    f.context.uc_link = nullptr;
+                    makecontext(&f.context, entry, 0);
+                }
+                if (_setjmp(block.launcher) == 0) run_next(block.n - 1);
+                if (block.done != block.n) {
+                    snprintf(err, err_len, "%s", block.error);
+                    status = 1;
+                }
+            }
+    munmap(stacks, n * each);
+    return status;
+}
+
+}  // namespace emu
+
+// __syncthreads, __shfl_xor_sync and __shfl_down_sync (width 32).
+__device__ inline void __syncthreads() {
+    using namespace emu;
+    if (block.done > 0) fail("__syncthreads after %u threads returned", block.done);
+    if (++block.at_block == block.n) {
+        block.at_block = 0;
+        for (unsigned i = 0; i < block.n; ++i)
+            if (block.fibers[i].state == AT_BLOCK) block.fibers[i].state = READY;
+        return;
+    }
+    block.fibers[block.current].state = AT_BLOCK;
+    wait();
+}
+
+template <typename T>
+__device__ T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
+    const unsigned lane = emu::block.current % emu::WARP;
+    return emu::exchange(mask, v, (lane ^ (unsigned)lane_mask) % emu::WARP);
+}
+
+template <typename T>
+__device__ T __shfl_down_sync(unsigned mask, T v, unsigned delta) {
+    const unsigned lane = emu::block.current % emu::WARP;
+    return emu::exchange(mask, v, lane + delta < emu::WARP ? lane + delta : lane);
+}
+
+#define threadIdx (emu::block.fibers[emu::block.current].tid)
+
+// After the kernels: the table of `NAME`s and the entry point the tests call.
+#define EMU_KERNEL(NAME) {#NAME, emu::arity(NAME), [](void **a) { emu::call(NAME, a); }}
+#define EMU_ENTRY(TABLE)                                                                        \
+    extern "C" __attribute__((visibility("default"))) int emu_launch(                          \
+        const char *name, const unsigned *grid, const unsigned *threads, size_t shared,        \
+        void **args, unsigned n_args, char *err, size_t err_len) {                             \
+        return emu::launch(TABLE, sizeof TABLE / sizeof TABLE[0], name, grid, threads, shared, \
+                           args, n_args, err, err_len);                                        \
+    }

@@ -1,0 +1,280 @@
+//! The engine's CUDA kernel sources run on the CPU (tests only): each source is compiled with
+//! `cuda_on_cpu.h` by the host's C++ compiler (`$CXX`, else `c++`) into a shared library, and
+//! launched over the same grids, arguments and shared memory as on a GPU. What runs is the
+//! kernel text itself, so the emulated kernels are held bit for bit to their CPU twins, and a
+//! GPU run checks only what the host compiler cannot: CUDA's own arithmetic and memory model.
+
+use std::ffi::{c_char, c_void, CString};
+use std::path::Path;
+use std::process::Command;
+use std::sync::Mutex;
+
+/// The emulation's fiber scheduler and shared memory are one per library, and a library
+/// runs one launch at a time.
+type LaunchFn = unsafe extern "C" fn(
+    *const c_char,
+    *const u32,
+    *const u32,
+    usize,
+    *mut *mut c_void,
+    u32,
+    *mut c_char,
+    usize,
+) -> i32;
+
+/// A kernel source compiled for the CPU.
+pub struct Emulator {
+    launch: Mutex<LaunchFn>,
+}
+
+/// Grid or block dimensions, as CUDA's launch configuration gives them.
+pub type Dims = (u32, u32, u32);
+
+/// One launch's arguments, each in its own 8 bytes, whose addresses are passed as
+/// cuLaunchKernel's kernel parameters are.
+#[derive(Default)]
+pub struct Args(Vec<u64>);
+
+impl Args {
+    /// Appends `value` (a scalar or a buffer's pointer).
+    pub fn arg<T: Copy>(mut self, value: T) -> Self {
+        assert!(
+            size_of::<T>() <= 8,
+            "kernel arguments are scalars or pointers"
+        );
+        let mut slot = 0u64;
+        // SAFETY: `T` is `Copy` and at most 8 bytes; the slot is 8 bytes and 8-aligned.
+        unsafe { std::ptr::write((&mut slot as *mut u64).cast::<T>(), value) };
+        self.0.push(slot);
+        self
+    }
+}
+
+impl Emulator {
+    /// Compiles `source` (`file` names it in messages) with the kernels `kernels`.
+    pub fn build(file: &str, source: &str, kernels: &[&str]) -> Result<Self, String> {
+        let source = rewrite_dynamic_shared(source)?;
+        let table: Vec<String> = kernels
+            .iter()
+            .map(|k| format!("    EMU_KERNEL({k}),"))
+            .collect();
+        let unit = format!(
+            "{}\n#line 1 \"{file}\"\n{source}\nstatic const emu::Kernel EMU_KERNELS[] = {{\n{}\n}};\nEMU_ENTRY(EMU_KERNELS)\n",
+            include_str!("cuda_on_cpu.h"),
+            table.join("\n"),
+        );
+        let dir = tempfile_dir(file)?;
+        let (cpp, lib) = (dir.join("kernels.cpp"), dir.join("kernels.so"));
+        std::fs::write(&cpp, unit).map_err(|e| format!("writing {}: {e}", cpp.display()))?;
+        let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+        let out = Command::new(&cxx)
+            .args([
+                "-std=c++20",
+                "-O2",
+                "-shared",
+                "-fPIC",
+                "-fvisibility=hidden",
+                "-fno-strict-aliasing",
+                "-ffp-contract=off",
+                "-U_FORTIFY_SOURCE",
+                "-o",
+            ])
+            .arg(&lib)
+            .arg(&cpp)
+            .output()
+            .map_err(|e| {
+                format!("running {cxx} (the kernel emulation needs a C++ compiler, g++ or clang++): {e}")
+            })?;
+        if !out.status.success() {
+            return Err(format!(
+                "{file} does not compile for the CPU:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        let launch = open(&lib)?;
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(Self {
+            launch: Mutex::new(launch),
+        })
+    }
+
+    /// Runs `kernel` over `grid` blocks of `block` threads with `shared` bytes of dynamic
+    /// shared memory. `args` must match the kernel's parameters in order and type, and every
+    /// buffer they point to must be as large as the kernel reads and writes.
+    pub fn launch(
+        &self,
+        kernel: &str,
+        grid: Dims,
+        block: Dims,
+        shared: usize,
+        args: &Args,
+    ) -> Result<(), String> {
+        let launch = self.launch.lock().unwrap_or_else(|e| e.into_inner());
+        let name = CString::new(kernel).expect("a kernel name");
+        let mut pointers: Vec<*mut c_void> = args
+            .0
+            .iter()
+            .map(|slot| (slot as *const u64).cast_mut().cast())
+            .collect();
+        let mut err = vec![0 as c_char; 1024];
+        // SAFETY: the library's entry point has this signature; the caller vouches that the
+        // arguments match the kernel (the entry checks their number).
+        let status = unsafe {
+            (*launch)(
+                name.as_ptr(),
+                [grid.0, grid.1, grid.2].as_ptr(),
+                [block.0, block.1, block.2].as_ptr(),
+                shared,
+                pointers.as_mut_ptr(),
+                pointers.len() as u32,
+                err.as_mut_ptr(),
+                err.len(),
+            )
+        };
+        if status == 0 {
+            return Ok(());
+        }
+        // SAFETY: the entry wrote a NUL-terminated message into `err`.
+        let msg = unsafe { std::ffi::CStr::from_ptr(err.as_ptr()) };
+        Err(format!("{kernel}: {}", msg.to_string_lossy()))
+    }
+}
+
+/// Each `extern __shared__ T name[];` as a pointer to the emulation's dynamic shared memory.
+fn rewrite_dynamic_shared(source: &str) -> Result<String, String> {
+    const DECL: &str = "extern __shared__ ";
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(at) = rest.find(DECL) {
+        out.push_str(&rest[..at]);
+        let after = &rest[at + DECL.len()..];
+        let end = after
+            .find("[];")
+            .ok_or("an `extern __shared__` declaration without `[];`")?;
+        let (ty, name) = after[..end]
+            .trim()
+            .rsplit_once(' ')
+            .ok_or("an `extern __shared__` declaration without a type")?;
+        out.push_str(&format!("{ty} *{name} = ({ty} *)emu::dynamic_shared();"));
+        rest = &after[end + 3..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// A fresh directory for one build.
+fn tempfile_dir(file: &str) -> Result<std::path::PathBuf, String> {
+    let stem = Path::new(file)
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .unwrap_or("kernels");
+    let dir = std::env::temp_dir().join(format!(
+        "dppo-kernel-emu-{}-{stem}-{:x}",
+        std::process::id(),
+        rand::random::<u64>()
+    ));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    Ok(dir)
+}
+
+/// The library's `emu_launch`.
+fn open(lib: &Path) -> Result<LaunchFn, String> {
+    let path = CString::new(lib.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
+    // SAFETY: dlopen and dlsym with NUL-terminated strings; the handle is never closed, so
+    // the function stays valid for the process.
+    unsafe {
+        let handle = libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL);
+        if handle.is_null() {
+            let why = std::ffi::CStr::from_ptr(libc::dlerror()).to_string_lossy();
+            return Err(format!("loading {}: {why}", lib.display()));
+        }
+        let sym = libc::dlsym(handle, c"emu_launch".as_ptr());
+        if sym.is_null() {
+            return Err(format!("{} has no emu_launch", lib.display()));
+        }
+        Ok(std::mem::transmute::<*mut c_void, LaunchFn>(sym))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A block-wide sum by shuffles and shared memory, and the errors a GPU would not report.
+    const SOURCE: &str = r#"
+extern "C" __global__ void block_sum(const float *x, float *out) {
+    extern __shared__ float part[];
+    float v = x[blockIdx.x * blockDim.x + threadIdx.x];
+    for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float t = 0.0f;
+        for (unsigned w = 0; w < blockDim.x / 32; ++w) t += part[w];
+        out[blockIdx.x] = t;
+    }
+}
+extern "C" __global__ void divergent_barrier(float *out) {
+    if (threadIdx.x < 7) __syncthreads();
+    out[threadIdx.x] = 1.0f;
+}
+extern "C" __global__ void divergent_shuffle(float *out) {
+    float v = 1.0f;
+    if (threadIdx.x % 32 < 5) v = __shfl_down_sync(0xffffffffu, v, 1);
+    __syncthreads();
+    out[threadIdx.x] = v;
+}
+"#;
+
+    fn emulator() -> Emulator {
+        Emulator::build(
+            "test.cu",
+            SOURCE,
+            &["block_sum", "divergent_barrier", "divergent_shuffle"],
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn shuffles_and_barriers_sum_a_block_as_the_gpu_would() {
+        let emu = emulator();
+        let x: Vec<f32> = (0..3 * 256).map(|i| (i % 97) as f32).collect();
+        let mut out = vec![f32::NAN; 3];
+        let args = Args::default().arg(x.as_ptr()).arg(out.as_mut_ptr());
+        emu.launch("block_sum", (3, 1, 1), (256, 1, 1), 32, &args)
+            .unwrap();
+        for (b, got) in out.iter().enumerate() {
+            let want: f32 = x[b * 256..][..256].iter().sum();
+            assert_eq!(*got, want, "block {b}");
+        }
+    }
+
+    #[test]
+    fn what_a_gpu_leaves_undefined_is_an_error() {
+        let emu = emulator();
+        let mut out = vec![0f32; 64];
+        let args = Args::default().arg(out.as_mut_ptr());
+        let err = emu
+            .launch("divergent_barrier", (1, 1, 1), (64, 1, 1), 0, &args)
+            .unwrap_err();
+        assert!(err.contains("returned while 7 threads wait"), "{err}");
+        let err = emu
+            .launch("divergent_shuffle", (1, 1, 1), (64, 1, 1), 0, &args)
+            .unwrap_err();
+        assert!(err.contains("deadlock"), "{err}");
+        let x = vec![0f32; 2048];
+        let sum = Args::default().arg(x.as_ptr()).arg(out.as_mut_ptr());
+        let err = emu
+            .launch("block_sum", (1, 1, 1), (2048, 1, 1), 0, &sum)
+            .unwrap_err();
+        assert!(err.contains("block size"), "{err}");
+        let err = emu
+            .launch("block_sum", (1, 1, 1), (64, 1, 1), 64 * 1024, &sum)
+            .unwrap_err();
+        assert!(err.contains("48 KiB"), "{err}");
+        let err = emu
+            .launch("block_sum", (1, 1, 1), (64, 1, 1), 0, &Args::default())
+            .unwrap_err();
+        assert!(err.contains("number of arguments"), "{err}");
+    }
+}
