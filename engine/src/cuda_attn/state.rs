@@ -30,6 +30,9 @@ pub struct CudaAttention {
     min_blocks: usize,
     #[cfg(feature = "cuda")]
     device_tables: Option<super::launch::DeviceTables>,
+    /// The emulated kernels' copy of the tables (the engine's unit tests on the CPU).
+    #[cfg(all(test, target_os = "linux", not(feature = "cuda")))]
+    emulated_tables: Option<Vec<u32>>,
 }
 
 impl CudaAttention {
@@ -41,6 +44,8 @@ impl CudaAttention {
             min_blocks: 2 * multiprocessors(device)?,
             #[cfg(feature = "cuda")]
             device_tables: None,
+            #[cfg(all(test, target_os = "linux", not(feature = "cuda")))]
+            emulated_tables: None,
         })
     }
 
@@ -113,13 +118,34 @@ impl CudaAttention {
     #[cfg(not(feature = "cuda"))]
     fn launch(
         &mut self,
-        _: &CausalLm,
-        _: &mut TensorKvCache,
-        _: &Batch<'_>,
-        _: KernelPlan,
-        _: &TableUpload,
+        model: &CausalLm,
+        cache: &mut TensorKvCache,
+        batch: &Batch<'_>,
+        plan: KernelPlan,
+        upload: &TableUpload,
     ) -> Result<Tensor> {
-        candle_core::bail!("cuda attention in a build without CUDA")
+        // In the engine's unit tests the CPU runs the kernels' source (`super::emulated`).
+        #[cfg(all(test, target_os = "linux"))]
+        {
+            let tables = match (&mut self.emulated_tables, upload) {
+                (Some(tables), TableUpload::Entries(pairs)) => {
+                    super::emulated::write_entries(tables, pairs)?;
+                    tables
+                }
+                (slot, _) => slot.insert(self.tables.host().to_vec()),
+            };
+            let mut backend = super::emulated::Backend {
+                cache,
+                plan: &plan,
+                tables,
+            };
+            model.forward(batch.input_ids, batch.positions, &mut backend)
+        }
+        #[cfg(not(all(test, target_os = "linux")))]
+        {
+            let _ = (model, cache, batch, plan, upload);
+            candle_core::bail!("cuda attention in a build without CUDA")
+        }
     }
 }
 
@@ -144,6 +170,10 @@ fn multiprocessors(device: &Device) -> Result<usize> {
 
 #[cfg(not(feature = "cuda"))]
 fn multiprocessors(device: &Device) -> Result<usize> {
+    // The engine's unit tests emulate the kernels on the CPU, split as on an H100 SXM.
+    if cfg!(all(test, target_os = "linux")) && device.is_cpu() {
+        return Ok(132);
+    }
     candle_core::bail!(
         "cuda attention in a build without CUDA, on {:?}",
         device.location()

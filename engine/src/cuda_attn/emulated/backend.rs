@@ -1,0 +1,111 @@
+//! The emulated kernels as the engine's attention backend on the CPU (its unit tests), as
+//! `launch.rs`'s `CudaPagedAttention` is on a GPU: the K/V writes in place on the pool's
+//! tensors, the attention and its merge as one op.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp3, DType, InplaceOp2, Layout, Result, Shape, Tensor};
+use dppo_model::AttentionBackend;
+
+use super::{attend, write_slots, Stored};
+use crate::cuda_attn::KernelPlan;
+use crate::generic_attn::TensorKvCache;
+
+/// One iteration's backend (`tables`: the emulation's copy of the block tables).
+pub(in crate::cuda_attn) struct Backend<'a> {
+    pub(in crate::cuda_attn) cache: &'a mut TensorKvCache,
+    pub(in crate::cuda_attn) plan: &'a KernelPlan,
+    pub(in crate::cuda_attn) tables: &'a [u32],
+}
+
+impl AttentionBackend for Backend<'_> {
+    fn attend(&mut self, layer_idx: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        let (kc, vc) = self.cache.layer(layer_idx);
+        kc.inplace_op2(&k.contiguous()?, &WriteSlots(self.plan))?;
+        vc.inplace_op2(&v.contiguous()?, &WriteSlots(self.plan))?;
+        let op = Attend {
+            plan: self.plan,
+            tables: self.tables,
+        };
+        q.contiguous()?.apply_op3_no_bwd(kc, vc, &op)
+    }
+}
+
+/// The values `layout` spans in `data`, which must be contiguous.
+fn contiguous<'a, T>(data: &'a [T], layout: &Layout) -> Result<&'a [T]> {
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        bail!("emulated kernels: a non-contiguous input");
+    };
+    Ok(&data[start..end])
+}
+
+struct WriteSlots<'a>(&'a KernelPlan);
+
+impl InplaceOp2 for WriteSlots<'_> {
+    fn name(&self) -> &'static str {
+        "emulated-write-slots"
+    }
+
+    fn cpu_fwd(&self, c: &mut CpuStorage, cl: &Layout, s: &CpuStorage, sl: &Layout) -> Result<()> {
+        if cl.start_offset() != 0 {
+            bail!("write_slots: a pool that does not start its storage");
+        }
+        match (c, s) {
+            (CpuStorage::F32(c), CpuStorage::F32(s)) => write_slots(self.0, contiguous(s, sl)?, c),
+            (CpuStorage::BF16(c), CpuStorage::BF16(s)) => {
+                write_slots(self.0, contiguous(s, sl)?, c)
+            }
+            (CpuStorage::F16(c), CpuStorage::F16(s)) => write_slots(self.0, contiguous(s, sl)?, c),
+            (c, s) => bail!(
+                "write_slots: a {:?} pool and {:?} rows (kernels exist for f32, bf16 and f16)",
+                c.dtype(),
+                s.dtype()
+            ),
+        }
+    }
+}
+
+struct Attend<'a> {
+    plan: &'a KernelPlan,
+    tables: &'a [u32],
+}
+
+impl Attend<'_> {
+    fn run<T: Stored>(
+        &self,
+        (q, ql): (&CpuStorage, &Layout),
+        k: &CpuStorage,
+        v: &CpuStorage,
+    ) -> Result<CpuStorage> {
+        let q = contiguous(T::cpu_storage_as_slice(q)?, ql)?;
+        let (k, v) = (T::cpu_storage_as_slice(k)?, T::cpu_storage_as_slice(v)?);
+        let out = attend(self.plan, q, (k, v), self.tables)?;
+        Ok(T::to_cpu_storage_owned(out))
+    }
+}
+
+impl CustomOp3 for Attend<'_> {
+    fn name(&self) -> &'static str {
+        "emulated-paged-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        q: &CpuStorage,
+        ql: &Layout,
+        k: &CpuStorage,
+        kl: &Layout,
+        v: &CpuStorage,
+        vl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        if kl.start_offset() != 0 || vl.start_offset() != 0 {
+            bail!("paged_attention: a pool that does not start its storage");
+        }
+        let out = match q.dtype() {
+            DType::F32 => self.run::<f32>((q, ql), k, v)?,
+            DType::BF16 => self.run::<half::bf16>((q, ql), k, v)?,
+            DType::F16 => self.run::<half::f16>((q, ql), k, v)?,
+            other => bail!("cuda attention: no kernels for {other:?}"),
+        };
+        Ok((out, ql.shape().clone()))
+    }
+}

@@ -1,0 +1,190 @@
+//! kernels/paged_attention.cu itself, run on the CPU ([`crate::kernel_emu`]), launched with
+//! the geometry and arguments `launch.rs` gives them on a GPU, host vectors standing for
+//! device buffers. The tests hold the kernels to their CPU twin over the GPU check's batches,
+//! and run the engine with the emulated kernels as its attention backend: on the CPU, the
+//! engine's unit tests resolve `engine.attention = "cuda"` to this module.
+
+use std::sync::LazyLock;
+
+use candle_core::{bail, Result, WithDType};
+
+use super::{table_write_geometry, Geometry, KernelPlan, SOURCE};
+use crate::kernel_emu::{Args, Emulator};
+
+#[cfg(not(feature = "cuda"))]
+mod backend;
+mod tests;
+
+#[cfg(not(feature = "cuda"))]
+pub(super) use backend::Backend;
+
+static KERNELS: LazyLock<Emulator> = LazyLock::new(|| {
+    let names: Vec<String> = ["write_slots", "paged_attention", "paged_reduce"]
+        .iter()
+        .flat_map(|k| ["f32", "bf16", "f16"].map(|t| format!("{k}_{t}")))
+        .chain(["write_table_entries".to_string()])
+        .collect();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    Emulator::build("kernels/paged_attention.cu", SOURCE, &names).unwrap()
+});
+
+/// An element type of the kernels' buffers.
+pub(super) trait Stored: WithDType {
+    const SUFFIX: &'static str;
+    /// `x` rounded to the type, as the kernels' `from_f32`.
+    fn of(x: f32) -> Self;
+    fn bits(self) -> u32;
+    fn value(self) -> f32;
+}
+
+impl Stored for f32 {
+    const SUFFIX: &'static str = "f32";
+    fn of(x: f32) -> Self {
+        x
+    }
+    fn bits(self) -> u32 {
+        self.to_bits()
+    }
+    fn value(self) -> f32 {
+        self
+    }
+}
+
+/// `Stored` for a half-precision type of the `half` crate.
+macro_rules! stored_half {
+    ($t:ty, $suffix:literal) => {
+        impl Stored for $t {
+            const SUFFIX: &'static str = $suffix;
+            fn of(x: f32) -> Self {
+                <$t>::from_f32(x)
+            }
+            fn bits(self) -> u32 {
+                self.to_bits().into()
+            }
+            fn value(self) -> f32 {
+                self.to_f32()
+            }
+        }
+    };
+}
+
+stored_half!(half::bf16, "bf16");
+stored_half!(half::f16, "f16");
+
+fn launch(kernel: &str, g: Geometry, args: &Args) -> Result<()> {
+    KERNELS
+        .launch(kernel, g.grid, g.block, g.shared_bytes as usize, args)
+        .map_err(candle_core::Error::msg)
+}
+
+/// `write_table_entries`: (index, block) `pairs` into `tables`.
+pub(super) fn write_entries(tables: &mut [u32], pairs: &[u32]) -> Result<()> {
+    let n = (pairs.len() / 2) as u32;
+    if n == 0 {
+        return Ok(());
+    }
+    let args = Args::default()
+        .arg(tables.as_mut_ptr())
+        .arg(pairs.as_ptr())
+        .arg(n);
+    launch(
+        "write_table_entries",
+        table_write_geometry(n as usize),
+        &args,
+    )
+}
+
+/// `write_slots`: each batch row of `src` into its slot of `cache`.
+pub(super) fn write_slots<T: Stored>(plan: &KernelPlan, src: &[T], cache: &mut [T]) -> Result<()> {
+    let row = plan.heads.num_kv_heads * plan.heads.head_dim;
+    if src.len() != plan.rows * row {
+        bail!(
+            "write_slots: {} new values for {} rows",
+            src.len(),
+            plan.rows
+        );
+    }
+    // Outside the pool the emulation would write the process's memory.
+    if let Some(slot) = plan
+        .slots
+        .iter()
+        .find(|&&s| (s as usize + 1) * row > cache.len())
+    {
+        bail!(
+            "write_slots: slot {slot} outside a pool of {}",
+            cache.len() / row
+        );
+    }
+    let args = Args::default()
+        .arg(src.as_ptr())
+        .arg(cache.as_mut_ptr())
+        .arg(plan.slots.as_ptr())
+        .arg(row as u32);
+    launch(
+        &format!("write_slots_{}", T::SUFFIX),
+        plan.write_geometry(),
+        &args,
+    )
+}
+
+/// `paged_attention` then `paged_reduce`: the batch's (rows, heads, head_dim) output, the
+/// partial buffers poisoned with NaN first.
+pub(super) fn attend<T: Stored>(
+    plan: &KernelPlan,
+    q: &[T],
+    (k, v): (&[T], &[T]),
+    tables: &[u32],
+) -> Result<Vec<T>> {
+    let heads = plan.heads;
+    let pair_rows = plan.rows * heads.num_heads;
+    if q.len() != pair_rows * heads.head_dim {
+        bail!(
+            "paged_attention: {} query values for {pair_rows} pairs",
+            q.len()
+        );
+    }
+    // Outside the pool the emulation would read the process's memory.
+    let block = plan.block_size * heads.num_kv_heads * heads.head_dim;
+    if let Some(b) = tables
+        .iter()
+        .find(|&&b| (b as usize + 1) * block > k.len().min(v.len()))
+    {
+        bail!("paged_attention: block {b} outside the pool");
+    }
+    let tiles = plan.tile_words();
+    let mut acc = vec![f32::NAN; plan.partial_len()];
+    let mut max = vec![f32::NAN; pair_rows * plan.splits];
+    let mut sum = vec![f32::NAN; pair_rows * plan.splits];
+    let scale = 1.0f32 / (heads.head_dim as f32).sqrt();
+    let args = Args::default()
+        .arg(q.as_ptr())
+        .arg(k.as_ptr())
+        .arg(v.as_ptr())
+        .arg(tiles.as_ptr())
+        .arg(tables.as_ptr())
+        .arg(heads.num_heads as u32)
+        .arg(heads.num_kv_heads as u32)
+        .arg(heads.head_dim as u32)
+        .arg(plan.block_size as u32)
+        .arg(plan.table_width as u32)
+        .arg(plan.split_len as u32)
+        .arg(scale)
+        .arg(acc.as_mut_ptr())
+        .arg(max.as_mut_ptr())
+        .arg(sum.as_mut_ptr());
+    let attention = format!("paged_attention_{}", T::SUFFIX);
+    launch(&attention, plan.attention_geometry(), &args)?;
+
+    let mut out = vec![T::of(f32::NAN); pair_rows * heads.head_dim];
+    let args = Args::default()
+        .arg(acc.as_ptr())
+        .arg(max.as_ptr())
+        .arg(sum.as_ptr())
+        .arg(heads.num_heads as u32)
+        .arg(heads.head_dim as u32)
+        .arg(plan.splits as u32)
+        .arg(out.as_mut_ptr());
+    let reduce = format!("paged_reduce_{}", T::SUFFIX);
+    launch(&reduce, plan.reduce_geometry(), &args)?;
+    Ok(out)
+}
