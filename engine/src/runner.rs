@@ -48,7 +48,12 @@ impl AttentionMode {
             ))),
             Self::Cuda if device.is_cuda() && cfg!(feature = "cuda") => Ok(Self::Cuda),
             // The engine's unit tests run the kernels' source on the CPU (cuda_attn/emulated).
-            Self::Cuda if device.is_cpu() && cfg!(all(test, target_os = "linux")) => Ok(Self::Cuda),
+            Self::Cuda
+                if device.is_cpu()
+                    && cfg!(all(test, target_os = "linux", not(feature = "cuda"))) =>
+            {
+                Ok(Self::Cuda)
+            }
             Self::Cuda => Err(EngineError::InvalidConfig(format!(
                 "engine.attention = \"cuda\" runs on a GPU of a CUDA build, not on {:?}; use \
                  \"auto\" or \"generic\"",

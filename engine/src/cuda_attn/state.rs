@@ -170,9 +170,10 @@ fn multiprocessors(device: &Device) -> Result<usize> {
 
 #[cfg(not(feature = "cuda"))]
 fn multiprocessors(device: &Device) -> Result<usize> {
-    // The engine's unit tests emulate the kernels on the CPU, split as on an H100 SXM.
-    if cfg!(all(test, target_os = "linux")) && device.is_cpu() {
-        return Ok(132);
+    // The engine's unit tests emulate the kernels on the CPU.
+    #[cfg(all(test, target_os = "linux"))]
+    if device.is_cpu() {
+        return Ok(super::emulated::MULTIPROCESSORS);
     }
     candle_core::bail!(
         "cuda attention in a build without CUDA, on {:?}",

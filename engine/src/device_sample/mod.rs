@@ -9,7 +9,7 @@ use candle_core::{Result, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::gumbel::{self, DrawKey, DrawParams, Drawn};
-#[cfg(any(feature = "cuda", test))]
+#[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
 use crate::sampler::MAX_TOP_LOGPROBS;
 
 /// The kernel's CUDA source, compiled by NVRTC at run time (and in CI by
@@ -222,7 +222,7 @@ fn on_gpu(logits: &Tensor, draws: &[DeviceDraw]) -> Result<Vec<Drawn>> {
 }
 
 /// The kernel's per-draw inputs, a buffer each.
-#[cfg(any(feature = "cuda", test))]
+#[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
 pub(crate) struct DrawInputs {
     rows: Vec<u32>,
     /// Two words a draw, low first.
@@ -236,7 +236,7 @@ pub(crate) struct DrawInputs {
     n_tops: Vec<u32>,
 }
 
-#[cfg(any(feature = "cuda", test))]
+#[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
 impl DrawInputs {
     pub(crate) fn of(draws: &[DeviceDraw]) -> Self {
         Self {
@@ -257,7 +257,7 @@ impl DrawInputs {
 
 /// The kernel's outputs: a token and two logprobs a draw, and `MAX_TOP_LOGPROBS` top ids and
 /// logprobs a draw (empty when no draw asked for them).
-#[cfg(any(feature = "cuda", test))]
+#[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
 pub(crate) struct DrawOutputs {
     pub(crate) tokens: Vec<u32>,
     pub(crate) logprobs: Vec<f32>,
@@ -265,7 +265,7 @@ pub(crate) struct DrawOutputs {
     pub(crate) top: (Vec<u32>, Vec<f32>),
 }
 
-#[cfg(any(feature = "cuda", test))]
+#[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
 impl DrawOutputs {
     /// The draws, `n_tops[i]` top logprobs for draw `i`.
     pub(crate) fn drawn(&self, n_tops: &[u32]) -> Vec<Drawn> {
@@ -284,7 +284,7 @@ impl DrawOutputs {
 }
 
 /// Threads per block: the kernel's `THREADS`.
-#[cfg(any(feature = "cuda", test))]
+#[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
 const THREADS: u32 = 256;
 
 /// kernels/sample.cu as the GPU loads it.

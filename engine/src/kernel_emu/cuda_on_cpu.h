@@ -1,9 +1,15 @@
 // CUDA kernel sources run on the CPU, for tests. A block's threads are fibers on the calling
 // thread, switched only where CUDA threads wait for each other: at __syncthreads and at a warp
 // shuffle (the warp's lanes exchange through a buffer, a warp-wide barrier between writing and
-// reading). Blocks run one after another. A barrier that some threads never reach, a shuffle
-// from a partial warp or with lanes out of step, and launch sizes a GPU refuses are errors;
-// dynamic shared memory starts filled with 0xff bytes (NaN as floats) in every block.
+// reading). Blocks run one after another, under two schedules in turn: even blocks resume
+// waiting threads in index order, odd blocks the lanes of the warp that just waited first (so
+// one warp runs ahead of the others, as a missing barrier lets it on a GPU). A barrier that
+// some threads never reach, a shuffle from a partial warp or with lanes out of step, launch
+// sizes a GPU refuses and arguments of the wrong size are errors. Dynamic shared memory starts
+// filled with 0xff bytes (NaN as floats) in every block and ends at a guard page, so reading
+// past the launch's size faults; static __shared__ variables are neither poisoned nor guarded.
+// Not emulated: __launch_bounds__ (ignored), races between blocks (one block at a time), and
+// CUDA's own arithmetic (the host's libm, no FMA contraction).
 // The test harness (kernel_emu/mod.rs) appends the kernel source, with each
 // `extern __shared__ T name[];` rewritten to `T *name = (T *)emu::dynamic_shared();`, and the
 // table of its kernels, then compiles it all as one shared library.
@@ -18,6 +24,7 @@
 #include <ucontext.h>
 #include <unistd.h>
 
+#include <source_location>
 #include <utility>
 
 #define __device__
@@ -50,8 +57,18 @@ __device__ inline unsigned int __float_as_uint(float f) {
 __device__ inline unsigned int __umulhi(unsigned int a, unsigned int b) {
     return (unsigned int)(((uint64_t)a * b) >> 32);
 }
-__device__ inline unsigned int min(unsigned int a, unsigned int b) { return a < b ? a : b; }
-__device__ inline unsigned int max(unsigned int a, unsigned int b) { return a > b ? a : b; }
+// CUDA's integer and floating overloads of min and max, mixed signedness included.
+#define EMU_MIN_MAX(R, A, B)                                           \
+    __device__ inline R min(A a, B b) { return (R)a < (R)b ? (R)a : (R)b; } \
+    __device__ inline R max(A a, B b) { return (R)a > (R)b ? (R)a : (R)b; }
+EMU_MIN_MAX(int, int, int)
+EMU_MIN_MAX(unsigned int, unsigned int, unsigned int)
+EMU_MIN_MAX(unsigned int, int, unsigned int)
+EMU_MIN_MAX(unsigned int, unsigned int, int)
+EMU_MIN_MAX(long long, long long, long long)
+EMU_MIN_MAX(unsigned long long, unsigned long long, unsigned long long)
+EMU_MIN_MAX(float, float, float)
+EMU_MIN_MAX(double, double, double)
 
 // A host compile converts f16 in software (the kernels use PTX's cvt on a GPU).
 inline float host_f16_to_f32(unsigned short bits) {
@@ -89,6 +106,8 @@ struct Fiber {
 struct Kernel {
     const char *name;
     unsigned arity;
+    // Each parameter's size in bytes.
+    const unsigned *sizes;
     void (*thunk)(void **);
 };
 
@@ -97,18 +116,23 @@ struct Block {
     Fiber fibers[MAX_THREADS];
     unsigned n, current, done, at_block;
     unsigned at_warp[MAX_THREADS / WARP];
+    // The shuffle a warp's waiting lanes make: its count and its line in the source.
     unsigned warp_shuffle[MAX_THREADS / WARP];
+    unsigned warp_line[MAX_THREADS / WARP];
     uint32_t exchange[MAX_THREADS / WARP][2][WARP];
     const Kernel *kernel;
     void **args;
+    // Odd blocks resume the lanes of the warp that just waited before other threads.
+    bool warp_first;
+    // The launch's dynamic shared memory: its last bytes before a guard page.
+    unsigned char *shared;
     jmp_buf launcher;
     char error[512];
 };
 
 static Block block;
-alignas(16) static unsigned char shared_memory[SHARED_BYTES];
 
-inline void *dynamic_shared() { return shared_memory; }
+inline void *dynamic_shared() { return block.shared; }
 
 [[noreturn]] inline void fail(const char *fmt, ...) {
     va_list ap;
@@ -122,21 +146,33 @@ inline void *dynamic_shared() { return shared_memory; }
 
 // Runs the next ready thread after `after`, in order; back to the launcher when every thread
 // has returned.
+[[noreturn]] inline void resume(unsigned i) {
+    Fiber &f = block.fibers[i];
+    block.current = i;
+    if (!f.started) {
+        f.started = true;
+        setcontext(&f.context);
+    }
+    _longjmp(f.env, 1);
+}
+
 [[noreturn]] inline void run_next(unsigned after) {
+    if (block.warp_first) {
+        const unsigned first = after / WARP * WARP;
+        const unsigned lanes = block.n - first < WARP ? block.n - first : WARP;
+        for (unsigned k = 1; k <= lanes; ++k) {
+            const unsigned i = first + (after - first + k) % lanes;
+            if (block.fibers[i].state == READY) resume(i);
+        }
+    }
     for (unsigned k = 1; k <= block.n; ++k) {
         const unsigned i = (after + k) % block.n;
-        Fiber &f = block.fibers[i];
-        if (f.state != READY) continue;
-        block.current = i;
-        if (!f.started) {
-            f.started = true;
-            setcontext(&f.context);
-        }
-        _longjmp(f.env, 1);
+        if (block.fibers[i].state == READY) resume(i);
     }
     if (block.done == block.n) _longjmp(block.launcher, 1);
-    fail("deadlock: %u threads wait at __syncthreads and the rest at warp shuffles",
-         block.at_block);
+    fail("deadlock: %u threads wait at __syncthreads, %u returned, the rest wait at warp "
+         "shuffles",
+         block.at_block, block.done);
 }
 
 // The current thread waits: the others run until a barrier releases it.
@@ -162,7 +198,7 @@ inline unsigned lanes_of(unsigned w) {
 
 // A warp's exchange of 4-byte values: each lane writes `v`, then reads lane `src`'s.
 template <typename T>
-T exchange(unsigned mask, T v, unsigned src) {
+T exchange(unsigned mask, T v, unsigned src, unsigned line) {
     static_assert(sizeof(T) == 4, "the emulated shuffles move 4-byte values");
     const unsigned me = block.current, w = me / WARP, lane = me % WARP;
     if (mask != 0xffffffffu || lanes_of(w) != WARP) fail("a full-mask shuffle needs a full warp");
@@ -170,9 +206,11 @@ T exchange(unsigned mask, T v, unsigned src) {
     const unsigned count = f.shuffles++;
     if (block.at_warp[w] == 0) {
         block.warp_shuffle[w] = count;
-    } else if (block.warp_shuffle[w] != count) {
-        fail("lane %u makes shuffle %u while its warp makes %u", lane, count,
-             block.warp_shuffle[w]);
+        block.warp_line[w] = line;
+    } else if (block.warp_shuffle[w] != count || block.warp_line[w] != line) {
+        fail("lanes out of step: lane %u makes shuffle %u (line %u) while its warp makes %u "
+             "(line %u)",
+             lane, count, line, block.warp_shuffle[w], block.warp_line[w]);
     }
     uint32_t *buf = block.exchange[w][count & 1];
     memcpy(&buf[lane], &v, 4);
@@ -200,6 +238,16 @@ constexpr unsigned arity(void (*)(A...)) {
 }
 
 template <typename... A>
+struct ParamSizes {
+    static constexpr unsigned value[sizeof...(A) + 1] = {(unsigned)sizeof(A)..., 0};
+};
+
+template <typename... A>
+constexpr const unsigned *param_sizes(void (*)(A...)) {
+    return ParamSizes<A...>::value;
+}
+
+template <typename... A>
 void call(void (*f)(A...), void **args) {
     call(f, args, std::index_sequence_for<A...>{});
 }
@@ -211,14 +259,34 @@ inline int refuse(char *err, size_t err_len, const char *what) {
 
 // Runs `name` from `kernels` over the grid, as cuLaunchKernel would (args: pointers to each
 // argument). 0 on success, else 1 with the reason in `err`.
+// Dynamic shared memory: 48 KiB and a guard page after it, mapped once.
+inline unsigned char *shared_end() {
+    static unsigned char *end = [] {
+        const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+        const size_t bytes = (SHARED_BYTES + page - 1) / page * page;
+        unsigned char *base = (unsigned char *)mmap(nullptr, bytes + page, PROT_READ | PROT_WRITE,
+                                                    MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (base == MAP_FAILED) return (unsigned char *)nullptr;
+        mprotect(base + bytes, page, PROT_NONE);
+        return base + bytes;
+    }();
+    return end;
+}
+
 inline int launch(const Kernel *kernels, size_t count, const char *name, const unsigned *grid,
-                  const unsigned *threads, size_t shared, void **args, unsigned n_args, char *err,
-                  size_t err_len) {
+                  const unsigned *threads, size_t shared, void **args, const unsigned *arg_sizes,
+                  unsigned n_args, char *err, size_t err_len) {
     const Kernel *kernel = nullptr;
     for (size_t i = 0; i < count; ++i)
         if (strcmp(kernels[i].name, name) == 0) kernel = &kernels[i];
     if (!kernel) return refuse(err, err_len, "no such kernel");
     if (kernel->arity != n_args) return refuse(err, err_len, "wrong number of arguments");
+    for (unsigned i = 0; i < n_args; ++i)
+        if (kernel->sizes[i] != arg_sizes[i]) {
+            snprintf(err, err_len, "argument %u is %u bytes, the kernel takes %u", i,
+                     arg_sizes[i], kernel->sizes[i]);
+            return 1;
+        }
     const uint64_t n = (uint64_t)threads[0] * threads[1] * threads[2];
     if (n == 0 || n > MAX_THREADS || threads[2] > 64)
         return refuse(err, err_len, "block size a GPU refuses (1..=1024 threads)");
@@ -226,6 +294,8 @@ inline int launch(const Kernel *kernels, size_t count, const char *name, const u
         grid[0] > 0x7fffffffu)
         return refuse(err, err_len, "grid size a GPU refuses");
     if (shared > SHARED_BYTES) return refuse(err, err_len, "over 48 KiB of dynamic shared memory");
+    if (!shared_end()) return refuse(err, err_len, "no memory for shared memory");
+    block.shared = shared_end() - (shared + 15) / 16 * 16;
     const size_t page = (size_t)sysconf(_SC_PAGESIZE), each = STACK_BYTES + page;
     char *stacks = (char *)mmap(nullptr, n * each, PROT_READ | PROT_WRITE,
                                 MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -242,7 +312,8 @@ inline int launch(const Kernel *kernels, size_t count, const char *name, const u
         for (unsigned y = 0; y < grid[1] && status == 0; ++y)
             for (unsigned x = 0; x < grid[0] && status == 0; ++x) {
                 blockIdx = {x, y, z};
-                memset(shared_memory, 0xff, sizeof shared_memory);
+                block.warp_first = (x + y + z) % 2 == 1;
+                memset(shared_end() - SHARED_BYTES, 0xff, SHARED_BYTES);
                 block.done = block.at_block = 0;
                 memset(block.at_warp, 0, sizeof block.at_warp);
                 for (unsigned i = 0; i < block.n; ++i) {
@@ -285,25 +356,28 @@ __device__ inline void __syncthreads() {
 }
 
 template <typename T>
-__device__ T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
+__device__ T __shfl_xor_sync(unsigned mask, T v, int lane_mask,
+                             std::source_location at = std::source_location::current()) {
     const unsigned lane = emu::block.current % emu::WARP;
-    return emu::exchange(mask, v, (lane ^ (unsigned)lane_mask) % emu::WARP);
+    return emu::exchange(mask, v, (lane ^ (unsigned)lane_mask) % emu::WARP, at.line());
 }
 
 template <typename T>
-__device__ T __shfl_down_sync(unsigned mask, T v, unsigned delta) {
+__device__ T __shfl_down_sync(unsigned mask, T v, unsigned delta,
+                              std::source_location at = std::source_location::current()) {
     const unsigned lane = emu::block.current % emu::WARP;
-    return emu::exchange(mask, v, lane + delta < emu::WARP ? lane + delta : lane);
+    return emu::exchange(mask, v, lane + delta < emu::WARP ? lane + delta : lane, at.line());
 }
 
 #define threadIdx (emu::block.fibers[emu::block.current].tid)
 
 // After the kernels: the table of `NAME`s and the entry point the tests call.
-#define EMU_KERNEL(NAME) {#NAME, emu::arity(NAME), [](void **a) { emu::call(NAME, a); }}
+#define EMU_KERNEL(NAME) \
+    {#NAME, emu::arity(NAME), emu::param_sizes(NAME), [](void **a) { emu::call(NAME, a); }}
 #define EMU_ENTRY(TABLE)                                                                        \
     extern "C" __attribute__((visibility("default"))) int emu_launch(                          \
         const char *name, const unsigned *grid, const unsigned *threads, size_t shared,        \
-        void **args, unsigned n_args, char *err, size_t err_len) {                             \
+        void **args, const unsigned *arg_sizes, unsigned n_args, char *err, size_t err_len) {  \
         return emu::launch(TABLE, sizeof TABLE / sizeof TABLE[0], name, grid, threads, shared, \
-                           args, n_args, err, err_len);                                        \
+                           args, arg_sizes, n_args, err, err_len);                             \
     }

@@ -1,28 +1,32 @@
 //! The engine's CUDA kernel sources run on the CPU (tests only): each source is compiled with
-//! `cuda_on_cpu.h` by the host's C++ compiler (`$CXX`, else `c++`) into a shared library, and
-//! launched over the same grids, arguments and shared memory as on a GPU. What runs is the
-//! kernel text itself, so the emulated kernels are held bit for bit to their CPU twins, and a
-//! GPU run checks only what the host compiler cannot: CUDA's own arithmetic and memory model.
+//! `cuda_on_cpu.h` by the host's C++ compiler (`$CXX`, else `c++`; GCC 12 or clang 15 at
+//! least, for `_Float16`) into a shared library, and launched over grids, arguments and shared
+//! memory as on a GPU. What runs is the kernel text itself, so the emulated kernels are held
+//! bit for bit to their CPU twins. What the header's comment lists as not emulated (races
+//! between blocks, `__launch_bounds__`, CUDA's own arithmetic and memory model), and speed,
+//! still need a GPU.
 
 use std::ffi::{c_char, c_void, CString};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
 
-/// The emulation's fiber scheduler and shared memory are one per library, and a library
-/// runs one launch at a time.
+/// The library's entry point: kernel name, grid, block, dynamic shared bytes, pointers to the
+/// arguments, their sizes and number, and a buffer for the error.
 type LaunchFn = unsafe extern "C" fn(
     *const c_char,
     *const u32,
     *const u32,
     usize,
     *mut *mut c_void,
+    *const u32,
     u32,
     *mut c_char,
     usize,
 ) -> i32;
 
-/// A kernel source compiled for the CPU.
+/// A kernel source compiled for the CPU. The emulation's scheduler and shared memory are
+/// one per library, so its launches take turns.
 pub struct Emulator {
     launch: Mutex<LaunchFn>,
 }
@@ -30,22 +34,43 @@ pub struct Emulator {
 /// Grid or block dimensions, as CUDA's launch configuration gives them.
 pub type Dims = (u32, u32, u32);
 
+/// What a kernel takes: scalars of 4 or 8 bytes and device pointers.
+pub trait KernelArg: Copy + private::Sealed {}
+
+mod private {
+    pub trait Sealed {}
+}
+
+macro_rules! kernel_arg {
+    ($($t:ty),*) => {$(
+        impl private::Sealed for $t {}
+        impl KernelArg for $t {}
+    )*};
+}
+kernel_arg!(u32, i32, f32, u64, i64, f64);
+impl<T> private::Sealed for *const T {}
+impl<T> KernelArg for *const T {}
+impl<T> private::Sealed for *mut T {}
+impl<T> KernelArg for *mut T {}
+
 /// One launch's arguments, each in its own 8 bytes, whose addresses are passed as
-/// cuLaunchKernel's kernel parameters are.
+/// cuLaunchKernel's kernel parameters are, and their sizes, which the launch checks against
+/// the kernel's parameters.
 #[derive(Default)]
-pub struct Args(Vec<u64>);
+pub struct Args {
+    slots: Vec<u64>,
+    sizes: Vec<u32>,
+}
 
 impl Args {
-    /// Appends `value` (a scalar or a buffer's pointer).
-    pub fn arg<T: Copy>(mut self, value: T) -> Self {
-        assert!(
-            size_of::<T>() <= 8,
-            "kernel arguments are scalars or pointers"
-        );
+    /// Appends `value`.
+    pub fn arg<T: KernelArg>(mut self, value: T) -> Self {
         let mut slot = 0u64;
-        // SAFETY: `T` is `Copy` and at most 8 bytes; the slot is 8 bytes and 8-aligned.
+        // SAFETY: every `KernelArg` is `Copy` and at most 8 bytes; the slot is 8 bytes and
+        // 8-aligned.
         unsafe { std::ptr::write((&mut slot as *mut u64).cast::<T>(), value) };
-        self.0.push(slot);
+        self.slots.push(slot);
+        self.sizes.push(size_of::<T>() as u32);
         self
     }
 }
@@ -63,10 +88,15 @@ impl Emulator {
             include_str!("cuda_on_cpu.h"),
             table.join("\n"),
         );
-        let dir = tempfile_dir(file)?;
-        let (cpp, lib) = (dir.join("kernels.cpp"), dir.join("kernels.so"));
+        let dir = TempDir::new(file)?;
+        let (cpp, lib) = (dir.0.join("kernels.cpp"), dir.0.join("kernels.so"));
         std::fs::write(&cpp, unit).map_err(|e| format!("writing {}: {e}", cpp.display()))?;
         let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+        // Hidden symbols: each library keeps its own emulation state and static shared
+        // memory, which the dynamic loader would otherwise merge between libraries (GCC makes
+        // a template's static locals GNU-unique unless hidden). The kernels cast shared memory between float and int (no strict
+        // aliasing), `fmaf` is written out where a kernel wants a fused multiply-add (no
+        // contraction), and the fibers jump between stacks, which fortified `longjmp` refuses.
         let out = Command::new(&cxx)
             .args([
                 "-std=c++20",
@@ -92,7 +122,6 @@ impl Emulator {
             ));
         }
         let launch = open(&lib)?;
-        let _ = std::fs::remove_dir_all(&dir);
         Ok(Self {
             launch: Mutex::new(launch),
         })
@@ -112,13 +141,13 @@ impl Emulator {
         let launch = self.launch.lock().unwrap_or_else(|e| e.into_inner());
         let name = CString::new(kernel).expect("a kernel name");
         let mut pointers: Vec<*mut c_void> = args
-            .0
+            .slots
             .iter()
             .map(|slot| (slot as *const u64).cast_mut().cast())
             .collect();
         let mut err = vec![0 as c_char; 1024];
-        // SAFETY: the library's entry point has this signature; the caller vouches that the
-        // arguments match the kernel (the entry checks their number).
+        // SAFETY: the library's entry point has this signature; the entry checks the
+        // arguments' number and sizes, and the caller vouches for the buffers' types and sizes.
         let status = unsafe {
             (*launch)(
                 name.as_ptr(),
@@ -126,6 +155,7 @@ impl Emulator {
                 [block.0, block.1, block.2].as_ptr(),
                 shared,
                 pointers.as_mut_ptr(),
+                args.sizes.as_ptr(),
                 pointers.len() as u32,
                 err.as_mut_ptr(),
                 err.len(),
@@ -162,19 +192,29 @@ fn rewrite_dynamic_shared(source: &str) -> Result<String, String> {
     Ok(out)
 }
 
-/// A fresh directory for one build.
-fn tempfile_dir(file: &str) -> Result<std::path::PathBuf, String> {
-    let stem = Path::new(file)
-        .file_stem()
-        .and_then(|s| s.to_str())
-        .unwrap_or("kernels");
-    let dir = std::env::temp_dir().join(format!(
-        "dppo-kernel-emu-{}-{stem}-{:x}",
-        std::process::id(),
-        rand::random::<u64>()
-    ));
-    std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
-    Ok(dir)
+/// A fresh directory for one build, removed when dropped (the library stays loaded).
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(file: &str) -> Result<Self, String> {
+        let stem = Path::new(file)
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .unwrap_or("kernels");
+        let dir = std::env::temp_dir().join(format!(
+            "dppo-kernel-emu-{}-{stem}-{:x}",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
+        std::fs::create_dir(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+        Ok(Self(dir))
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 /// The library's `emu_launch`.
@@ -200,7 +240,8 @@ fn open(lib: &Path) -> Result<LaunchFn, String> {
 mod tests {
     use super::*;
 
-    /// A block-wide sum by shuffles and shared memory, and the errors a GPU would not report.
+    /// A block-wide sum by shuffles and shared memory, each lane's view of the shuffles, and
+    /// the errors a GPU would not report.
     const SOURCE: &str = r#"
 extern "C" __global__ void block_sum(const float *x, float *out) {
     extern __shared__ float part[];
@@ -214,6 +255,12 @@ extern "C" __global__ void block_sum(const float *x, float *out) {
         out[blockIdx.x] = t;
     }
 }
+extern "C" __global__ void lanes(unsigned int *xor3, unsigned int *down5, int *low) {
+    const unsigned int t = threadIdx.x;
+    xor3[t] = __shfl_xor_sync(0xffffffffu, t, 3);
+    down5[t] = __shfl_down_sync(0xffffffffu, t, 5);
+    low[t] = min(-(int)t, 3u) == 3u ? 1 : min(-(int)t, 3);
+}
 extern "C" __global__ void divergent_barrier(float *out) {
     if (threadIdx.x < 7) __syncthreads();
     out[threadIdx.x] = 1.0f;
@@ -224,13 +271,25 @@ extern "C" __global__ void divergent_shuffle(float *out) {
     __syncthreads();
     out[threadIdx.x] = v;
 }
+extern "C" __global__ void out_of_step(float *out) {
+    float v = 1.0f;
+    if (threadIdx.x % 32 == 0) v = __shfl_xor_sync(0xffffffffu, v, 1);
+    v = __shfl_xor_sync(0xffffffffu, v, 2);
+    out[threadIdx.x] = v;
+}
 "#;
 
     fn emulator() -> Emulator {
         Emulator::build(
             "test.cu",
             SOURCE,
-            &["block_sum", "divergent_barrier", "divergent_shuffle"],
+            &[
+                "block_sum",
+                "lanes",
+                "divergent_barrier",
+                "divergent_shuffle",
+                "out_of_step",
+            ],
         )
         .unwrap()
     }
@@ -247,6 +306,27 @@ extern "C" __global__ void divergent_shuffle(float *out) {
             let want: f32 = x[b * 256..][..256].iter().sum();
             assert_eq!(*got, want, "block {b}");
         }
+    }
+
+    #[test]
+    fn each_lane_reads_the_lane_a_gpu_would_give_it() {
+        let emu = emulator();
+        let (mut xor3, mut down5, mut low) = (vec![0u32; 64], vec![0u32; 64], vec![0i32; 64]);
+        let args = Args::default()
+            .arg(xor3.as_mut_ptr())
+            .arg(down5.as_mut_ptr())
+            .arg(low.as_mut_ptr());
+        emu.launch("lanes", (1, 1, 1), (64, 1, 1), 0, &args)
+            .unwrap();
+        for t in 0..64u32 {
+            let lane = t % 32;
+            assert_eq!(xor3[t as usize], t - lane + (lane ^ 3), "lane {t}");
+            let down = if lane + 5 < 32 { t + 5 } else { t };
+            assert_eq!(down5[t as usize], down, "lane {t}");
+        }
+        // CUDA's min(int, unsigned) compares as unsigned: -t is large unless t is 0.
+        assert_eq!(low[0], 0);
+        assert!(low[1..].iter().all(|&x| x == 1), "{low:?}");
     }
 
     #[test]
@@ -273,8 +353,28 @@ extern "C" __global__ void divergent_shuffle(float *out) {
             .unwrap_err();
         assert!(err.contains("48 KiB"), "{err}");
         let err = emu
+            .launch("out_of_step", (1, 1, 1), (64, 1, 1), 0, &args)
+            .unwrap_err();
+        assert!(err.contains("lanes out of step"), "{err}");
+        let err = emu
+            .launch("block_sum", (1, 1, 1), (48, 1, 1), 256, &sum)
+            .unwrap_err();
+        assert!(err.contains("full warp"), "{err}");
+        let err = emu
+            .launch("block_sum", (1, 70_000, 1), (64, 1, 1), 256, &sum)
+            .unwrap_err();
+        assert!(err.contains("grid size"), "{err}");
+        let err = emu
             .launch("block_sum", (1, 1, 1), (64, 1, 1), 0, &Args::default())
             .unwrap_err();
         assert!(err.contains("number of arguments"), "{err}");
+        let wide = Args::default().arg(x.as_ptr()).arg(7u32);
+        let err = emu
+            .launch("block_sum", (1, 1, 1), (64, 1, 1), 256, &wide)
+            .unwrap_err();
+        assert!(
+            err.contains("argument 1 is 4 bytes, the kernel takes 8"),
+            "{err}"
+        );
     }
 }

@@ -1,6 +1,6 @@
 //! kernels/paged_attention.cu itself, run on the CPU ([`crate::kernel_emu`]), launched with
-//! the geometry and arguments `launch.rs` gives them on a GPU, host vectors standing for
-//! device buffers. The tests hold the kernels to their CPU twin over the GPU check's batches,
+//! the geometry `launch.rs` gives them on a GPU (shared) and the same arguments (written out
+//! here again), host vectors standing for device buffers. The tests hold the kernels to their CPU twin over the GPU check's batches,
 //! and run the engine with the emulated kernels as its attention backend: on the CPU, the
 //! engine's unit tests resolve `engine.attention = "cuda"` to this module.
 
@@ -13,10 +13,15 @@ use crate::kernel_emu::{Args, Emulator};
 
 #[cfg(not(feature = "cuda"))]
 mod backend;
+#[cfg(not(feature = "cuda"))]
+mod engine;
 mod tests;
 
 #[cfg(not(feature = "cuda"))]
 pub(super) use backend::Backend;
+
+/// The multiprocessors the emulation's plans split contexts for: an H100 SXM's.
+pub(super) const MULTIPROCESSORS: usize = 132;
 
 static KERNELS: LazyLock<Emulator> = LazyLock::new(|| {
     let names: Vec<String> = ["write_slots", "paged_attention", "paged_reduce"]
