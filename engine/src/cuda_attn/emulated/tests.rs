@@ -4,10 +4,14 @@
 //! twin (its output rounded to the dtype) and within the GPU check's tolerance to the f64
 //! reference.
 
+use candle_core::DType;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
 use super::{attend, write_entries, write_slots, Stored, MULTIPROCESSORS};
-use crate::cuda_attn::case::{checked_cases, tolerance, Case};
+use crate::cuda_attn::case::{checked_cases, round_to, tolerance, Case};
 use crate::cuda_attn::twin::{self, Caches};
-use crate::cuda_attn::KernelPlan;
+use crate::cuda_attn::{Heads, KernelPlan};
 
 /// The engine's split target on the emulation's GPU.
 const MIN_BLOCKS: usize = 2 * MULTIPROCESSORS;
@@ -47,10 +51,15 @@ fn emulate<T: Stored>(case: &Case, plan: &KernelPlan, host_tables: &[u32]) -> Em
     Emulated { out, k, v, tables }
 }
 
-/// Every checked batch in `T`, split as the engine would on an H100 and into one chunk per
-/// split: the emulated kernels against the twin and the reference.
+/// Every checked batch in `T`.
 fn check<T: Stored>() {
-    for (c, case) in checked_cases(T::DTYPE).iter().enumerate() {
+    check_cases::<T>(&checked_cases(T::DTYPE));
+}
+
+/// `cases` in `T`, split as the engine would on an H100 and into one chunk per split: the
+/// emulated kernels against the twin and the reference.
+fn check_cases<T: Stored>(cases: &[Case]) {
+    for (c, case) in cases.iter().enumerate() {
         for min_blocks in [MIN_BLOCKS, usize::MAX / 2] {
             let (plan, host_tables) = case.plan(min_blocks).unwrap();
             let got = emulate::<T>(case, &plan, &host_tables);
@@ -105,4 +114,31 @@ fn bf16_kernels_compute_what_their_twin_computes_bit_for_bit() {
 #[test]
 fn f16_kernels_compute_what_their_twin_computes_bit_for_bit() {
     check::<half::f16>();
+}
+
+/// The widest heads the kernels take: head_dim 256 (eight dimensions a lane) and 16 query
+/// heads a KV head, whose prefill tiles use the most shared memory a block may have without
+/// opting in to more (41 of 48 KiB; the emulation faults past a launch's share).
+#[test]
+fn the_widest_heads_fit_their_shared_memory() {
+    let lens = [(200, 1), (0, 20), (30, 9)];
+    let cases = |dtype| -> Vec<Case> {
+        let mut rng = StdRng::seed_from_u64(29);
+        [(1, 256), (16, 256), (16, 64)]
+            .into_iter()
+            .map(|(group, head_dim)| {
+                let heads = Heads {
+                    num_heads: 2 * group,
+                    num_kv_heads: 2,
+                    head_dim,
+                };
+                Case::new(&mut rng, heads, &lens, false, |x| round_to(x, dtype))
+            })
+            .collect()
+    };
+    let f32_cases = cases(DType::F32);
+    let widest = f32_cases[1].plan(1).unwrap().0.shared_bytes();
+    assert!(widest > 40 * 1024 && widest <= 48 * 1024, "{widest} bytes");
+    check_cases::<f32>(&f32_cases);
+    check_cases::<half::bf16>(&cases(DType::BF16));
 }
