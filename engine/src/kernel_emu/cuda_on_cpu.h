@@ -1,13 +1,15 @@
 // CUDA kernel sources run on the CPU, for tests. A block's threads are fibers on the calling
 // thread, switched only where CUDA threads wait for each other: at __syncthreads and at a warp
 // shuffle (the warp's lanes exchange through a buffer, a warp-wide barrier between writing and
-// reading). Blocks run one after another, under two schedules in turn: even blocks resume
-// waiting threads in index order, odd blocks the lanes of the warp that just waited first (so
-// one warp runs ahead of the others, as a missing barrier lets it on a GPU). A barrier that
-// some threads never reach, a shuffle from a partial warp or with lanes out of step, launch
+// reading). Blocks run one after another, under two schedules in turn (block by block, and
+// launch by launch for one-block grids): waiting threads resumed in index order, or the lanes
+// of the warp that just waited first (so one warp runs ahead of the others, as a missing
+// barrier lets it on a GPU). A barrier that some threads never reach, a shuffle from a partial
+// warp or with lanes out of step (matched by count and source line, stricter than sm_70+), launch
 // sizes a GPU refuses and arguments of the wrong size are errors. Dynamic shared memory starts
-// filled with 0xff bytes (NaN as floats) in every block and ends at a guard page, so reading
-// past the launch's size faults; static __shared__ variables are neither poisoned nor guarded.
+// filled with 0xff bytes (NaN as floats) in every block and ends at a guard page, so touching a
+// word past the launch's size faults (the test process dies of SIGSEGV, naming no kernel);
+// static __shared__ variables are neither poisoned nor guarded.
 // Not emulated: __launch_bounds__ (ignored), races between blocks (one block at a time), and
 // CUDA's own arithmetic (the host's libm, no FMA contraction).
 // The test harness (kernel_emu/mod.rs) appends the kernel source, with each
@@ -67,8 +69,10 @@ EMU_MIN_MAX(unsigned int, int, unsigned int)
 EMU_MIN_MAX(unsigned int, unsigned int, int)
 EMU_MIN_MAX(long long, long long, long long)
 EMU_MIN_MAX(unsigned long long, unsigned long long, unsigned long long)
-EMU_MIN_MAX(float, float, float)
-EMU_MIN_MAX(double, double, double)
+__device__ inline float min(float a, float b) { return fminf(a, b); }
+__device__ inline float max(float a, float b) { return fmaxf(a, b); }
+__device__ inline double min(double a, double b) { return fmin(a, b); }
+__device__ inline double max(double a, double b) { return fmax(a, b); }
 
 // A host compile converts f16 in software (the kernels use PTX's cvt on a GPU).
 inline float host_f16_to_f32(unsigned short bits) {
@@ -267,7 +271,7 @@ inline unsigned char *shared_end() {
         unsigned char *base = (unsigned char *)mmap(nullptr, bytes + page, PROT_READ | PROT_WRITE,
                                                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (base == MAP_FAILED) return (unsigned char *)nullptr;
-        mprotect(base + bytes, page, PROT_NONE);
+        if (mprotect(base + bytes, page, PROT_NONE) != 0) return (unsigned char *)nullptr;
         return base + bytes;
     }();
     return end;
@@ -294,8 +298,12 @@ inline int launch(const Kernel *kernels, size_t count, const char *name, const u
         grid[0] > 0x7fffffffu)
         return refuse(err, err_len, "grid size a GPU refuses");
     if (shared > SHARED_BYTES) return refuse(err, err_len, "over 48 KiB of dynamic shared memory");
-    if (!shared_end()) return refuse(err, err_len, "no memory for shared memory");
-    block.shared = shared_end() - (shared + 15) / 16 * 16;
+    if (!shared_end()) return refuse(err, err_len, "no guarded memory for shared memory");
+    // 4-byte aligned (the kernels' float and int views), so the guard follows a share of
+    // whole words at once.
+    block.shared = shared_end() - (shared + 3) / 4 * 4;
+    static unsigned launches = 0;
+    const unsigned launch_parity = launches++ % 2;
     const size_t page = (size_t)sysconf(_SC_PAGESIZE), each = STACK_BYTES + page;
     char *stacks = (char *)mmap(nullptr, n * each, PROT_READ | PROT_WRITE,
                                 MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -312,7 +320,7 @@ inline int launch(const Kernel *kernels, size_t count, const char *name, const u
         for (unsigned y = 0; y < grid[1] && status == 0; ++y)
             for (unsigned x = 0; x < grid[0] && status == 0; ++x) {
                 blockIdx = {x, y, z};
-                block.warp_first = (x + y + z) % 2 == 1;
+                block.warp_first = (launch_parity + x + y + z) % 2 == 1;
                 memset(shared_end() - SHARED_BYTES, 0xff, SHARED_BYTES);
                 block.done = block.at_block = 0;
                 memset(block.at_warp, 0, sizeof block.at_warp);

@@ -34,7 +34,7 @@ fn policy() -> Policy {
     Policy::new(config, weights, tokenizer).unwrap()
 }
 
-/// Greedy requests: prompts of 1 to 60 tokens, 1 to 3 samples each, 10 to 24 new tokens.
+/// Greedy requests: prompts of 1 to 58 tokens, 1 to 3 samples each, 10 to 24 new tokens.
 fn requests(vocab: usize) -> Vec<GenerateRequest> {
     (0..10)
         .map(|p| {

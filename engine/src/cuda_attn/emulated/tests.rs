@@ -56,11 +56,11 @@ fn check<T: Stored>() {
     check_cases::<T>(&checked_cases(T::DTYPE));
 }
 
-/// `cases` in `T`, split as the engine would on an H100 and into one chunk per split: the
-/// emulated kernels against the twin and the reference.
+/// `cases` in `T`, unsplit (many chunks a block), split as the engine would on an H100, and
+/// into one chunk per split: the emulated kernels against the twin and the reference.
 fn check_cases<T: Stored>(cases: &[Case]) {
     for (c, case) in cases.iter().enumerate() {
-        for min_blocks in [MIN_BLOCKS, usize::MAX / 2] {
+        for min_blocks in [1, MIN_BLOCKS, usize::MAX / 2] {
             let (plan, host_tables) = case.plan(min_blocks).unwrap();
             let got = emulate::<T>(case, &plan, &host_tables);
             let what = format!(
@@ -118,7 +118,7 @@ fn f16_kernels_compute_what_their_twin_computes_bit_for_bit() {
 
 /// The widest heads the kernels take: head_dim 256 (eight dimensions a lane) and 16 query
 /// heads a KV head, whose prefill tiles use the most shared memory a block may have without
-/// opting in to more (41 of 48 KiB; the emulation faults past a launch's share).
+/// opting in to more (41 of 48 KiB; the emulation faults a word past a launch's share).
 #[test]
 fn the_widest_heads_fit_their_shared_memory() {
     let lens = [(200, 1), (0, 20), (30, 9)];
