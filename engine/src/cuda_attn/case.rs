@@ -222,6 +222,16 @@ impl Case {
     }
 }
 
+/// The (index, block) pairs that write `host` block tables into zeroed ones, as the engine
+/// sends an iteration's changed entries.
+pub fn table_entries(host: &[u32]) -> Vec<u32> {
+    (0..)
+        .zip(host)
+        .filter(|(_, &b)| b != 0)
+        .flat_map(|(i, &b)| [i, b])
+        .collect()
+}
+
 /// The largest |a - b|, infinite where either is NaN or the lengths differ.
 pub fn worst(a: &[f32], b: &[f64]) -> f64 {
     if a.len() != b.len() {

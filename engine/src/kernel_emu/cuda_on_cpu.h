@@ -150,6 +150,11 @@ inline void *dynamic_shared() { return block.shared; }
 
 // Runs the next ready thread after `after`, in order; back to the launcher when every thread
 // has returned.
+// The threads of warp `w` (fewer than 32 in a block's partial last warp).
+inline unsigned lanes_of(unsigned w) {
+    return block.n - w * WARP < WARP ? block.n - w * WARP : WARP;
+}
+
 [[noreturn]] inline void resume(unsigned i) {
     Fiber &f = block.fibers[i];
     block.current = i;
@@ -162,8 +167,7 @@ inline void *dynamic_shared() { return block.shared; }
 
 [[noreturn]] inline void run_next(unsigned after) {
     if (block.warp_first) {
-        const unsigned first = after / WARP * WARP;
-        const unsigned lanes = block.n - first < WARP ? block.n - first : WARP;
+        const unsigned first = after / WARP * WARP, lanes = lanes_of(after / WARP);
         for (unsigned k = 1; k <= lanes; ++k) {
             const unsigned i = first + (after - first + k) % lanes;
             if (block.fibers[i].state == READY) resume(i);
@@ -194,10 +198,6 @@ inline void entry() {
     const unsigned w = block.current / WARP;
     if (block.at_warp[w] > 0) fail("returned while its warp waits at a shuffle");
     run_next(block.current);
-}
-
-inline unsigned lanes_of(unsigned w) {
-    return block.n - w * WARP < WARP ? block.n - w * WARP : WARP;
 }
 
 // A warp's exchange of 4-byte values: each lane writes `v`, then reads lane `src`'s.

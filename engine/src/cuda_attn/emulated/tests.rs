@@ -9,7 +9,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 
 use super::{attend, write_entries, write_slots, Stored, MULTIPROCESSORS};
-use crate::cuda_attn::case::{checked_cases, round_to, tolerance, Case};
+use crate::cuda_attn::case::{checked_cases, round_to, table_entries, tolerance, Case};
 use crate::cuda_attn::twin::{self, Caches};
 use crate::cuda_attn::{Heads, KernelPlan};
 
@@ -35,13 +35,8 @@ struct Emulated<T> {
 /// One batch through the kernels in `T`: the block tables written entry by entry from
 /// zero, the new K/V into their slots, the attention and its merge.
 fn emulate<T: Stored>(case: &Case, plan: &KernelPlan, host_tables: &[u32]) -> Emulated<T> {
-    let pairs: Vec<u32> = (0..)
-        .zip(host_tables)
-        .filter(|(_, &b)| b != 0)
-        .flat_map(|(i, &b)| [i, b])
-        .collect();
     let mut tables = vec![0u32; host_tables.len()];
-    write_entries(&mut tables, &pairs).unwrap();
+    write_entries(&mut tables, &table_entries(host_tables)).unwrap();
     let (pool_k, pool_v) = case.cached_pool();
     let (mut k, mut v) = (stored::<T>(&pool_k), stored::<T>(&pool_v));
     let (new_k, new_v) = case.new_kv();
