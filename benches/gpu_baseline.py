@@ -21,6 +21,7 @@ import os
 import time
 
 import torch
+import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from learner_pytorch import batch, optimizer, step
@@ -92,7 +93,8 @@ def main():
     torch.manual_seed(0)
     device = torch.device(args.device)
     config = AutoConfig.from_pretrained(args.shape)
-    report = {"shape": args.shape, "device": str(device), "torch": torch.__version__}
+    report = {"shape": args.shape, "device": str(device), "torch": torch.__version__,
+              "transformers": transformers.__version__}
     if device.type == "cuda":
         report["gpu"] = torch.cuda.get_device_name(device)
     if not args.skip_rollout:
@@ -102,7 +104,9 @@ def main():
         took = rollout(model, args, device)
         tokens = args.prompts * args.samples * args.new_tokens
         report.update(rollout_s=took, tokens_per_s=tokens / took, prompts=args.prompts,
-                      samples=args.samples, new_tokens=args.new_tokens)
+                      samples=args.samples, new_tokens=args.new_tokens,
+                      prompt_len=args.prompt_len, warmup_runs=args.warmup_runs,
+                      cache="static", dtype=str(dtype).removeprefix("torch."))
         del model
     if not args.skip_train:
         # Master weights in f32 with bf16 autocast, as dppo's learner with compute_dtype bf16.

@@ -3,7 +3,12 @@
 (`summary.json` plus the table printed last) of the steps recorded in OUTDIR/steps.tsv.
 
     gpu_check.py agree DPPO DEVICE OUTDIR --shapes A,B --max-tokens N --budget SECONDS
+    gpu_check.py prompt-len FILE     the mean prompt length of a `bench rollout --json` output
     gpu_check.py summary OUTDIR
+
+With `--targets`, the summary also sets issue #38's targets against what the steps measured:
+dppo's rollout tokens/s over HF `generate`'s on each shape (at least 5x), and the decode step
+at batch 256 over its memory floor (at most 2x).
 """
 import argparse
 import json
@@ -68,6 +73,28 @@ def agree(args):
     return 0 if ok else 1
 
 
+def last_json(text):
+    """The last line of `text` that is a JSON object, else None."""
+    for line in reversed(text.strip().splitlines()):
+        try:
+            data = json.loads(line)
+        except ValueError:
+            continue
+        return data if isinstance(data, dict) else None
+    return None
+
+
+def prompt_len(args):
+    """Prints the mean prompt length of a rollout's JSON, rounded half up; fails without one."""
+    data = last_json(open(args.file, errors="replace").read()) or {}
+    mean = data.get("prompt_tokens_mean")
+    if not mean:
+        print(f"{args.file}: no prompt_tokens_mean", file=sys.stderr)
+        return 1
+    print(int(mean + 0.5))  # half up, not Python's half to even
+    return 0
+
+
 def key_numbers(name, text, outdir):
     """The numbers worth a glance from a step's stdout (its last JSON object, else its last
     line) or, for `dppo run`, from the run directory's summary.json."""
@@ -76,14 +103,8 @@ def key_numbers(name, text, outdir):
         numbers = json.load(open(run_summary))
         numbers.update(mismatch(os.path.join(outdir, name, "metrics.jsonl")))
         return numbers
-    data = None
-    for line in reversed(text.strip().splitlines()):
-        try:
-            data = json.loads(line)
-            break
-        except ValueError:
-            continue
-    if not isinstance(data, dict):
+    data = last_json(text)
+    if data is None:
         last = text.strip().splitlines()[-1:]
         return {"last_line": last[0][:200]} if last else {}
     if name.startswith("doctor"):
@@ -92,7 +113,8 @@ def key_numbers(name, text, outdir):
         return {"shapes": data.get("shapes", {})}
     keys = ["tokens_per_s", "fraction_of_compute_limit", "train_tokens_per_s", "step_s",
             "rollout_s", "prompts", "samples", "new_tokens", "compute_dtype", "gpu", "steps",
-            "seconds", "decode_step", "memory_floor"]
+            "seconds", "decode_step", "memory_floor", "prompt_tokens_mean", "prompt_len",
+            "complete"]
     return {k: data[k] for k in keys if data.get(k) is not None}
 
 
@@ -145,6 +167,41 @@ def brief(numbers):
     return "; ".join(parts)[:130]
 
 
+def targets(steps):
+    """Issue #38's targets against the `--targets` steps: per shape, dppo's rollout tokens/s
+    over HF's on the same work (at least 5x), and the decode step at batch 256 over its memory
+    floor (at most 2x). A target whose steps did not both finish is `not measured`."""
+    by_name = {s["name"]: s for s in steps}
+    shapes = sorted({s["name"].split("-", 2)[2] for s in steps if s["name"].startswith("target-")})
+    result, lines = {}, []
+    for shape in shapes:
+        dppo = by_name.get(f"target-rollout-{shape}", {})
+        hf = by_name.get(f"target-hf-{shape}", {})
+        floor = by_name.get(f"target-floor-{shape}", {})
+        row = {}
+        if dppo.get("status") == "ok" and hf.get("status") == "ok":
+            ours, theirs = dppo["numbers"]["tokens_per_s"], hf["numbers"]["tokens_per_s"]
+            row["speedup_over_hf"] = ours / theirs
+            row["speedup_met"] = ours / theirs >= 5
+            lines.append(f"target {shape}: dppo {ours:,.0f} tok/s, HF generate {theirs:,.0f} "
+                         f"tok/s: {ours / theirs:.2f}x (at least 5x: "
+                         f"{'met' if row['speedup_met'] else 'MISSED'})")
+        else:
+            lines.append(f"target {shape}: speed over HF not measured (dppo "
+                         f"{dppo.get('status', 'absent')}, HF {hf.get('status', 'absent')})")
+        measured = floor.get("status") == "ok" and floor["numbers"].get("memory_floor")
+        if measured:
+            times, batch = measured["times_floor"], measured["batch"]
+            row.update(times_floor=times, floor_batch=batch, floor_met=times <= 2)
+            lines.append(f"target {shape}: decode step {times:.2f}x its memory floor at batch "
+                         f"{batch:.0f} (at most 2x: {'met' if times <= 2 else 'MISSED'})")
+        else:
+            lines.append(f"target {shape}: memory floor not measured "
+                         f"({floor.get('status', 'absent')})")
+        result[shape] = row
+    return {"shapes": result, "lines": lines}
+
+
 def summary(args):
     """Writes OUTDIR/summary.json from steps.tsv and the steps' outputs; prints the table."""
     steps = []
@@ -158,7 +215,10 @@ def summary(args):
                           "log": f"{name}.log"})
     meta_path = os.path.join(args.outdir, "meta.json")
     meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
-    report = dict(meta, steps=steps, passed=all(s["status"] in ("ok", "skipped") for s in steps))
+    report = dict(meta, steps=steps, passed=all(s["status"] in ("ok", "skipped", "no_time")
+                                                for s in steps))
+    if meta.get("mode") == "targets":
+        report["targets"] = targets(steps)
     with open(os.path.join(args.outdir, "summary.json"), "w") as f:
         json.dump(report, f, indent=2)
     width = max([len(s["name"]) for s in steps] + [4])
@@ -169,8 +229,13 @@ def summary(args):
         useful = numbers and (s["status"] == "ok" or "last_line" not in numbers)
         cell = brief(numbers) if useful else s["note"]
         print(f"{s['name']:<{width}}  {s['status']:<8} {s['seconds']:>6.1f}  {cell}")
-    print(f"gpu-check: {'all steps passed' if report['passed'] else 'some steps FAILED'}; "
-          f"logs and summary.json in {args.outdir}")
+    for line in report.get("targets", {}).get("lines", []):
+        print(line)
+    unrun = sum(s["status"] == "no_time" for s in steps)
+    verdict = "all steps run passed" if report["passed"] else "some steps FAILED"
+    if unrun:
+        verdict += f"; {unrun} not run, the budget spent"
+    print(f"gpu-check: {verdict}; logs and summary.json in {args.outdir}")
     return 0 if report["passed"] else 1
 
 
@@ -184,10 +249,12 @@ def main():
     a.add_argument("--max-tokens", type=int, default=16)
     a.add_argument("--budget", type=float, default=40)
     a.add_argument("--tolerance", type=float, default=0.1)
+    p = sub.add_parser("prompt-len")
+    p.add_argument("file")
     s = sub.add_parser("summary")
     s.add_argument("outdir")
     args = parser.parse_args()
-    sys.exit(agree(args) if args.command == "agree" else summary(args))
+    sys.exit({"agree": agree, "prompt-len": prompt_len, "summary": summary}[args.command](args))
 
 
 if __name__ == "__main__":

@@ -45,28 +45,25 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
         &["--dry-run", out.to_str().unwrap()],
         &[("DPPO_BIN", dppo), ("DPPO_KIT", &kit)],
     );
-    let summary: Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
-    let steps = summary["steps"].as_array().unwrap();
+    let steps = summary_steps(&out);
     let names: Vec<&str> = steps.iter().map(|s| s["name"].as_str().unwrap()).collect();
     let expected = [
         "doctor",
         "doctor-plain",
-        "agree",
         "rollout-qwen2.5-0.5b",
         "rollout-qwen2.5-0.5b-fused",
-        "rollout-qwen2.5-0.5b-full",
         "rollout-qwen2.5-0.5b-cuda-attn",
+        "rollout-qwen2.5-0.5b-full",
         "rollout-qwen2.5-0.5b-full-cuda-attn",
-        "rollout-smollm2-135m",
-        "train",
         "baseline",
+        "agree",
+        "train",
+        "rollout-smollm2-135m",
         "run",
         "run-sync",
     ];
     assert_eq!(names, expected, "{text}");
-    for step in steps {
-        let status = step["status"].as_str().unwrap();
+    for step in &steps {
         // The baseline needs torch and transformers, which CI does not install; the CUDA
         // kernels need a GPU.
         let name = step["name"].as_str().unwrap();
@@ -75,10 +72,73 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
         } else {
             &["ok"]
         };
-        assert!(allowed.contains(&status), "{step}\n{text}");
+        assert!(allowed.contains(&step["status"].as_str().unwrap()), "{step}\n{text}");
     }
-    assert!(ok && text.contains("all steps passed"), "{text}");
-    let agree = &steps[2]["numbers"]["shapes"]["smollm2-135m"];
+    assert!(ok && text.contains("all steps run passed"), "{text}");
+    let agree = &steps[8]["numbers"]["shapes"]["smollm2-135m"];
     assert_eq!(agree["agreed_tokens"], 8, "{text}");
     assert_eq!(agree["max_logprob_diff"], 0.0, "{text}");
+}
+
+/// The `steps` of OUTDIR/summary.json.
+fn summary_steps(out: &std::path::Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(out.join("summary.json")).unwrap();
+    let summary: Value = serde_json::from_str(&text).unwrap();
+    summary["steps"].as_array().unwrap().clone()
+}
+
+#[test]
+fn gpu_check_targets_dry_run_measures_each_target() {
+    let dir = tempfile::tempdir().unwrap();
+    let dppo = std::path::Path::new(env!("CARGO_BIN_EXE_dppo"));
+    let (ok, text) = script(
+        "gpu-check",
+        &["--dry-run", "--targets", dir.path().to_str().unwrap()],
+        &[("DPPO_BIN", dppo)],
+    );
+    assert!(ok, "{text}");
+    let steps = summary_steps(dir.path());
+    let names: Vec<&str> = steps.iter().map(|s| s["name"].as_str().unwrap()).collect();
+    let shape = "smollm2-135m";
+    let expected = [
+        "doctor".to_string(),
+        format!("target-floor-{shape}"),
+        format!("target-rollout-{shape}"),
+        format!("target-hf-{shape}"),
+    ];
+    assert_eq!(names, expected, "{text}");
+    let rollout = &steps[2]["numbers"];
+    assert_eq!(rollout["complete"], true, "{text}");
+    // The floor is measured on the CPU too; the speed over HF only where torch imports.
+    assert!(text.contains(&format!("target {shape}: decode step")), "{text}");
+    let hf = &steps[3];
+    if hf["status"] == "ok" {
+        // HF's prompts carry dppo's mean prompt length.
+        let mean = rollout["prompt_tokens_mean"].as_f64().unwrap();
+        assert_eq!(hf["numbers"]["prompt_len"], mean.round(), "{text}");
+        assert!(text.contains(&format!("target {shape}: dppo ")), "{text}");
+    } else {
+        assert_eq!(hf["status"], "skipped", "{text}");
+    }
+}
+
+#[test]
+fn gpu_check_with_its_budget_spent_runs_nothing_and_still_summarises() {
+    let dir = tempfile::tempdir().unwrap();
+    let dppo = std::path::Path::new(env!("CARGO_BIN_EXE_dppo"));
+    let (ok, text) = script(
+        "gpu-check",
+        &["--dry-run", "--budget", "1", dir.path().to_str().unwrap()],
+        &[("DPPO_BIN", dppo)],
+    );
+    assert!(ok && text.contains("11 not run, the budget spent"), "{text}");
+    let steps = summary_steps(dir.path());
+    for step in &steps {
+        // The CUDA kernels' steps are skipped on the CPU before the budget is looked at.
+        let expected = match step["name"].as_str().unwrap().ends_with("cuda-attn") {
+            true => "skipped",
+            false => "no_time",
+        };
+        assert_eq!(step["status"], expected, "{step}\n{text}");
+    }
 }
