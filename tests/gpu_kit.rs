@@ -72,7 +72,10 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
         } else {
             &["ok"]
         };
-        assert!(allowed.contains(&step["status"].as_str().unwrap()), "{step}\n{text}");
+        assert!(
+            allowed.contains(&step["status"].as_str().unwrap()),
+            "{step}\n{text}"
+        );
     }
     assert!(ok && text.contains("all steps run passed"), "{text}");
     let agree = &steps[8]["numbers"]["shapes"]["smollm2-135m"];
@@ -110,7 +113,10 @@ fn gpu_check_targets_dry_run_measures_each_target() {
     let rollout = &steps[2]["numbers"];
     assert_eq!(rollout["complete"], true, "{text}");
     // The floor is measured on the CPU too; the speed over HF only where torch imports.
-    assert!(text.contains(&format!("target {shape}: decode step")), "{text}");
+    assert!(
+        text.contains(&format!("target {shape}: decode step")),
+        "{text}"
+    );
     let hf = &steps[3];
     if hf["status"] == "ok" {
         // HF's prompts carry dppo's mean prompt length.
@@ -131,7 +137,10 @@ fn gpu_check_with_its_budget_spent_runs_nothing_and_still_summarises() {
         &["--dry-run", "--budget", "1", dir.path().to_str().unwrap()],
         &[("DPPO_BIN", dppo)],
     );
-    assert!(ok && text.contains("11 not run, the budget spent"), "{text}");
+    assert!(
+        ok && text.contains("11 not run, the budget spent"),
+        "{text}"
+    );
     let steps = summary_steps(dir.path());
     for step in &steps {
         // The CUDA kernels' steps are skipped on the CPU before the budget is looked at.

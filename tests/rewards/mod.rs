@@ -214,7 +214,7 @@ fn items(n: usize) -> Vec<RewardItem> {
 
 fn scorer(settings: RewardSettings) -> Result<Scorer, String> {
     let spec = dppo_trainer::reward::spec(&RunConfig::default_with(&[]).unwrap());
-    Scorer::new(&settings, spec)
+    Scorer::new(&settings, spec).map_err(|e| e.to_string())
 }
 
 fn settings(url: &str) -> RewardSettings {
@@ -302,6 +302,50 @@ fn server_failures_are_retried_named_or_forgiven() {
         no_token.contains("DPPO_TEST_UNSET_VARIABLE, which is not set"),
         "{no_token}"
     );
+}
+
+/// Reward settings that cannot start fail when the run starts, naming the key at fault.
+#[test]
+fn reward_settings_that_cannot_start_name_their_key() {
+    let cmd = |argv: &[&str]| Some(argv.iter().map(|a| a.to_string()).collect::<Vec<_>>());
+    let cases = [
+        (
+            RewardSettings {
+                command: cmd(&[]),
+                ..RewardSettings::default()
+            },
+            "reward.command: the command is empty",
+        ),
+        (
+            RewardSettings {
+                command: cmd(&["/nonexistent/dppo-reward"]),
+                ..RewardSettings::default()
+            },
+            "reward.command: cannot start `/nonexistent/dppo-reward`",
+        ),
+        (
+            RewardSettings {
+                command: cmd(&["true"]),
+                ..settings("http://127.0.0.1:9/score")
+            },
+            "reward.url and reward.command are both set",
+        ),
+        (
+            settings("ftp://127.0.0.1/score"),
+            "reward.url: ftp://127.0.0.1/score: not an http:// address",
+        ),
+        (
+            RewardSettings {
+                combine: Some([("judge".to_string(), 1.0)].into_iter().collect()),
+                ..RewardSettings::default()
+            },
+            "no reward named \"judge\"",
+        ),
+    ];
+    for (settings, want) in cases {
+        let err = scorer(settings).err().unwrap();
+        assert!(err.starts_with(want), "{err}");
+    }
 }
 
 /// Groups go to the server as they finish, `reward.concurrency` at once, while the rest

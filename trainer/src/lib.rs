@@ -61,6 +61,8 @@ pub enum TrainError {
     Rank { rank: usize, reason: String },
     #[error(transparent)]
     RewardBackend(#[from] reward::RewardFailure),
+    #[error("invalid config: {0}")]
+    RewardSetup(#[from] reward::SetupError),
     #[error(transparent)]
     Device(#[from] dppo_model::DeviceError),
     #[error("GPU memory budget: {0}")]

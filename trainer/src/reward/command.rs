@@ -9,7 +9,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use super::Failure;
+use super::{Failure, StartError};
 
 /// The child and its pipes; requests take turns.
 pub struct CommandReward {
@@ -28,17 +28,18 @@ struct Io {
 
 impl CommandReward {
     /// Starts `argv` (program and arguments).
-    pub fn start(argv: &[String], timeout: Duration) -> Result<Self, String> {
-        let (program, args) = argv
-            .split_first()
-            .ok_or("reward.command is empty: give the program and its arguments")?;
+    pub fn start(argv: &[String], timeout: Duration) -> Result<Self, StartError> {
+        let (program, args) = argv.split_first().ok_or(StartError::EmptyCommand)?;
         let mut child = Command::new(program)
             .args(args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
-            .map_err(|e| format!("cannot start {}: {e}", shown(argv)))?;
+            .map_err(|source| StartError::Spawn {
+                command: shown(argv),
+                source,
+            })?;
         let stdout = child.stdout.take().expect("stdout is piped");
         let (send, lines) = mpsc::channel();
         std::thread::Builder::new()
@@ -50,7 +51,10 @@ impl CommandReward {
                     }
                 }
             })
-            .map_err(|e| format!("starting the reader of {}: {e}", shown(argv)))?;
+            .map_err(|source| StartError::Reader {
+                command: shown(argv),
+                source,
+            })?;
         Ok(Self {
             argv: argv.to_vec(),
             timeout,

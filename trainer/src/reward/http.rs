@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use super::Failure;
+use super::{Failure, StartError};
 
 /// The first retry waits this long; each later one twice as long, up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(250);
@@ -26,15 +26,12 @@ impl HttpReward {
         token: Option<String>,
         timeout: Duration,
         max_retries: u32,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, StartError> {
         if url.starts_with("https://") {
-            return Err(format!(
-                "{url}: https is not supported (dppo is built without TLS); reach the server \
-                 over http, through a local proxy or an SSH tunnel"
-            ));
+            return Err(StartError::Https(url.to_string()));
         }
         if !url.starts_with("http://") {
-            return Err(format!("{url}: not an http:// address"));
+            return Err(StartError::NotHttp(url.to_string()));
         }
         let agent = ureq::Agent::config_builder()
             .timeout_global(Some(timeout))

@@ -45,6 +45,49 @@ pub enum Failure {
     Fatal(String),
 }
 
+/// Why the run's reward cannot start (checked when the run starts); each names the config
+/// key at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error(
+        "reward.url and reward.command are both set: choose one, or weigh both in \
+         reward.combine"
+    )]
+    UrlAndCommand,
+    /// A reward in `reward.combine` or `reward.routes` that no key defines.
+    #[error("no reward named {0:?}")]
+    Unknown(String),
+    #[error("reward.api_key_env names {0}, which is not set in the environment")]
+    TokenUnset(String),
+    /// The server or process that `key` sets cannot be used.
+    #[error("{key}: {source}")]
+    Start { key: String, source: StartError },
+}
+
+/// Why a reward server or process cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(
+        "{0}: https is not supported (dppo is built without TLS); reach the server over \
+         http, through a local proxy or an SSH tunnel"
+    )]
+    Https(String),
+    #[error("{0}: not an http:// address")]
+    NotHttp(String),
+    #[error("the command is empty: give the program and its arguments")]
+    EmptyCommand,
+    #[error("cannot start {command}: {source}")]
+    Spawn {
+        command: String,
+        source: std::io::Error,
+    },
+    #[error("starting the reader of {command}: {source}")]
+    Reader {
+        command: String,
+        source: std::io::Error,
+    },
+}
+
 /// A reward that could not score a group.
 #[derive(Debug, thiserror::Error)]
 #[error("reward {backend}: {what}: {reason}")]
@@ -132,17 +175,11 @@ pub struct Scorer {
 impl Scorer {
     /// The reward `settings` describe, scoring completions of at most `spec.max_tokens`:
     /// starts the reward processes and reads the servers' token.
-    pub fn new(settings: &RewardSettings, spec: RewardSpec) -> Result<Self, String> {
+    pub fn new(settings: &RewardSettings, spec: RewardSpec) -> Result<Self, SetupError> {
         let route = |w: &Weights| -> Route { w.iter().map(|(n, w)| (n.clone(), *w)).collect() };
         let default = match (&settings.combine, &settings.url, &settings.command) {
             (Some(weights), _, _) => route(weights),
-            (None, Some(_), Some(_)) => {
-                return Err(
-                    "reward.url and reward.command are both set: choose one, or \
-                            weigh both in reward.combine"
-                        .into(),
-                )
-            }
+            (None, Some(_), Some(_)) => return Err(SetupError::UrlAndCommand),
             (None, Some(_), None) => vec![("url".into(), 1.0)],
             (None, None, Some(_)) => vec![("command".into(), 1.0)],
             (None, None, None) => vec![("verifier".into(), 1.0)],
@@ -330,23 +367,29 @@ impl Scorer {
 
 /// The backend of the reward `name`: the verifier (in `mode`, or a function's own), the
 /// server `reward.url` or the process `reward.command`, or a named function's.
-fn backend(settings: &RewardSettings, name: &str, mode: ExtractMode) -> Result<Backend, String> {
+fn backend(
+    settings: &RewardSettings,
+    name: &str,
+    mode: ExtractMode,
+) -> Result<Backend, SetupError> {
     let timeout = Duration::from_secs_f64(settings.timeout_s);
+    let start = |key: &str| {
+        let key = key.to_string();
+        move |source| SetupError::Start { key, source }
+    };
     let http = |url: &str, key: &str| {
         let token = match &settings.api_key_env {
-            Some(var) => Some(std::env::var(var).map_err(|_| {
-                format!("reward.api_key_env names {var}, which is not set in the environment")
-            })?),
+            Some(var) => Some(std::env::var(var).map_err(|_| SetupError::TokenUnset(var.clone()))?),
             None => None,
         };
         HttpReward::new(url, token, timeout, settings.max_retries)
             .map(Backend::Http)
-            .map_err(|e| format!("{key}: {e}"))
+            .map_err(start(key))
     };
     let command = |argv: &[String], key: &str| {
         CommandReward::start(argv, timeout)
             .map(Backend::Command)
-            .map_err(|e| format!("{key}: {e}"))
+            .map_err(start(key))
     };
     match (name, settings.functions.get(name)) {
         ("verifier", _) => Ok(Backend::Verifier(mode)),
@@ -363,6 +406,6 @@ fn backend(settings: &RewardSettings, name: &str, mode: ExtractMode) -> Result<B
                 (None, None) => Ok(Backend::Verifier(f.extract.unwrap_or(mode))),
             }
         }
-        (_, None) => Err(format!("no reward named {name:?}")),
+        (_, None) => Err(SetupError::Unknown(name.to_string())),
     }
 }

@@ -132,8 +132,7 @@ impl Trainer {
         // `device`'s (see `dppo_model::streams`).
         let engine_device = dppo_model::streams::own_stream(device)?;
         let engine = Arc::new(Engine::new(policy, engine_cfg, engine_device)?);
-        let scorer =
-            Scorer::new(&cfg.reward, crate::reward::spec(&cfg)).map_err(TrainError::Config)?;
+        let scorer = Scorer::new(&cfg.reward, crate::reward::spec(&cfg))?;
         let scorer = Arc::new(scorer);
         let rollouts = Rollouts::new(&cfg, engine, policy.tokenizer.clone(), scorer.clone());
         Ok(Self {
