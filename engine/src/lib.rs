@@ -9,6 +9,8 @@ pub mod device_sample;
 pub mod engine;
 pub mod generic_attn;
 pub mod gumbel;
+#[cfg(any(all(test, target_os = "linux"), feature = "cuda"))]
+mod kernel_args;
 #[cfg(all(test, target_os = "linux"))]
 mod kernel_emu;
 pub mod kv_pool;

@@ -5,7 +5,7 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, DeviceRepr, LaunchConfig,
 };
 use candle_core::cuda_backend::{CudaDType, CudaStorage, WrapErr};
 use candle_core::{
@@ -14,6 +14,7 @@ use candle_core::{
 };
 use dppo_model::AttentionBackend;
 
+use super::params::{self, Scalars};
 use super::{table_write_geometry, Geometry, KernelPlan, SOURCE};
 use crate::generic_attn::TensorKvCache;
 
@@ -68,9 +69,14 @@ impl DeviceTables {
         let func = function(&self.device, "write_table_entries", None)?;
         let cfg = config(table_write_geometry(n as usize));
         let mut launch = stream.launch_builder(&func);
-        launch.arg(&mut self.table).arg(&src).arg(&n);
-        // SAFETY: the arguments match `write_table_entries`; every index was taken from the
-        // mirror of this table, so it lies inside it.
+        params::TableEntries {
+            table: &mut self.table,
+            pairs: &src,
+            n: &n,
+        }
+        .push_to(&mut launch);
+        // SAFETY: the arguments are `write_table_entries`'s list; every index was taken from
+        // the mirror of this table, so it lies inside it.
         unsafe { launch.launch(cfg) }.w()?;
         Ok(())
     }
@@ -194,15 +200,21 @@ fn write<T: CudaDType + DeviceRepr>(
             end - start
         );
     }
-    let row = row as u32;
     let src = src.as_cuda_slice::<T>()?.slice(start..end);
     let stream = cache.device.cuda_stream();
     let cache = cache.as_cuda_slice_mut::<T>()?;
     let cfg = config(plan.write_geometry());
+    let scalars = Scalars::of(plan);
     let mut launch = stream.launch_builder(func);
-    launch.arg(&src).arg(cache).arg(&index.slots).arg(&row);
-    // SAFETY: the arguments match `write_slots` in kernels/paged_attention.cu; `src` holds
-    // `rows` rows of `row` elements and every slot of the plan lies inside the pool.
+    params::WriteSlots {
+        src: &src,
+        cache,
+        slots: &index.slots,
+        scalars: &scalars,
+    }
+    .push_to(&mut launch);
+    // SAFETY: the arguments are `write_slots`'s list in kernels/paged_attention.cu; `src`
+    // holds `rows` rows of `row` elements and every slot of the plan lies inside the pool.
     unsafe { launch.launch(cfg) }.w()?;
     Ok(())
 }
@@ -280,49 +292,41 @@ fn attend<T: CudaDType + DeviceRepr>(
     let mut max = unsafe { device.alloc::<f32>(pair_rows * plan.splits) }?;
     let mut sum = unsafe { device.alloc::<f32>(pair_rows * plan.splits) }?;
     let mut out = unsafe { device.alloc::<T>(pair_rows * heads.head_dim) }?;
-    let (num_heads, kv_heads) = (heads.num_heads as u32, heads.num_kv_heads as u32);
-    let head_dim = heads.head_dim as u32;
-    let (block_size, table_width) = (plan.block_size as u32, plan.table_width as u32);
-    let (split_len, splits) = (plan.split_len as u32, plan.splits as u32);
-    let scale = 1.0f32 / (heads.head_dim as f32).sqrt();
+    let scalars = Scalars::of(plan);
     let stream = device.cuda_stream();
 
     let func = function(device, "paged_attention", Some(dtype))?;
     let cfg = config(plan.attention_geometry());
     let mut launch = stream.launch_builder(&func);
-    launch
-        .arg(&q)
-        .arg(k)
-        .arg(v)
-        .arg(&index.tiles)
-        .arg(op.tables)
-        .arg(&num_heads)
-        .arg(&kv_heads)
-        .arg(&head_dim)
-        .arg(&block_size)
-        .arg(&table_width)
-        .arg(&split_len)
-        .arg(&scale)
-        .arg(&mut acc)
-        .arg(&mut max)
-        .arg(&mut sum);
-    // SAFETY: the arguments match `paged_attention` in kernels/paged_attention.cu; the plan
-    // sized the partial buffers and the shared memory (at most 48 KiB, checked by
+    params::Attention {
+        q: &q,
+        k,
+        v,
+        tiles: &index.tiles,
+        tables: op.tables,
+        scalars: &scalars,
+        acc: &mut acc,
+        max: &mut max,
+        sum: &mut sum,
+    }
+    .push_to(&mut launch);
+    // SAFETY: the arguments are `paged_attention`'s list in kernels/paged_attention.cu; the
+    // plan sized the partial buffers and the shared memory (at most 48 KiB, checked by
     // `Heads::check`), and its tiles and block tables address only the pool's slots.
     unsafe { launch.launch(cfg) }.w()?;
 
     let func = function(device, "paged_reduce", Some(dtype))?;
     let cfg = config(plan.reduce_geometry());
     let mut launch = stream.launch_builder(&func);
-    launch
-        .arg(&acc)
-        .arg(&max)
-        .arg(&sum)
-        .arg(&num_heads)
-        .arg(&head_dim)
-        .arg(&splits)
-        .arg(&mut out);
-    // SAFETY: the arguments match `paged_reduce`; the partials were written above.
+    params::Reduce {
+        acc: &acc,
+        max: &max,
+        sum: &sum,
+        scalars: &scalars,
+        out: &mut out,
+    }
+    .push_to(&mut launch);
+    // SAFETY: the arguments are `paged_reduce`'s list; the partials were written above.
     unsafe { launch.launch(cfg) }.w()?;
     Ok(T::wrap_cuda_slice(out, device.clone()))
 }

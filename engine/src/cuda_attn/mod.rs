@@ -14,6 +14,8 @@ pub mod device_check;
 mod emulated;
 #[cfg(feature = "cuda")]
 mod launch;
+#[cfg(any(all(test, target_os = "linux"), feature = "cuda"))]
+mod params;
 pub mod reference;
 mod state;
 pub mod tables;

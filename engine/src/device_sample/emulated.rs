@@ -4,7 +4,9 @@
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use super::{checked_draws, Agreement, DeviceDraw, DrawInputs, DrawOutputs, SOURCE, THREADS};
+use super::{
+    checked_draws, push_args, Agreement, DeviceDraw, DrawInputs, DrawOutputs, SOURCE, THREADS,
+};
 use crate::gumbel::Drawn;
 use crate::kernel_emu::{Args, Emulator};
 use crate::sampler::MAX_TOP_LOGPROBS;
@@ -25,22 +27,7 @@ fn emulate(emu: &Emulator, rows: &[Vec<f32>], draws: &[DeviceDraw]) -> Vec<Drawn
             vec![f32::NAN; n * MAX_TOP_LOGPROBS],
         ),
     };
-    let args = Args::default()
-        .arg(logits.as_ptr())
-        .arg(vocab)
-        .arg(inputs.rows.as_ptr())
-        .arg(inputs.keys.as_ptr())
-        .arg(inputs.counters.as_ptr())
-        .arg(inputs.inv_temps.as_ptr())
-        .arg(inputs.top_ks.as_ptr())
-        .arg(inputs.top_ps.as_ptr())
-        .arg(inputs.min_ps.as_ptr())
-        .arg(inputs.n_tops.as_ptr())
-        .arg(out.tokens.as_mut_ptr())
-        .arg(out.logprobs.as_mut_ptr())
-        .arg(out.model_logprobs.as_mut_ptr())
-        .arg(out.top.0.as_mut_ptr())
-        .arg(out.top.1.as_mut_ptr());
+    let args = Args::filled(|list| push_args(list, logits.as_ptr(), &vocab, &inputs, &mut out));
     emu.launch("gumbel_sample", (n as u32, 1, 1), (THREADS, 1, 1), 0, &args)
         .unwrap();
     out.drawn(&inputs.n_tops)

@@ -5,10 +5,17 @@
 //! some draw asks for top logprobs) instead of a vocabulary-sized row. [`crate::gumbel`] is
 //! the kernel's reference.
 
+#[cfg(feature = "cuda")]
+use std::sync::Arc;
+
+#[cfg(feature = "cuda")]
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
 use candle_core::{Result, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::gumbel::{self, DrawKey, DrawParams, Drawn};
+#[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
+use crate::kernel_args::ArgList;
 #[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
 use crate::sampler::MAX_TOP_LOGPROBS;
 
@@ -143,7 +150,7 @@ pub fn sample(logits: &Tensor, draws: &[DeviceDraw]) -> Result<Vec<Drawn>> {
 /// [`sample`] by the kernel.
 #[cfg(feature = "cuda")]
 fn on_gpu(logits: &Tensor, draws: &[DeviceDraw]) -> Result<Vec<Drawn>> {
-    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
     use candle_core::{bail, DType, Storage};
 
     let candle_core::Device::Cuda(device) = logits.device() else {
@@ -164,55 +171,46 @@ fn on_gpu(logits: &Tensor, draws: &[DeviceDraw]) -> Result<Vec<Drawn>> {
     let stream = device.cuda_stream();
     let w = candle_core::Error::wrap;
     let inputs = DrawInputs::of(draws);
-    let rows = stream.clone_htod(&inputs.rows).map_err(w)?;
-    let keys = stream.clone_htod(&inputs.keys).map_err(w)?;
-    let counters = stream.clone_htod(&inputs.counters).map_err(w)?;
-    let inv_temps = stream.clone_htod(&inputs.inv_temps).map_err(w)?;
-    let top_ks = stream.clone_htod(&inputs.top_ks).map_err(w)?;
-    let top_ps = stream.clone_htod(&inputs.top_ps).map_err(w)?;
-    let min_ps = stream.clone_htod(&inputs.min_ps).map_err(w)?;
-    let n_tops = stream.clone_htod(&inputs.n_tops).map_err(w)?;
+    let on_device = DrawInputs {
+        rows: upload(&stream, &inputs.rows)?,
+        keys: upload(&stream, &inputs.keys)?,
+        counters: upload(&stream, &inputs.counters)?,
+        inv_temps: upload(&stream, &inputs.inv_temps)?,
+        top_ks: upload(&stream, &inputs.top_ks)?,
+        top_ps: upload(&stream, &inputs.top_ps)?,
+        min_ps: upload(&stream, &inputs.min_ps)?,
+        n_tops: upload(&stream, &inputs.n_tops)?,
+    };
     let n = draws.len();
-    let mut tokens = stream.alloc_zeros::<u32>(n).map_err(w)?;
-    let mut logprobs = stream.alloc_zeros::<f32>(n).map_err(w)?;
-    let mut model = stream.alloc_zeros::<f32>(n).map_err(w)?;
-    let mut top_ids = stream.alloc_zeros::<u32>(n * MAX_TOP_LOGPROBS).map_err(w)?;
-    let mut top_logprobs = stream.alloc_zeros::<f32>(n * MAX_TOP_LOGPROBS).map_err(w)?;
+    let mut out = DrawOutputs {
+        tokens: stream.alloc_zeros::<u32>(n).map_err(w)?,
+        logprobs: stream.alloc_zeros::<f32>(n).map_err(w)?,
+        model_logprobs: stream.alloc_zeros::<f32>(n).map_err(w)?,
+        top: (
+            stream.alloc_zeros::<u32>(n * MAX_TOP_LOGPROBS).map_err(w)?,
+            stream.alloc_zeros::<f32>(n * MAX_TOP_LOGPROBS).map_err(w)?,
+        ),
+    };
     let cfg = LaunchConfig {
         grid_dim: (n as u32, 1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
     let mut launch = stream.launch_builder(&func);
-    launch
-        .arg(&slice)
-        .arg(&vocab)
-        .arg(&rows)
-        .arg(&keys)
-        .arg(&counters)
-        .arg(&inv_temps)
-        .arg(&top_ks)
-        .arg(&top_ps)
-        .arg(&min_ps)
-        .arg(&n_tops)
-        .arg(&mut tokens)
-        .arg(&mut logprobs)
-        .arg(&mut model)
-        .arg(&mut top_ids)
-        .arg(&mut top_logprobs);
-    // SAFETY: the arguments match the kernel's signature in kernels/sample.cu, every
-    // buffer holds `n` draws (rows: `rows * vocab` floats; top logprobs MAX_TOP_LOGPROBS
-    // slots each, the kernel's MAX_TOP), and each block writes only its own draw's outputs.
+    push_args(&mut launch, &slice, &vocab, &on_device, &mut out);
+    // SAFETY: the arguments are the kernel's list in kernels/sample.cu; every buffer holds
+    // `n` draws (rows: `rows * vocab` floats; top logprobs MAX_TOP_LOGPROBS slots each, the
+    // kernel's MAX_TOP), and each block writes only its own draw's outputs.
     unsafe { launch.launch(cfg) }.map_err(w)?;
     let out = DrawOutputs {
-        tokens: stream.clone_dtoh(&tokens).map_err(w)?,
-        logprobs: stream.clone_dtoh(&logprobs).map_err(w)?,
-        model_logprobs: stream.clone_dtoh(&model).map_err(w)?,
+        tokens: download(&stream, &out.tokens)?,
+        logprobs: download(&stream, &out.logprobs)?,
+        model_logprobs: download(&stream, &out.model_logprobs)?,
         // The top logprobs come back only when some draw asked for them.
         top: if inputs.n_tops.iter().any(|&k| k > 0) {
             (
-                stream.clone_dtoh(&top_ids).map_err(w)?,
-                stream.clone_dtoh(&top_logprobs).map_err(w)?,
+                download(&stream, &out.top.0)?,
+                download(&stream, &out.top.1)?,
             )
         } else {
             (Vec::new(), Vec::new())
@@ -221,19 +219,32 @@ fn on_gpu(logits: &Tensor, draws: &[DeviceDraw]) -> Result<Vec<Drawn>> {
     Ok(out.drawn(&inputs.n_tops))
 }
 
-/// The kernel's per-draw inputs, a buffer each.
+/// `host` copied to the device on `stream`.
+#[cfg(feature = "cuda")]
+fn upload<T: DeviceRepr>(stream: &Arc<CudaStream>, host: &[T]) -> Result<CudaSlice<T>> {
+    stream.clone_htod(host).map_err(candle_core::Error::wrap)
+}
+
+/// `device` copied back to the host on `stream`.
+#[cfg(feature = "cuda")]
+fn download<T: DeviceRepr>(stream: &Arc<CudaStream>, device: &CudaSlice<T>) -> Result<Vec<T>> {
+    stream.clone_dtoh(device).map_err(candle_core::Error::wrap)
+}
+
+/// The kernel's per-draw inputs, a buffer each: host vectors, or their copies on the device
+/// (`U` holds u32s, `F` f32s).
 #[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
-pub(crate) struct DrawInputs {
-    rows: Vec<u32>,
+pub(crate) struct DrawInputs<U = Vec<u32>, F = Vec<f32>> {
+    rows: U,
     /// Two words a draw, low first.
-    keys: Vec<u32>,
+    keys: U,
     /// (position, sample index) a draw.
-    counters: Vec<u32>,
-    inv_temps: Vec<f32>,
-    top_ks: Vec<u32>,
-    top_ps: Vec<f32>,
-    min_ps: Vec<f32>,
-    n_tops: Vec<u32>,
+    counters: U,
+    inv_temps: F,
+    top_ks: U,
+    top_ps: F,
+    min_ps: F,
+    n_tops: U,
 }
 
 #[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
@@ -256,13 +267,50 @@ impl DrawInputs {
 }
 
 /// The kernel's outputs: a token and two logprobs a draw, and `MAX_TOP_LOGPROBS` top ids and
-/// logprobs a draw (empty when no draw asked for them).
+/// logprobs a draw (on the host, empty when no draw asked for them).
 #[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
-pub(crate) struct DrawOutputs {
-    pub(crate) tokens: Vec<u32>,
-    pub(crate) logprobs: Vec<f32>,
-    pub(crate) model_logprobs: Vec<f32>,
-    pub(crate) top: (Vec<u32>, Vec<f32>),
+pub(crate) struct DrawOutputs<U = Vec<u32>, F = Vec<f32>> {
+    pub(crate) tokens: U,
+    pub(crate) logprobs: F,
+    pub(crate) model_logprobs: F,
+    pub(crate) top: (U, F),
+}
+
+/// Pushes `gumbel_sample`'s arguments in the order of its signature in kernels/sample.cu:
+/// logits, vocab, the inputs, then the outputs ([`crate::kernel_args`]).
+#[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
+pub(crate) fn push_args<'s, A, L, U, F, OU, OF>(
+    list: &mut A,
+    logits: L,
+    vocab: &'s u32,
+    inputs: &'s DrawInputs<U, F>,
+    outputs: &'s mut DrawOutputs<OU, OF>,
+) where
+    A: ArgList<L> + ArgList<&'s u32> + ArgList<&'s U> + ArgList<&'s F>,
+    A: ArgList<&'s mut OU> + ArgList<&'s mut OF>,
+{
+    let i = inputs;
+    ArgList::push(list, logits);
+    ArgList::push(list, vocab);
+    ArgList::push(list, &i.rows);
+    ArgList::push(list, &i.keys);
+    ArgList::push(list, &i.counters);
+    ArgList::push(list, &i.inv_temps);
+    ArgList::push(list, &i.top_ks);
+    ArgList::push(list, &i.top_ps);
+    ArgList::push(list, &i.min_ps);
+    ArgList::push(list, &i.n_tops);
+    let DrawOutputs {
+        tokens,
+        logprobs,
+        model_logprobs,
+        top: (top_ids, top_logprobs),
+    } = outputs;
+    ArgList::push(list, tokens);
+    ArgList::push(list, logprobs);
+    ArgList::push(list, model_logprobs);
+    ArgList::push(list, top_ids);
+    ArgList::push(list, top_logprobs);
 }
 
 #[cfg(any(feature = "cuda", all(test, target_os = "linux")))]

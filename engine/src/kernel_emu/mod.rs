@@ -11,6 +11,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
 
+use crate::kernel_args::ArgList;
+
 /// The library's entry point: kernel name, grid, block, dynamic shared bytes, pointers to the
 /// arguments, their sizes and number, and a buffer for the error.
 type LaunchFn = unsafe extern "C" fn(
@@ -65,13 +67,63 @@ pub struct Args {
 impl Args {
     /// Appends `value`.
     pub fn arg<T: KernelArg>(mut self, value: T) -> Self {
+        self.add(value);
+        self
+    }
+
+    /// The list a shared parameter list's `push_to` fills ([`crate::kernel_args`]).
+    pub fn filled(push_to: impl FnOnce(&mut Self)) -> Self {
+        let mut args = Self::default();
+        push_to(&mut args);
+        args
+    }
+
+    fn add<T: KernelArg>(&mut self, value: T) {
         let mut slot = 0u64;
         // SAFETY: every `KernelArg` is `Copy` and at most 8 bytes; the slot is 8 bytes and
         // 8-aligned.
         unsafe { std::ptr::write((&mut slot as *mut u64).cast::<T>(), value) };
         self.slots.push(slot);
         self.sizes.push(size_of::<T>() as u32);
-        self
+    }
+}
+
+/// The kernels' shared parameter lists take device pointers by value and scalars by
+/// reference (cudarc's builder keeps a pointer to each); the emulation copies both.
+impl<T> ArgList<*const T> for Args {
+    fn push(&mut self, arg: *const T) {
+        self.add(arg);
+    }
+}
+
+impl<T> ArgList<*mut T> for Args {
+    fn push(&mut self, arg: *mut T) {
+        self.add(arg);
+    }
+}
+
+/// A host vector stands for a device buffer: its data pointer is passed.
+impl<T> ArgList<&Vec<T>> for Args {
+    fn push(&mut self, arg: &Vec<T>) {
+        self.add(arg.as_ptr());
+    }
+}
+
+impl<T> ArgList<&mut Vec<T>> for Args {
+    fn push(&mut self, arg: &mut Vec<T>) {
+        self.add(arg.as_mut_ptr());
+    }
+}
+
+impl ArgList<&u32> for Args {
+    fn push(&mut self, arg: &u32) {
+        self.add(*arg);
+    }
+}
+
+impl ArgList<&f32> for Args {
+    fn push(&mut self, arg: &f32) {
+        self.add(*arg);
     }
 }
 

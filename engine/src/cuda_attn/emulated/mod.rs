@@ -1,13 +1,15 @@
 //! kernels/paged_attention.cu itself, run on the CPU ([`crate::kernel_emu`]), launched with
-//! the geometry `launch.rs` gives them on a GPU (shared) and the same arguments (written out
-//! here again), host vectors standing for device buffers. The tests hold the kernels to their CPU twin over the GPU check's batches,
-//! and run the engine with the emulated kernels as its attention backend: on the CPU, the
-//! engine's unit tests resolve `engine.attention = "cuda"` to this module.
+//! the geometry and the argument lists `launch.rs` gives them on a GPU (both shared), host
+//! vectors standing for device buffers. The tests hold the kernels to their CPU twin over the
+//! GPU check's batches, and run the engine with the emulated kernels as its attention
+//! backend: on the CPU, the engine's unit tests resolve `engine.attention = "cuda"` to this
+//! module.
 
 use std::sync::LazyLock;
 
 use candle_core::{bail, Result, WithDType};
 
+use super::params::{Attention, Reduce, Scalars, TableEntries, WriteSlots};
 use super::{table_write_geometry, Geometry, KernelPlan, SOURCE};
 use crate::kernel_emu::{Args, Emulator};
 
@@ -88,10 +90,12 @@ pub(super) fn write_entries(tables: &mut [u32], pairs: &[u32]) -> Result<()> {
     if n == 0 {
         return Ok(());
     }
-    let args = Args::default()
-        .arg(tables.as_mut_ptr())
-        .arg(pairs.as_ptr())
-        .arg(n);
+    let entries = TableEntries {
+        table: tables.as_mut_ptr(),
+        pairs: pairs.as_ptr(),
+        n: &n,
+    };
+    let args = Args::filled(|list| entries.push_to(list));
     launch(
         "write_table_entries",
         table_write_geometry(n as usize),
@@ -120,11 +124,14 @@ pub(super) fn write_slots<T: Stored>(plan: &KernelPlan, src: &[T], cache: &mut [
             cache.len() / row
         );
     }
-    let args = Args::default()
-        .arg(src.as_ptr())
-        .arg(cache.as_mut_ptr())
-        .arg(plan.slots.as_ptr())
-        .arg(row as u32);
+    let scalars = Scalars::of(plan);
+    let write = WriteSlots {
+        src: src.as_ptr(),
+        cache: cache.as_mut_ptr(),
+        slots: plan.slots.as_ptr(),
+        scalars: &scalars,
+    };
+    let args = Args::filled(|list| write.push_to(list));
     launch(
         &format!("write_slots_{}", T::SUFFIX),
         plan.write_geometry(),
@@ -160,35 +167,31 @@ pub(super) fn attend<T: Stored>(
     let mut acc = vec![f32::NAN; plan.partial_len()];
     let mut max = vec![f32::NAN; pair_rows * plan.splits];
     let mut sum = vec![f32::NAN; pair_rows * plan.splits];
-    let scale = 1.0f32 / (heads.head_dim as f32).sqrt();
-    let args = Args::default()
-        .arg(q.as_ptr())
-        .arg(k.as_ptr())
-        .arg(v.as_ptr())
-        .arg(tiles.as_ptr())
-        .arg(tables.as_ptr())
-        .arg(heads.num_heads as u32)
-        .arg(heads.num_kv_heads as u32)
-        .arg(heads.head_dim as u32)
-        .arg(plan.block_size as u32)
-        .arg(plan.table_width as u32)
-        .arg(plan.split_len as u32)
-        .arg(scale)
-        .arg(acc.as_mut_ptr())
-        .arg(max.as_mut_ptr())
-        .arg(sum.as_mut_ptr());
+    let scalars = Scalars::of(plan);
+    let attend = Attention {
+        q: q.as_ptr(),
+        k: k.as_ptr(),
+        v: v.as_ptr(),
+        tiles: tiles.as_ptr(),
+        tables: tables.as_ptr(),
+        scalars: &scalars,
+        acc: acc.as_mut_ptr(),
+        max: max.as_mut_ptr(),
+        sum: sum.as_mut_ptr(),
+    };
+    let args = Args::filled(|list| attend.push_to(list));
     let attention = format!("paged_attention_{}", T::SUFFIX);
     launch(&attention, plan.attention_geometry(), &args)?;
 
     let mut out = vec![T::of(f32::NAN); pair_rows * heads.head_dim];
-    let args = Args::default()
-        .arg(acc.as_ptr())
-        .arg(max.as_ptr())
-        .arg(sum.as_ptr())
-        .arg(heads.num_heads as u32)
-        .arg(heads.head_dim as u32)
-        .arg(plan.splits as u32)
-        .arg(out.as_mut_ptr());
+    let reduce = Reduce {
+        acc: acc.as_ptr(),
+        max: max.as_ptr(),
+        sum: sum.as_ptr(),
+        scalars: &scalars,
+        out: out.as_mut_ptr(),
+    };
+    let args = Args::filled(|list| reduce.push_to(list));
     let reduce = format!("paged_reduce_{}", T::SUFFIX);
     launch(&reduce, plan.reduce_geometry(), &args)?;
     Ok(out)

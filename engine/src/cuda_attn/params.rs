@@ -1,0 +1,143 @@
+//! The paged attention kernels' parameter lists, by name, pushed in the order of their
+//! signatures in kernels/paged_attention.cu for both launchers ([`crate::kernel_args`]).
+//! Buffers are what the launcher passes (device slices on a GPU, pointers in the emulation);
+//! scalars are borrowed from the iteration's [`Scalars`].
+
+use super::KernelPlan;
+use crate::kernel_args::ArgList;
+
+/// The scalar arguments of an iteration's launches, from its plan.
+pub(crate) struct Scalars {
+    num_heads: u32,
+    num_kv_heads: u32,
+    head_dim: u32,
+    block_size: u32,
+    table_width: u32,
+    split_len: u32,
+    splits: u32,
+    /// Values of one K (or V) row: KV heads x head_dim.
+    kv_row: u32,
+    /// The softmax scale, 1 / sqrt(head_dim).
+    scale: f32,
+}
+
+impl Scalars {
+    pub(crate) fn of(plan: &KernelPlan) -> Self {
+        let heads = plan.heads;
+        Self {
+            num_heads: heads.num_heads as u32,
+            num_kv_heads: heads.num_kv_heads as u32,
+            head_dim: heads.head_dim as u32,
+            block_size: plan.block_size as u32,
+            table_width: plan.table_width as u32,
+            split_len: plan.split_len as u32,
+            splits: plan.splits as u32,
+            kv_row: (heads.num_kv_heads * heads.head_dim) as u32,
+            scale: 1.0 / (heads.head_dim as f32).sqrt(),
+        }
+    }
+}
+
+/// `write_table_entries(table, pairs, n)`: `n` (index, block) pairs into the tables.
+pub(crate) struct TableEntries<'s, T, P> {
+    pub table: T,
+    pub pairs: P,
+    pub n: &'s u32,
+}
+
+impl<'s, T, P> TableEntries<'s, T, P> {
+    pub(crate) fn push_to<L: ArgList<T> + ArgList<P> + ArgList<&'s u32>>(self, list: &mut L) {
+        ArgList::push(list, self.table);
+        ArgList::push(list, self.pairs);
+        ArgList::push(list, self.n);
+    }
+}
+
+/// `write_slots_<dtype>(src, cache, slots, row)`: each batch row of `src` into its slot.
+pub(crate) struct WriteSlots<'s, S, C, U> {
+    pub src: S,
+    pub cache: C,
+    pub slots: U,
+    pub scalars: &'s Scalars,
+}
+
+impl<'s, S, C, U> WriteSlots<'s, S, C, U> {
+    pub(crate) fn push_to<L>(self, list: &mut L)
+    where
+        L: ArgList<S> + ArgList<C> + ArgList<U> + ArgList<&'s u32>,
+    {
+        ArgList::push(list, self.src);
+        ArgList::push(list, self.cache);
+        ArgList::push(list, self.slots);
+        ArgList::push(list, &self.scalars.kv_row);
+    }
+}
+
+/// `paged_attention_<dtype>(q, k, v, tiles, tables, num_heads, num_kv_heads, head_dim,
+/// block_size, table_width, split_len, scale, acc, max, sum)`: each split's partial output.
+pub(crate) struct Attention<'s, Q, P, U, O> {
+    pub q: Q,
+    pub k: P,
+    pub v: P,
+    pub tiles: U,
+    pub tables: U,
+    pub scalars: &'s Scalars,
+    pub acc: O,
+    pub max: O,
+    pub sum: O,
+}
+
+impl<'s, Q, P, U, O> Attention<'s, Q, P, U, O> {
+    pub(crate) fn push_to<L>(self, list: &mut L)
+    where
+        L: ArgList<Q> + ArgList<P> + ArgList<U> + ArgList<O> + ArgList<&'s u32>,
+        L: ArgList<&'s f32>,
+    {
+        let s = self.scalars;
+        ArgList::push(list, self.q);
+        ArgList::push(list, self.k);
+        ArgList::push(list, self.v);
+        ArgList::push(list, self.tiles);
+        ArgList::push(list, self.tables);
+        for scalar in [
+            &s.num_heads,
+            &s.num_kv_heads,
+            &s.head_dim,
+            &s.block_size,
+            &s.table_width,
+            &s.split_len,
+        ] {
+            ArgList::push(list, scalar);
+        }
+        ArgList::push(list, &s.scale);
+        ArgList::push(list, self.acc);
+        ArgList::push(list, self.max);
+        ArgList::push(list, self.sum);
+    }
+}
+
+/// `paged_reduce_<dtype>(acc, max, sum, num_heads, head_dim, splits, out)`: the splits'
+/// partial outputs merged.
+pub(crate) struct Reduce<'s, I, O> {
+    pub acc: I,
+    pub max: I,
+    pub sum: I,
+    pub scalars: &'s Scalars,
+    pub out: O,
+}
+
+impl<'s, I, O> Reduce<'s, I, O> {
+    pub(crate) fn push_to<L>(self, list: &mut L)
+    where
+        L: ArgList<I> + ArgList<O> + ArgList<&'s u32>,
+    {
+        let s = self.scalars;
+        ArgList::push(list, self.acc);
+        ArgList::push(list, self.max);
+        ArgList::push(list, self.sum);
+        for scalar in [&s.num_heads, &s.head_dim, &s.splits] {
+            ArgList::push(list, scalar);
+        }
+        ArgList::push(list, self.out);
+    }
+}
