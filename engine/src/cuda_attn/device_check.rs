@@ -7,6 +7,7 @@
 use candle_core::{DType, Device, Result, Tensor};
 
 use super::case::{checked_cases, table_entries, tolerance, worst, Case};
+use super::tables::TableCopy;
 use super::{multiprocessors, CudaIndex, CudaPagedAttention, DeviceTables};
 use crate::generic_attn::{BatchIndex, GenericPagedAttention, TensorKvCache};
 use dppo_model::AttentionBackend;
@@ -81,7 +82,7 @@ fn one_case(
 
     let mut cuda_cache = TensorKvCache::from_host(case.shape, pool, dtype, device)?;
     let (plan, host_tables) = case.plan(min_blocks).map_err(candle_core::Error::wrap)?;
-    let mut tables = DeviceTables::new(&vec![0; host_tables.len()], device)?;
+    let mut tables = DeviceTables::copy_of(&vec![0; host_tables.len()], device)?;
     tables.write_entries(&table_entries(&host_tables))?;
     let index = CudaIndex::new(plan, device)?;
     let got = CudaPagedAttention {

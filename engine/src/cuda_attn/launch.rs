@@ -15,6 +15,7 @@ use candle_core::{
 use dppo_model::AttentionBackend;
 
 use super::params::{self, Scalars};
+use super::tables::TableCopy;
 use super::{table_write_geometry, Geometry, KernelPlan, SOURCE};
 use crate::generic_attn::TensorKvCache;
 
@@ -47,9 +48,9 @@ pub struct DeviceTables {
     device: CudaDevice,
 }
 
-impl DeviceTables {
+impl TableCopy for DeviceTables {
     /// The whole table, uploaded.
-    pub fn new(host: &[u32], device: &Device) -> Result<Self> {
+    fn copy_of(host: &[u32], device: &Device) -> Result<Self> {
         let device = cuda(device)?.clone();
         Ok(Self {
             table: device.cuda_stream().clone_htod(host).w()?,
@@ -57,9 +58,8 @@ impl DeviceTables {
         })
     }
 
-    /// Writes (index, block) `pairs` in place: one upload and one launch, none without
-    /// changes.
-    pub fn write_entries(&mut self, pairs: &[u32]) -> Result<()> {
+    /// One upload and one launch, none without changes.
+    fn write_entries(&mut self, pairs: &[u32]) -> Result<()> {
         if pairs.is_empty() {
             return Ok(());
         }

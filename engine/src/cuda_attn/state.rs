@@ -97,15 +97,9 @@ impl CudaAttention {
         plan: KernelPlan,
         upload: &TableUpload,
     ) -> Result<Tensor> {
-        use super::launch::{CudaIndex, CudaPagedAttention, DeviceTables};
+        use super::launch::{CudaIndex, CudaPagedAttention};
         let device = model.device();
-        let tables = match (&mut self.device_tables, upload) {
-            (Some(tables), TableUpload::Entries(pairs)) => {
-                tables.write_entries(pairs)?;
-                tables
-            }
-            (slot, _) => slot.insert(DeviceTables::new(self.tables.host(), device)?),
-        };
+        let tables = upload.apply(&mut self.device_tables, self.tables.host(), device)?;
         let index = CudaIndex::new(plan, device)?;
         let mut backend = CudaPagedAttention {
             cache,
@@ -127,13 +121,8 @@ impl CudaAttention {
         // In the engine's unit tests the CPU runs the kernels' source (`super::emulated`).
         #[cfg(all(test, target_os = "linux"))]
         {
-            let tables = match (&mut self.emulated_tables, upload) {
-                (Some(tables), TableUpload::Entries(pairs)) => {
-                    super::emulated::write_entries(tables, pairs)?;
-                    tables
-                }
-                (slot, _) => slot.insert(self.tables.host().to_vec()),
-            };
+            let host = self.tables.host();
+            let tables = upload.apply(&mut self.emulated_tables, host, model.device())?;
             let mut backend = super::emulated::Backend {
                 cache,
                 plan: &plan,

@@ -19,6 +19,36 @@ pub enum TableUpload {
     Entries(Vec<u32>),
 }
 
+/// A copy of the block tables that the kernels read: on the device, or the emulation's (the
+/// engine's unit tests on the CPU).
+#[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
+pub(super) trait TableCopy: Sized {
+    /// The whole `host` table, copied for `device`.
+    fn copy_of(host: &[u32], device: &candle_core::Device) -> candle_core::Result<Self>;
+    /// Writes (index, block) `pairs` in place: no work without changes.
+    fn write_entries(&mut self, pairs: &[u32]) -> candle_core::Result<()>;
+}
+
+#[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
+impl TableUpload {
+    /// `copy` brought up to date with the mirror's `host` table: entry by entry where it
+    /// exists and only entries changed, else copied whole.
+    pub(super) fn apply<'c, C: TableCopy>(
+        &self,
+        copy: &'c mut Option<C>,
+        host: &[u32],
+        device: &candle_core::Device,
+    ) -> candle_core::Result<&'c mut C> {
+        match (copy, self) {
+            (Some(tables), TableUpload::Entries(pairs)) => {
+                tables.write_entries(pairs)?;
+                Ok(tables)
+            }
+            (slot, _) => Ok(slot.insert(C::copy_of(host, device)?)),
+        }
+    }
+}
+
 /// The host's copy of the device's block tables and who owns which row.
 #[derive(Debug, Clone, Default)]
 pub struct TableMirror {

@@ -7,9 +7,10 @@
 
 use std::sync::LazyLock;
 
-use candle_core::{bail, Result, WithDType};
+use candle_core::{bail, Device, Result, WithDType};
 
 use super::params::{Attention, Reduce, Scalars, TableEntries, WriteSlots};
+use super::tables::TableCopy;
 use super::{table_write_geometry, Geometry, KernelPlan, SOURCE};
 use crate::kernel_emu::{Args, Emulator};
 
@@ -84,23 +85,29 @@ fn launch(kernel: &str, g: Geometry, args: &Args) -> Result<()> {
         .map_err(candle_core::Error::msg)
 }
 
-/// `write_table_entries`: (index, block) `pairs` into `tables`.
-pub(super) fn write_entries(tables: &mut [u32], pairs: &[u32]) -> Result<()> {
-    let n = (pairs.len() / 2) as u32;
-    if n == 0 {
-        return Ok(());
+/// The emulated kernels' block tables: a host vector that `write_table_entries` writes.
+impl TableCopy for Vec<u32> {
+    fn copy_of(host: &[u32], _: &Device) -> Result<Self> {
+        Ok(host.to_vec())
     }
-    let entries = TableEntries {
-        table: tables.as_mut_ptr(),
-        pairs: pairs.as_ptr(),
-        n: &n,
-    };
-    let args = Args::filled(|list| entries.push_to(list));
-    launch(
-        "write_table_entries",
-        table_write_geometry(n as usize),
-        &args,
-    )
+
+    fn write_entries(&mut self, pairs: &[u32]) -> Result<()> {
+        let n = (pairs.len() / 2) as u32;
+        if n == 0 {
+            return Ok(());
+        }
+        let entries = TableEntries {
+            table: self.as_mut_ptr(),
+            pairs: pairs.as_ptr(),
+            n: &n,
+        };
+        let args = Args::filled(|list| entries.push_to(list));
+        launch(
+            "write_table_entries",
+            table_write_geometry(n as usize),
+            &args,
+        )
+    }
 }
 
 /// `write_slots`: each batch row of `src` into its slot of `cache`.

@@ -8,8 +8,9 @@ use candle_core::DType;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-use super::{attend, write_entries, write_slots, Stored, MULTIPROCESSORS};
+use super::{attend, write_slots, Stored, MULTIPROCESSORS};
 use crate::cuda_attn::case::{checked_cases, round_to, table_entries, tolerance, Case};
+use crate::cuda_attn::tables::TableCopy;
 use crate::cuda_attn::twin::{self, Caches};
 use crate::cuda_attn::{Heads, KernelPlan};
 
@@ -36,7 +37,7 @@ struct Emulated<T> {
 /// zero, the new K/V into their slots, the attention and its merge.
 fn emulate<T: Stored>(case: &Case, plan: &KernelPlan, host_tables: &[u32]) -> Emulated<T> {
     let mut tables = vec![0u32; host_tables.len()];
-    write_entries(&mut tables, &table_entries(host_tables)).unwrap();
+    tables.write_entries(&table_entries(host_tables)).unwrap();
     let (pool_k, pool_v) = case.cached_pool();
     let (mut k, mut v) = (stored::<T>(&pool_k), stored::<T>(&pool_v));
     let (new_k, new_v) = case.new_kv();
