@@ -220,6 +220,40 @@ impl Case {
     pub fn worst_error(&self, got: &[f32]) -> f64 {
         worst(got, &self.reference())
     }
+
+    /// The case for reports: its heads and each sequence's cached + new tokens.
+    pub fn describe(&self) -> String {
+        let seqs: Vec<String> = self
+            .metas
+            .iter()
+            .map(|m| format!("{}+{}", m.num_computed_tokens, m.num_new_tokens))
+            .collect();
+        let h = self.heads;
+        format!(
+            "{} query heads on {} KV heads of {}, sequences of cached+new tokens {}",
+            h.num_heads,
+            h.num_kv_heads,
+            h.head_dim,
+            seqs.join(" ")
+        )
+    }
+
+    /// The sequence whose new rows of `got` are furthest from `want` (both (rows, heads,
+    /// head_dim) in batch order), and that distance: where a wrong output comes from.
+    pub fn worst_sequence(&self, got: &[f32], want: &[f64]) -> (usize, f64) {
+        let row = self.heads.num_heads * self.heads.head_dim;
+        let of = |m: &SeqAttnMeta| {
+            let rows = m.first_row * row..(m.first_row + m.num_new_tokens) * row;
+            match (got.get(rows.clone()), want.get(rows)) {
+                (Some(g), Some(w)) => worst(g, w),
+                _ => f64::INFINITY,
+            }
+        };
+        (0..)
+            .zip(&self.metas)
+            .map(|(s, m)| (s, of(m)))
+            .fold((0, -1.0), |a, b| if b.1 > a.1 { b } else { a })
+    }
 }
 
 /// The (index, block) pairs that write `host` block tables into zeroed ones, as the engine
@@ -245,4 +279,27 @@ pub fn worst(a: &[f32], b: &[f64]) -> f64 {
             acc.max(d)
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_wrong_output_is_traced_to_its_sequence() {
+        let case = &checked_cases(DType::F32)[0];
+        let want = case.reference();
+        let mut got: Vec<f32> = want.iter().map(|&x| x as f32).collect();
+        let row = case.heads.num_heads * case.heads.head_dim;
+        let at = |s: usize, r: usize| (case.metas[s].first_row + r) * row;
+        // Off by 0.5 in a row of sequence 2 (a chunk of a prefill), by 0.1 in sequence 0.
+        got[at(2, 5) + 3] += 0.5;
+        got[at(0, 0)] += 0.1;
+        let (seq, err) = case.worst_sequence(&got, &want);
+        assert_eq!(seq, 2);
+        assert!((err - 0.5).abs() < 1e-3, "{err}");
+        got[at(4, 0)] = f32::NAN;
+        assert_eq!(case.worst_sequence(&got, &want), (4, f64::INFINITY));
+        assert!(case.describe().contains("150+21"), "{}", case.describe());
+    }
 }

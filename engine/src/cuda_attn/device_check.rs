@@ -24,6 +24,9 @@ pub struct DtypeReport {
     pub pools_differing: usize,
     /// The bound both differences must stay under.
     pub tolerance: f64,
+    /// The first case that failed, what it holds and where its output is furthest off:
+    /// the place to start when the check fails.
+    pub first_failure: Option<String>,
 }
 
 impl DtypeReport {
@@ -32,6 +35,16 @@ impl DtypeReport {
             && self.vs_generic <= self.tolerance
             && self.pools_differing == 0
     }
+}
+
+/// What one case of the check found.
+struct CaseResult {
+    vs_reference: f64,
+    vs_generic: f64,
+    pools_differing: usize,
+    /// The sequence furthest from the reference, and its distance.
+    worst_sequence: (usize, f64),
+    splits: usize,
 }
 
 /// Runs every case in f32, bf16 and f16 on `device`.
@@ -49,11 +62,32 @@ pub fn run(device: &Device) -> Result<Vec<DtypeReport>> {
             vs_generic: 0.0,
             pools_differing: 0,
             tolerance: tolerance(dtype),
+            first_failure: None,
         };
-        for case in checked_cases(dtype) {
+        for (c, case) in checked_cases(dtype).iter().enumerate() {
             // Split as the engine would, and into as many splits as there are chunks.
             for blocks in [min_blocks, usize::MAX / 2] {
-                one_case(&case, dtype, device, blocks, &mut report)?;
+                let what = || format!("{dtype:?} case {c} ({})", case.describe());
+                let r = one_case(case, dtype, device, blocks).map_err(|e| e.context(what()))?;
+                report.vs_reference = report.vs_reference.max(r.vs_reference);
+                report.vs_generic = report.vs_generic.max(r.vs_generic);
+                report.pools_differing += r.pools_differing;
+                report.cases += 1;
+                let failed = r.vs_reference > report.tolerance
+                    || r.vs_generic > report.tolerance
+                    || r.pools_differing > 0;
+                if failed && report.first_failure.is_none() {
+                    let (seq, err) = r.worst_sequence;
+                    report.first_failure = Some(format!(
+                        "{}, {} splits: {:.1e} from f64 (furthest: sequence {seq}, {err:.1e}), \
+                         {:.1e} from generic, {} pools differ",
+                        what(),
+                        r.splits,
+                        r.vs_reference,
+                        r.vs_generic,
+                        r.pools_differing
+                    ));
+                }
             }
         }
         reports.push(report);
@@ -61,13 +95,7 @@ pub fn run(device: &Device) -> Result<Vec<DtypeReport>> {
     Ok(reports)
 }
 
-fn one_case(
-    case: &Case,
-    dtype: DType,
-    device: &Device,
-    min_blocks: usize,
-    report: &mut DtypeReport,
-) -> Result<()> {
+fn one_case(case: &Case, dtype: DType, device: &Device, min_blocks: usize) -> Result<CaseResult> {
     let heads = case.heads;
     let rows = case.metas.iter().map(|m| m.num_new_tokens).sum::<usize>();
     let upload = |x: &[f32], dims: (usize, usize, usize)| {
@@ -84,6 +112,7 @@ fn one_case(
     let (plan, host_tables) = case.plan(min_blocks).map_err(candle_core::Error::wrap)?;
     let mut tables = DeviceTables::copy_of(&vec![0; host_tables.len()], device)?;
     tables.write_entries(&table_entries(&host_tables))?;
+    let splits = plan.splits;
     let index = CudaIndex::new(plan, device)?;
     let got = CudaPagedAttention {
         cache: &mut cuda_cache,
@@ -104,13 +133,16 @@ fn one_case(
     let host = |t: &Tensor| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
     let (got, want) = (host(&got)?, host(&want)?);
     let want: Vec<f64> = want.iter().map(|&x| x as f64).collect();
-    report.vs_reference = report.vs_reference.max(case.worst_error(&got));
-    report.vs_generic = report.vs_generic.max(worst(&got, &want));
+    let reference = case.reference();
     let bits =
         |t: &Tensor| -> Result<Vec<u32>> { Ok(host(t)?.iter().map(|x| x.to_bits()).collect()) };
     let (ck, cv) = cuda_cache.layer(0);
     let (gk, gv) = generic_cache.layer(0);
-    report.pools_differing += (bits(ck)? != bits(gk)?) as usize + (bits(cv)? != bits(gv)?) as usize;
-    report.cases += 1;
-    Ok(())
+    Ok(CaseResult {
+        vs_reference: worst(&got, &reference),
+        vs_generic: worst(&got, &want),
+        pools_differing: (bits(ck)? != bits(gk)?) as usize + (bits(cv)? != bits(gv)?) as usize,
+        worst_sequence: case.worst_sequence(&got, &reference),
+        splits,
+    })
 }

@@ -91,15 +91,25 @@ pub struct Agreement {
     /// Draws with the reference's token and top-logprob ids.
     pub agreed: usize,
     pub draws: usize,
-    /// The largest logprob difference over the draws that agree.
+    /// The largest logprob difference over the draws that agree (infinite where the two
+    /// differ and either is NaN).
     pub worst: f32,
+    /// The first draw that picked another token or other top-logprob ids.
+    pub first_disagreement: Option<usize>,
 }
 
 impl Agreement {
     /// `got[i]` against the reference's draw `draws[i]` from `rows` (the logits).
     pub fn of(rows: &[Vec<f32>], draws: &[DeviceDraw], got: &[Drawn]) -> Self {
-        let (mut agreed, mut worst) = (0usize, 0f32);
-        for (d, got) in draws.iter().zip(got) {
+        let (mut agreed, mut worst, mut first_disagreement) = (0usize, 0f32, None);
+        // A NaN never agrees (`max` would skip it); equal infinities do.
+        let diff = |a: f32, b: f32| match a == b {
+            true => 0.0,
+            false => Some((a - b).abs())
+                .filter(|d| !d.is_nan())
+                .unwrap_or(f32::INFINITY),
+        };
+        for (i, (d, got)) in draws.iter().zip(got).enumerate() {
             let want = gumbel::draw(&rows[d.row as usize], &d.params, &d.key);
             let same_tops = want.top_logprobs.len() == got.top_logprobs.len()
                 && want
@@ -110,17 +120,20 @@ impl Agreement {
             if want.token == got.token && same_tops {
                 agreed += 1;
                 worst = worst
-                    .max((want.logprob - got.logprob).abs())
-                    .max((want.model_logprob - got.model_logprob).abs());
+                    .max(diff(want.logprob, got.logprob))
+                    .max(diff(want.model_logprob, got.model_logprob));
                 for (a, b) in want.top_logprobs.iter().zip(&got.top_logprobs) {
-                    worst = worst.max((a.1 - b.1).abs());
+                    worst = worst.max(diff(a.1, b.1));
                 }
+            } else {
+                first_disagreement = first_disagreement.or(Some(i));
             }
         }
         Self {
             agreed,
             draws: draws.len(),
             worst,
+            first_disagreement,
         }
     }
 
@@ -351,3 +364,37 @@ fn on_gpu(logits: &Tensor, _draws: &[DeviceDraw]) -> Result<Vec<Drawn>> {
 
 #[cfg(all(test, target_os = "linux"))]
 mod emulated;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_nan_or_another_token_never_agrees() {
+        let rows = vec![(0..64)
+            .map(|i| (i * 37 % 64) as f32 / 9.0)
+            .collect::<Vec<f32>>()];
+        let draws = checked_draws(1);
+        let want: Vec<Drawn> = draws
+            .iter()
+            .map(|d| gumbel::draw(&rows[0], &d.params, &d.key))
+            .collect();
+        let same = Agreement::of(&rows, &draws, &want);
+        assert!(same.passed() && same.worst == 0.0, "{same:?}");
+        assert_eq!(same.first_disagreement, None);
+
+        let mut got = want.clone();
+        got[3].logprob = f32::NAN;
+        let nan = Agreement::of(&rows, &draws, &got);
+        assert!(!nan.passed() && nan.worst == f32::INFINITY, "{nan:?}");
+
+        let mut got = want.clone();
+        got[1].token = (got[1].token + 1) % 64;
+        got[5].token = (got[5].token + 1) % 64;
+        let other = Agreement::of(&rows, &draws, &got);
+        assert_eq!(
+            (other.agreed, other.first_disagreement),
+            (draws.len() - 2, Some(1))
+        );
+    }
+}

@@ -30,6 +30,17 @@ pub(super) fn generate_with(
     Ok((out.into_iter().flatten().collect(), engine))
 }
 
+/// |a - b| where they differ, infinite when either is NaN (so that `max` cannot skip it);
+/// 0 for equal values, infinities included.
+pub(super) fn diff(a: f32, b: f32) -> f32 {
+    match a == b {
+        true => 0.0,
+        false => Some((a - b).abs())
+            .filter(|d| !d.is_nan())
+            .unwrap_or(f32::INFINITY),
+    }
+}
+
 /// Greedy tokens and logprobs of `got` against the CPU's f32 `want`: in f32 the same
 /// tokens and the largest logprob difference within tolerance (none on the CPU), in bf16
 /// the mean difference where the tokens still agree.
@@ -51,8 +62,8 @@ pub(super) fn compare_greedy(
         agreed += prefix;
         total += w.token_ids.len();
         for (a, b) in w.logprobs.iter().zip(&g.logprobs).take(prefix) {
-            max_diff = max_diff.max((a - b).abs());
-            sum_diff += (a - b).abs();
+            max_diff = max_diff.max(diff(*a, *b));
+            sum_diff += diff(*a, *b);
         }
     }
     let mean_diff = sum_diff / agreed.max(1) as f32;
@@ -79,4 +90,40 @@ pub(super) fn compare_greedy(
         detail,
         BUG_FIX,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use dppo_engine::FinishReason;
+
+    use super::*;
+    use crate::doctor::Status;
+
+    fn completion(logprobs: &[f32]) -> Completion {
+        Completion {
+            sample_index: 0,
+            token_ids: vec![7; logprobs.len()],
+            logprobs: logprobs.to_vec(),
+            model_logprobs: None,
+            top_logprobs: Vec::new(),
+            finish_reason: FinishReason::Length,
+            policy_version: 0,
+            last_policy_version: 0,
+        }
+    }
+
+    #[test]
+    fn a_nan_logprob_on_the_device_fails_the_comparison() {
+        let want = [completion(&[-1.0, -2.0, f32::NEG_INFINITY])];
+        let close = [completion(&[-1.0, -2.0001, f32::NEG_INFINITY])];
+        let nan = [completion(&[-1.0, f32::NAN, f32::NEG_INFINITY])];
+        for dtype in [DType::F32, DType::BF16] {
+            let ok = compare_greedy(&want, &close, dtype, false);
+            assert_eq!(ok.status, Status::Ok, "{dtype:?}: {}", ok.detail);
+            let bad = compare_greedy(&want, &nan, dtype, false);
+            assert_eq!(bad.status, Status::Fail, "{dtype:?}: {}", bad.detail);
+        }
+        assert_eq!(diff(f32::INFINITY, f32::INFINITY), 0.0);
+        assert_eq!(diff(1.0, f32::NAN), f32::INFINITY);
+    }
 }

@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Tensor};
 use dppo_engine::{AttentionMode, Completion, EngineConfig, GenerateRequest};
 use dppo_model::Policy;
 
-use super::compare::{compare_greedy, generate_with, BUG_FIX};
+use super::compare::{compare_greedy, diff, generate_with, BUG_FIX};
 use super::Check;
 use crate::learner::{Learner, LearnerConfig};
 use crate::train_batch::TrainBatch;
@@ -69,7 +69,7 @@ pub(super) fn learner_checks(
     let worst = got
         .iter()
         .zip(&want)
-        .map(|(a, b)| (a - b).abs())
+        .map(|(&a, &b)| diff(a, b))
         .fold(0f32, f32::max);
     let tol = if device.is_cpu() { 0.0 } else { GRADIENT_TOL };
     let mut checks = vec![Check::expect(

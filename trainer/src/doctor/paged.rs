@@ -31,6 +31,7 @@ fn on_gpu(device: &Device) -> Result<Check, TrainError> {
                 r.dtype, r.cases, r.vs_reference, r.vs_generic, r.tolerance, r.pools_differing
             )
         })
+        .chain(reports.iter().filter_map(|r| r.first_failure.clone()))
         .collect::<Vec<_>>()
         .join("; ");
     Ok(Check::expect(

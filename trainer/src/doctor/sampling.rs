@@ -30,17 +30,26 @@ pub(super) fn device_sampling(device: &Device) -> Result<Check, TrainError> {
     let agreement = Agreement::of(&rows, &draws, &got);
     let Agreement {
         agreed,
-        draws,
         worst,
+        first_disagreement,
+        ..
     } = agreement;
+    let mut detail = format!(
+        "{agreed}/{} draws ({ROWS} rows x {VOCAB} logits; temperature, top-k, top-p, min-p) \
+         pick the host reference's token and top logprobs (>= {MIN_AGREEMENT}); logprob diff \
+         max {worst:.1e} (<= {LOGPROB_TOL:.0e})",
+        draws.len()
+    );
+    if let Some(i) = first_disagreement {
+        detail += &format!(
+            "; first disagreement: draw {i}, {:?}, got {:?}",
+            draws[i], got[i]
+        );
+    }
     Ok(Check::expect(
         agreement.passed(),
         "device sampling",
-        format!(
-            "{agreed}/{draws} draws ({ROWS} rows x {VOCAB} logits; temperature, top-k, top-p, \
-             min-p) pick the host reference's token and top logprobs (>= {MIN_AGREEMENT}); \
-             logprob diff max {worst:.1e} (<= {LOGPROB_TOL:.0e})"
-        ),
+        detail,
         BUG_FIX,
     ))
 }

@@ -60,9 +60,9 @@ fn check_cases<T: Stored>(cases: &[Case]) {
             let (plan, host_tables) = case.plan(min_blocks).unwrap();
             let got = emulate::<T>(case, &plan, &host_tables);
             let what = format!(
-                "{:?} case {c} ({:?}, {} splits of {})",
+                "{:?} case {c} ({}), {} splits of {}",
                 T::DTYPE,
-                case.heads,
+                case.describe(),
                 plan.splits,
                 plan.split_len
             );
@@ -91,7 +91,8 @@ fn check_cases<T: Stored>(cases: &[Case]) {
             let worst = case.worst_error(&values);
             assert!(
                 worst <= tolerance(T::DTYPE),
-                "{what}: {worst:e} from the reference"
+                "{what}: {worst:e} from the reference, furthest in (sequence, distance) {:?}",
+                case.worst_sequence(&values, &case.reference())
             );
         }
     }
