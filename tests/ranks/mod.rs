@@ -120,7 +120,10 @@ fn worst_relative(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>
             let norm: f64 = y.iter().map(|q| (*q as f64).powi(2)).sum();
             (diff / norm.max(1e-30)).sqrt()
         })
-        .fold(0.0, f64::max)
+        .fold(
+            0.0,
+            |m, d| if d.is_nan() { f64::INFINITY } else { m.max(d) },
+        )
 }
 
 /// The task's small setting: 16 training problems (prompts come back within two steps, so

@@ -69,7 +69,10 @@ mod tests {
             .iter()
             .zip(&b)
             .map(|(x, y)| (x - y).abs() / y.abs().max(1.0))
-            .fold(0f32, f32::max);
+            .fold(
+                0f32,
+                |m, d| if d.is_nan() { f32::INFINITY } else { m.max(d) },
+            );
         assert!(d <= tol, "max relative difference {d} > {tol}");
     }
 

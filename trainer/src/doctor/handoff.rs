@@ -9,6 +9,7 @@ use dppo_engine::{Completion, Engine, EngineConfig, GenerateRequest};
 use dppo_model::streams::own_stream;
 use dppo_model::{Policy, Weights};
 
+use super::compare::diff;
 use super::Check;
 use crate::learner::{Learner, LearnerConfig};
 use crate::train_batch::TrainBatch;
@@ -101,17 +102,18 @@ fn flat(out: Vec<Vec<Completion>>) -> Vec<(Vec<u32>, Vec<u32>)> {
         .collect()
 }
 
-/// The largest |difference| between same-named tensors of `a` and `b`, on the CPU in f32.
+/// The largest |difference| between same-named tensors of `a` and `b`, on the CPU in f32
+/// (infinite where one holds a NaN the other does not).
 fn max_diff(a: &Weights, b: &Weights) -> Result<f32, TrainError> {
     let mut max = 0f32;
     for (name, x) in a.tensors() {
         let y = &b.tensors()[name];
-        let host = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F32);
-        let d = (host(x)? - host(y)?)?
-            .abs()?
-            .max_all()?
-            .to_scalar::<f32>()?;
-        max = max.max(d);
+        let host = |t: &Tensor| {
+            let t = t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
+            t.flatten_all()?.to_vec1::<f32>()
+        };
+        let (x, y) = (host(x)?, host(y)?);
+        max = x.iter().zip(&y).fold(max, |m, (&p, &q)| m.max(diff(p, q)));
     }
     Ok(max)
 }
