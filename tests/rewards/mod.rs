@@ -339,7 +339,7 @@ fn reward_settings_that_cannot_start_name_their_key() {
                 combine: Some([("judge".to_string(), 1.0)].into_iter().collect()),
                 ..RewardSettings::default()
             },
-            "no reward named \"judge\"",
+            "reward.combine or reward.routes weighs a reward named \"judge\"",
         ),
     ];
     for (settings, want) in cases {

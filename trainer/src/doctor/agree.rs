@@ -5,7 +5,9 @@
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
-use dppo_engine::{Completion, Engine, EngineConfig, GenerateRequest, SamplingParams};
+use dppo_engine::{
+    AttentionMode, Completion, Engine, EngineConfig, GenerateRequest, SamplingParams,
+};
 use dppo_model::device::timed;
 use dppo_model::{Policy, Weights};
 
@@ -110,14 +112,22 @@ fn run_checks(
         checks.push(compare_learner(cpu, got, dtype, exact));
     }
     if full {
-        checks.push(super::full::preemption(&on_device, device, &reqs, &want)?);
+        checks.push(super::full::preemption(
+            &on_device,
+            device,
+            (&reqs, &want),
+            AttentionMode::Auto,
+            "preemption f32",
+        )?);
         checks.extend(super::full::learner_checks(&policy, device, &batch)?);
     }
     checks.push(super::handoff::hand_offs(
         &on_device, device, &reqs, &batch,
     )?);
     checks.push(super::sampling::device_sampling(device)?);
-    checks.push(super::paged::paged_attention(device)?);
+    checks.extend(super::paged::paged_attention(
+        &on_device, device, &reqs, &want,
+    )?);
     checks.push(timed_rollout(&on_device, device, work.rollout)?);
     Ok(())
 }

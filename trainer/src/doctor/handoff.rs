@@ -113,6 +113,9 @@ fn max_diff(a: &Weights, b: &Weights) -> Result<f32, TrainError> {
             t.flatten_all()?.to_vec1::<f32>()
         };
         let (x, y) = (host(x)?, host(y)?);
+        if x.len() != y.len() {
+            return Ok(f32::INFINITY);
+        }
         max = x.iter().zip(&y).fold(max, |m, (&p, &q)| m.max(diff(p, q)));
     }
     Ok(max)

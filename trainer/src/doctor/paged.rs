@@ -1,26 +1,52 @@
-//! The paged attention kernels (`engine.attention = "cuda"`) on the GPU against the generic
-//! path and the f64 reference, in f32, bf16 and f16.
+//! The paged attention kernels (`engine.attention = "cuda"`) on the GPU: the kernels alone
+//! against the generic path and the f64 reference, in f32, bf16 and f16; then the engine on
+//! them against the CPU, greedy, with forked samples, 4-token blocks and a pool that
+//! preempts (f32), and with the defaults (bf16).
 
 use candle_core::Device;
+use dppo_engine::{Completion, GenerateRequest};
+use dppo_model::Policy;
 
+#[cfg(any(test, feature = "cuda"))]
+use candle_core::DType;
+#[cfg(any(test, feature = "cuda"))]
+use dppo_engine::{AttentionMode, EngineConfig};
+
+#[cfg(any(test, feature = "cuda"))]
+use super::compare::{compare_greedy, generate_with, BUG_FIX};
+#[cfg(any(test, feature = "cuda"))]
+use super::full::preemption;
 use super::Check;
 use crate::TrainError;
 
 const NAME: &str = "paged attention kernels";
 
-/// Skipped on the CPU (the CPU twin is checked by the tests).
-pub(super) fn paged_attention(device: &Device) -> Result<Check, TrainError> {
+/// Skipped on the CPU (the kernels' CPU twin and their emulation are checked by the tests).
+pub(super) fn paged_attention(
+    policy: &Policy,
+    device: &Device,
+    reqs: &[GenerateRequest],
+    want: &[Completion],
+) -> Result<Vec<Check>, TrainError> {
     if !device.is_cuda() {
-        return Ok(Check::skip(
+        return Ok(vec![Check::skip(
             NAME,
-            "the CUDA kernels run on a GPU; their CPU twin is checked by the tests",
-        ));
+            "the CUDA kernels run on a GPU; their CPU twin and emulation are checked by the \
+             tests",
+        )]);
     }
-    on_gpu(device)
+    on_gpu(policy, device, reqs, want)
 }
 
 #[cfg(feature = "cuda")]
-fn on_gpu(device: &Device) -> Result<Check, TrainError> {
+fn on_gpu(
+    policy: &Policy,
+    device: &Device,
+    reqs: &[GenerateRequest],
+    want: &[Completion],
+) -> Result<Vec<Check>, TrainError> {
+    use super::compare::BUG_FIX;
+
     let reports = dppo_engine::cuda_attn::device_check::run(device)?;
     let detail = reports
         .iter()
@@ -34,18 +60,112 @@ fn on_gpu(device: &Device) -> Result<Check, TrainError> {
         .chain(reports.iter().filter_map(|r| r.first_failure.clone()))
         .collect::<Vec<_>>()
         .join("; ");
-    Ok(Check::expect(
+    let mut checks = vec![Check::expect(
         reports.iter().all(|r| r.passed()),
         NAME,
         detail,
-        super::compare::BUG_FIX,
-    ))
+        BUG_FIX,
+    )];
+    checks.extend(engine_checks(
+        policy,
+        device,
+        (reqs, want),
+        AttentionMode::Cuda,
+    ));
+    Ok(checks)
+}
+
+/// The engine through `attention` against the CPU's greedy `want` for `reqs`: each prompt
+/// sampled twice (the second sample forks the first's blocks) with 4-token blocks in a pool
+/// that preempts, in f32; then with the defaults in bf16. An engine error fails its own
+/// check, not the checks after it.
+#[cfg(any(test, feature = "cuda"))]
+fn engine_checks(
+    policy: &Policy,
+    device: &Device,
+    (reqs, want): (&[GenerateRequest], &[Completion]),
+    attention: AttentionMode,
+) -> Vec<Check> {
+    let forked: Vec<GenerateRequest> = reqs
+        .iter()
+        .map(|r| GenerateRequest { n: 2, ..r.clone() })
+        .collect();
+    let twice: Vec<Completion> = want.iter().flat_map(|c| [c.clone(), c.clone()]).collect();
+    let failed = |name: &str, e: TrainError| Check::fail(name, e.to_string(), BUG_FIX);
+    let name = "paged kernels: forks, preemption f32";
+    let preemption = preemption(policy, device, (&forked, &twice), attention, name)
+        .unwrap_or_else(|e| failed(name, e));
+    let name = "paged kernels: greedy bf16";
+    let cfg = EngineConfig {
+        kv_cache_tokens: Some(4096),
+        dtype: Some(DType::BF16),
+        attention,
+        ..EngineConfig::default()
+    };
+    let greedy = match generate_with(policy, device, cfg, reqs) {
+        Ok((got, _)) => Check {
+            name: name.to_string(),
+            ..compare_greedy(want, &got, DType::BF16, false)
+        },
+        Err(e) => failed(name, e),
+    };
+    vec![preemption, greedy]
 }
 
 #[cfg(not(feature = "cuda"))]
-fn on_gpu(device: &Device) -> Result<Check, TrainError> {
-    Ok(Check::skip(
+fn on_gpu(
+    _: &Policy,
+    device: &Device,
+    _: &[GenerateRequest],
+    _: &[Completion],
+) -> Result<Vec<Check>, TrainError> {
+    Ok(vec![Check::skip(
         NAME,
         format!("no CUDA kernels in this build for {:?}", device.location()),
-    ))
+    )])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::doctor::Status;
+
+    /// The engine checks the GPU runs on the kernels, run here through the generic path (the
+    /// CPU kernel has no bf16): their forked samples line up with the CPU's completions, the
+    /// pool preempts, and bf16 agrees.
+    #[test]
+    fn the_engine_checks_pass_through_the_generic_path() {
+        let policy = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
+        let reqs: Vec<GenerateRequest> = (0..4)
+            .map(|p| {
+                let ids = (0..3 + 5 * p)
+                    .map(|i| ((i * 11 + p * 5 + 3) % 100) as u32)
+                    .collect();
+                let mut req = GenerateRequest::new(ids, 1, 12);
+                req.sampling.temperature = 0.0;
+                req.ignore_eos = true;
+                req
+            })
+            .collect();
+        let cfg = EngineConfig {
+            dtype: Some(DType::F32),
+            ..EngineConfig::default()
+        };
+        let want = generate_with(&policy, &Device::Cpu, cfg, &reqs).unwrap().0;
+        let checks = engine_checks(
+            &policy,
+            &Device::Cpu,
+            (&reqs, &want),
+            AttentionMode::Generic,
+        );
+        assert_eq!(checks.len(), 2);
+        for check in &checks {
+            assert_eq!(check.status, Status::Ok, "{}: {}", check.name, check.detail);
+        }
+        assert!(
+            !checks[0].detail.contains(" 0 preemptions"),
+            "{}",
+            checks[0].detail
+        );
+    }
 }

@@ -55,7 +55,10 @@ pub enum SetupError {
     )]
     UrlAndCommand,
     /// A reward in `reward.combine` or `reward.routes` that no key defines.
-    #[error("no reward named {0:?}")]
+    #[error(
+        "reward.combine or reward.routes weighs a reward named {0:?}, which neither \
+         reward.functions nor the built-in names (verifier, url, command) define"
+    )]
     Unknown(String),
     #[error("reward.api_key_env names {0}, which is not set in the environment")]
     TokenUnset(String),
