@@ -43,10 +43,16 @@ mod tests {
     use super::*;
 
     /// Units in the last place between `got` and the exact value.
+    /// The error in ulps; infinite for a NaN (which `max` would skip).
     fn ulps(got: f32, exact: f64) -> f64 {
         let e = exact as f32;
         let ulp = (f32::from_bits(e.to_bits() + 1) - e) as f64;
-        (got as f64 - exact).abs() / ulp
+        let d = (got as f64 - exact).abs() / ulp;
+        if d.is_nan() {
+            f64::INFINITY
+        } else {
+            d
+        }
     }
 
     #[test]
