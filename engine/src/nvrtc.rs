@@ -2,7 +2,7 @@
 //! they always match its driver), once per process each, and loaded into candle's device as
 //! modules of their own.
 
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex};
 
 use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
 use candle_core::cuda_backend::cudarc::driver::CudaFunction;
@@ -16,7 +16,9 @@ pub(crate) struct Module {
     /// Where the source lives, for messages.
     file: &'static str,
     source: &'static str,
-    ptx: OnceLock<std::result::Result<String, String>>,
+    /// The PTX compiled so far, per architecture (`compute_XY`). Only successes are kept:
+    /// an error (a stale one cudarc reports from an earlier call, say) is tried again.
+    ptx: Mutex<Vec<(String, Arc<str>)>>,
 }
 
 impl Module {
@@ -25,7 +27,7 @@ impl Module {
             name,
             file,
             source,
-            ptx: OnceLock::new(),
+            ptx: Mutex::new(Vec::new()),
         }
     }
 
@@ -36,24 +38,28 @@ impl Module {
     }
 
     /// The module's PTX for `device`'s compute capability, compiled once per process.
-    fn ptx(&self, device: &CudaDevice) -> Result<String> {
+    fn ptx(&self, device: &CudaDevice) -> Result<Arc<str>> {
         let context = device.cuda_stream().context().clone();
-        self.ptx
-            .get_or_init(|| {
-                let cap = |a| context.attribute(a).map_err(|e| e.to_string());
-                let major = cap(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
-                let minor = cap(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
-                let arch: &'static str =
-                    Box::leak(format!("compute_{major}{minor}").into_boxed_str());
-                let opts = CompileOptions {
-                    arch: Some(arch),
-                    ..CompileOptions::default()
-                };
-                compile_ptx_with_opts(self.source, opts)
-                    .map(|ptx| ptx.to_src())
-                    .map_err(|e| format!("compiling {} with NVRTC: {e}", self.file))
-            })
-            .clone()
-            .map_err(candle_core::Error::msg)
+        let cap = |a| context.attribute(a).map_err(candle_core::Error::wrap);
+        let major = cap(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+        let minor = cap(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        let arch = format!("compute_{major}{minor}");
+        let mut compiled = self.ptx.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, ptx)) = compiled.iter().find(|(a, _)| *a == arch) {
+            return Ok(ptx.clone());
+        }
+        // NVRTC's options take a 'static name: one short string per architecture compiled.
+        let opts = CompileOptions {
+            arch: Some(Box::leak(arch.clone().into_boxed_str())),
+            ..CompileOptions::default()
+        };
+        let ptx: Arc<str> = compile_ptx_with_opts(self.source, opts)
+            .map_err(|e| {
+                candle_core::Error::msg(format!("compiling {} with NVRTC: {e}", self.file))
+            })?
+            .to_src()
+            .into();
+        compiled.push((arch, ptx.clone()));
+        Ok(ptx)
     }
 }

@@ -51,8 +51,32 @@ impl CudaAttention {
 
     /// Runs `model` over `batch`, the kernels reading `cache`; `live` tells which sequences
     /// still exist (the others' table rows are freed). Adds the uploads and launches to
-    /// `cost`.
+    /// `cost`. After an error the mirror may hold changes the device's copy never got, so
+    /// both start afresh and the next iteration sends the whole table.
     pub fn forward(
+        &mut self,
+        model: &CausalLm,
+        cache: &mut TensorKvCache,
+        batch: &Batch<'_>,
+        live: impl Fn(SeqId) -> bool,
+        cost: &mut IterationCost,
+    ) -> Result<Tensor> {
+        let out = self.forward_in_step(model, cache, batch, live, cost);
+        if out.is_err() {
+            self.tables = TableMirror::default();
+            #[cfg(feature = "cuda")]
+            {
+                self.device_tables = None;
+            }
+            #[cfg(all(test, target_os = "linux", not(feature = "cuda")))]
+            {
+                self.emulated_tables = None;
+            }
+        }
+        out
+    }
+
+    fn forward_in_step(
         &mut self,
         model: &CausalLm,
         cache: &mut TensorKvCache,

@@ -1,11 +1,14 @@
 //! The engine on the emulated kernels: `engine.attention = "cuda"` on the CPU, which the
 //! engine's unit tests resolve to `super` (builds without CUDA only).
 
-use candle_core::Device;
+use candle_core::{DType, Device, Result, Tensor};
 use dppo_model::presets::task_tokenizer;
-use dppo_model::{Arch, ModelConfig, Policy, Weights};
+use dppo_model::{Arch, CausalLm, ModelConfig, Policy, Weights};
 
-use crate::{AttentionMode, Engine, EngineConfig, GenerateRequest};
+use crate::cuda_attn::{Batch, CudaAttention};
+use crate::generic_attn::TensorKvCache;
+use crate::paged_attn::{CacheShape, SeqAttnMeta};
+use crate::{AttentionMode, Engine, EngineConfig, GenerateRequest, IterationCost};
 
 /// A model the kernels serve: 6 query heads over 2 KV heads of 32 dimensions; weights
 /// wide enough that greedy choices are not near-ties.
@@ -90,4 +93,82 @@ fn the_engine_on_the_emulated_kernels_generates_what_the_generic_path_does() {
             }
         }
     }
+}
+
+/// One iteration of `seqs` ((sequence, cached tokens, new tokens, block table)) through
+/// `backend`, 4-token blocks: the attention's model output.
+fn iteration(
+    backend: &mut CudaAttention,
+    model: &CausalLm,
+    cache: &mut TensorKvCache,
+    seqs: &[(u64, usize, usize, &[u32])],
+) -> Result<Tensor> {
+    let (mut metas, mut ids, mut positions, mut slots) = (vec![], vec![], vec![], vec![]);
+    for &(_, cached, new, table) in seqs {
+        metas.push(SeqAttnMeta {
+            first_row: ids.len(),
+            num_new_tokens: new,
+            num_computed_tokens: cached,
+            block_table: table.to_vec(),
+        });
+        for p in cached..cached + new {
+            ids.push((p * 7 + 3) as u32);
+            positions.push(p as u32);
+            slots.push(table.get(p / 4).map_or(0, |&b| b as usize * 4 + p % 4));
+        }
+    }
+    let n = ids.len();
+    let seq_ids: Vec<u64> = seqs.iter().map(|s| s.0).collect();
+    let batch = Batch {
+        metas: &metas,
+        seq_ids: &seq_ids,
+        slot_mapping: &slots,
+        input_ids: &Tensor::from_vec(ids, n, &Device::Cpu)?,
+        positions: &Tensor::from_vec(positions, n, &Device::Cpu)?,
+    };
+    backend.forward(
+        model,
+        cache,
+        &batch,
+        |_| true,
+        &mut IterationCost::default(),
+    )
+}
+
+/// An iteration that fails after the block tables' mirror took its changes (here its plan
+/// refuses a sequence whose table is too short) leaves no entry stale on the device: the
+/// next iteration computes what a backend that never saw the failure computes.
+#[test]
+fn a_failed_iteration_leaves_no_table_entry_stale() {
+    let policy = policy();
+    let model = CausalLm::new(&policy.config, &policy.weights).unwrap();
+    let shape = CacheShape {
+        num_layers: policy.config.num_hidden_layers,
+        num_blocks: 16,
+        block_size: 4,
+        num_kv_heads: policy.config.num_key_value_heads,
+        head_dim: policy.config.head_dim,
+    };
+    let fresh = || {
+        let cache = TensorKvCache::new(shape, DType::F32, &Device::Cpu).unwrap();
+        (CudaAttention::new(&model, &Device::Cpu).unwrap(), cache)
+    };
+    // Sequence 1 prefills a block, sequence 3 two; then sequence 1 decodes into a new block.
+    let prefill: [(u64, usize, usize, &[u32]); 2] = [(1, 0, 4, &[3]), (3, 0, 8, &[5, 6])];
+    let decode: [(u64, usize, usize, &[u32]); 1] = [(1, 4, 1, &[3, 7])];
+    // The failed iteration: sequence 1's new block reaches the mirror, then the plan refuses
+    // sequence 3 (9 tokens in one block).
+    let failing: [(u64, usize, usize, &[u32]); 2] = [(1, 4, 1, &[3, 7]), (3, 8, 1, &[5])];
+
+    let (mut backend, mut cache) = fresh();
+    iteration(&mut backend, &model, &mut cache, &prefill).unwrap();
+    let err = iteration(&mut backend, &model, &mut cache, &failing).unwrap_err();
+    assert!(err.to_string().contains("blocks"), "{err}");
+    let got = iteration(&mut backend, &model, &mut cache, &decode).unwrap();
+
+    let (mut backend, mut cache) = fresh();
+    iteration(&mut backend, &model, &mut cache, &prefill).unwrap();
+    let want = iteration(&mut backend, &model, &mut cache, &decode).unwrap();
+    let values = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    assert_eq!(values(&got), values(&want));
 }
