@@ -9,6 +9,7 @@ use rand::{Rng, SeedableRng};
 use super::reference::{self, RefSeq};
 use super::tables::{TableMirror, TableUpload};
 use super::{Heads, KernelPlan};
+use crate::diff::worst;
 use crate::paged_attn::{CacheShape, SeqAttnMeta};
 use crate::EngineError;
 
@@ -264,21 +265,6 @@ pub fn table_entries(host: &[u32]) -> Vec<u32> {
         .filter(|(_, &b)| b != 0)
         .flat_map(|(i, &b)| [i, b])
         .collect()
-}
-
-/// The largest |a - b|, infinite where either is NaN or the lengths differ.
-pub fn worst(a: &[f32], b: &[f64]) -> f64 {
-    if a.len() != b.len() {
-        return f64::INFINITY;
-    }
-    a.iter().zip(b).fold(0.0, |acc: f64, (&x, &y)| {
-        let d = (x as f64 - y).abs();
-        if d.is_nan() {
-            f64::INFINITY
-        } else {
-            acc.max(d)
-        }
-    })
 }
 
 #[cfg(test)]

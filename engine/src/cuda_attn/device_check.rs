@@ -6,9 +6,10 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::case::{checked_cases, table_entries, tolerance, worst, Case};
+use super::case::{checked_cases, table_entries, tolerance, Case};
 use super::tables::TableCopy;
 use super::{multiprocessors, CudaIndex, CudaPagedAttention, DeviceTables};
+use crate::diff::worst;
 use crate::generic_attn::{BatchIndex, GenericPagedAttention, TensorKvCache};
 use dppo_model::AttentionBackend;
 

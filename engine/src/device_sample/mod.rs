@@ -13,6 +13,7 @@ use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DeviceRep
 use candle_core::{Result, Tensor};
 use serde::{Deserialize, Serialize};
 
+use crate::diff::abs_diff;
 use crate::gumbel::{self, DrawKey, DrawParams, Drawn};
 #[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
 use crate::kernel_args::ArgList;
@@ -102,13 +103,7 @@ impl Agreement {
     /// `got[i]` against the reference's draw `draws[i]` from `rows` (the logits).
     pub fn of(rows: &[Vec<f32>], draws: &[DeviceDraw], got: &[Drawn]) -> Self {
         let (mut agreed, mut worst, mut first_disagreement) = (0usize, 0f32, None);
-        // A NaN never agrees (`max` would skip it); equal infinities do.
-        let diff = |a: f32, b: f32| match a == b {
-            true => 0.0,
-            false => Some((a - b).abs())
-                .filter(|d| !d.is_nan())
-                .unwrap_or(f32::INFINITY),
-        };
+        let diff = |a: f32, b: f32| abs_diff(a as f64, b as f64) as f32;
         for (i, (d, got)) in draws.iter().zip(got).enumerate() {
             let want = gumbel::draw(&rows[d.row as usize], &d.params, &d.key);
             let same_tops = want.top_logprobs.len() == got.top_logprobs.len()

@@ -30,15 +30,9 @@ pub(super) fn generate_with(
     Ok((out.into_iter().flatten().collect(), engine))
 }
 
-/// |a - b| where they differ, infinite when either is NaN (so that `max` cannot skip it);
-/// 0 for equal values, infinities included.
+/// [`dppo_engine::diff::abs_diff`] in f32: a NaN is the largest difference.
 pub(super) fn diff(a: f32, b: f32) -> f32 {
-    match a == b {
-        true => 0.0,
-        false => Some((a - b).abs())
-            .filter(|d| !d.is_nan())
-            .unwrap_or(f32::INFINITY),
-    }
+    dppo_engine::diff::abs_diff(a as f64, b as f64) as f32
 }
 
 /// Greedy tokens and logprobs of `got` against the CPU's f32 `want`: in f32 the same
