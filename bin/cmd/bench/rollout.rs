@@ -39,6 +39,10 @@ pub struct RolloutArgs {
     new_tokens: usize,
     #[arg(long, default_value_t = 16)]
     block_size: usize,
+    /// KV cache capacity in token slots (default: the engine's, 2 GiB of KV). A pool that
+    /// holds the whole workload runs it without preemption, as a static cache holds its batch.
+    #[arg(long)]
+    kv_cache_tokens: Option<usize>,
     /// Where tokens are drawn: host, or device (one GPU kernel for every row; on the CPU
     /// its host reference), as `engine.sampling`.
     #[arg(long, default_value = "host", value_parser = parse_sampling)]
@@ -109,6 +113,7 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
     let num_tokens = args.prompts * args.samples * args.new_tokens;
     let cfg = EngineConfig {
         block_size: args.block_size,
+        kv_cache_tokens: args.kv_cache_tokens,
         sampling: args.sampling,
         fused_kernels: args.fused_kernels,
         attention: args.attention,
@@ -173,6 +178,7 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
         "tokens_per_s": tokens_per_s,
         "requests_per_s": (args.prompts * args.samples) as f64 / ours_s,
         "peak_kv_mib": peak_kv_mib,
+        "kv_cache_tokens": args.kv_cache_tokens,
         "preemptions": stats.num_preemptions,
         "naive_tokens_per_s": naive_s.map(|s| num_tokens as f64 / s),
         "speedup_vs_naive": naive_s.map(|s| s / ours_s),
