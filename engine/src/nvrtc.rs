@@ -1,5 +1,5 @@
 //! The engine's CUDA kernel sources, compiled at run time by NVRTC for the GPU at hand (so
-//! they always match its driver), once per process each, and loaded into candle's device as
+//! they always match its driver), once per GPU each, and loaded into candle's device as
 //! modules of their own.
 
 use std::sync::{Arc, Mutex};
@@ -16,9 +16,18 @@ pub(crate) struct Module {
     /// Where the source lives, for messages.
     file: &'static str,
     source: &'static str,
-    /// The PTX compiled so far, per architecture (`compute_XY`). Only successes are kept:
-    /// an error (a stale one cudarc reports from an earlier call, say) is tried again.
-    ptx: Mutex<Vec<(String, Arc<str>)>>,
+    /// Per GPU of the process: its architecture and, once compiled, the PTX.
+    compiled: Mutex<Vec<Compiled>>,
+}
+
+/// The module for one GPU.
+struct Compiled {
+    ordinal: usize,
+    /// `compute_XY`, as NVRTC's options take it: one short string per GPU.
+    arch: &'static str,
+    /// Only a successful compile is kept: an error (a stale one cudarc reports from an
+    /// earlier call, say) is tried again at the next launch.
+    ptx: Option<Arc<str>>,
 }
 
 impl Module {
@@ -27,7 +36,7 @@ impl Module {
             name,
             file,
             source,
-            ptx: Mutex::new(Vec::new()),
+            compiled: Mutex::new(Vec::new()),
         }
     }
 
@@ -37,20 +46,32 @@ impl Module {
         Ok(func.into_cuda_function())
     }
 
-    /// The module's PTX for `device`'s compute capability, compiled once per process.
+    /// The module's PTX for `device`'s compute capability, compiled once per GPU.
     fn ptx(&self, device: &CudaDevice) -> Result<Arc<str>> {
         let context = device.cuda_stream().context().clone();
-        let cap = |a| context.attribute(a).map_err(candle_core::Error::wrap);
-        let major = cap(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
-        let minor = cap(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
-        let arch = format!("compute_{major}{minor}");
-        let mut compiled = self.ptx.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, ptx)) = compiled.iter().find(|(a, _)| *a == arch) {
+        let ordinal = context.ordinal();
+        let mut compiled = self.compiled.lock().unwrap_or_else(|e| e.into_inner());
+        let at = match compiled.iter().position(|c| c.ordinal == ordinal) {
+            Some(at) => at,
+            None => {
+                let cap = |a| context.attribute(a).map_err(candle_core::Error::wrap);
+                let major = cap(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+                let minor = cap(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+                let arch = format!("compute_{major}{minor}").into_boxed_str();
+                compiled.push(Compiled {
+                    ordinal,
+                    arch: Box::leak(arch),
+                    ptx: None,
+                });
+                compiled.len() - 1
+            }
+        };
+        let entry = &mut compiled[at];
+        if let Some(ptx) = &entry.ptx {
             return Ok(ptx.clone());
         }
-        // NVRTC's options take a 'static name: one short string per architecture compiled.
         let opts = CompileOptions {
-            arch: Some(Box::leak(arch.clone().into_boxed_str())),
+            arch: Some(entry.arch),
             ..CompileOptions::default()
         };
         let ptx: Arc<str> = compile_ptx_with_opts(self.source, opts)
@@ -59,7 +80,7 @@ impl Module {
             })?
             .to_src()
             .into();
-        compiled.push((arch, ptx.clone()));
+        entry.ptx = Some(ptx.clone());
         Ok(ptx)
     }
 }

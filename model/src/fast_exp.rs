@@ -42,8 +42,8 @@ pub fn exp_nonpositive(x: f32) -> f32 {
 mod tests {
     use super::*;
 
-    /// Units in the last place between `got` and the exact value.
-    /// The error in ulps; infinite for a NaN (which `max` would skip).
+    /// Units in the last place between `got` and the exact value; infinite for a NaN (which
+    /// `max` would skip).
     fn ulps(got: f32, exact: f64) -> f64 {
         let e = exact as f32;
         let ulp = (f32::from_bits(e.to_bits() + 1) - e) as f64;

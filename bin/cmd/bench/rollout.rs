@@ -179,7 +179,8 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
         "requests_per_s": (args.prompts * args.samples) as f64 / ours_s,
         "peak_kv_mib": peak_kv_mib,
         "kv_cache_tokens": args.kv_cache_tokens,
-        "preemptions": stats.num_preemptions,
+        // The timed run's, not the warm-up's.
+        "preemptions": stats.num_preemptions - before.num_preemptions,
         "naive_tokens_per_s": naive_s.map(|s| num_tokens as f64 / s),
         "speedup_vs_naive": naive_s.map(|s| s / ours_s),
         "matmul_gflops": flops_per_s / 1e9,

@@ -45,8 +45,6 @@ fn on_gpu(
     reqs: &[GenerateRequest],
     want: &[Completion],
 ) -> Result<Vec<Check>, TrainError> {
-    use super::compare::BUG_FIX;
-
     let reports = dppo_engine::cuda_attn::device_check::run(device)?;
     let detail = reports
         .iter()
