@@ -70,7 +70,7 @@ impl Default for EngineConfig {
             isolate_high_priority: false,
             attention: AttentionMode::Auto,
             dtype: None,
-            sampling: SamplingPlace::Host,
+            sampling: SamplingPlace::Auto,
             fused_kernels: false,
         }
     }
@@ -193,7 +193,7 @@ impl Engine {
             ..EngineStats::default()
         }));
         let (tx, rx) = mpsc::channel();
-        let device_sampling = cfg.sampling == SamplingPlace::Device;
+        let device_sampling = cfg.sampling.on_device(&device);
         let fused_kernels = cfg.fused_kernels;
         let worker = Worker::new(scheduler, runner, policy, stats.clone(), device_sampling);
         let handle = std::thread::Builder::new()

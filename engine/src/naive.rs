@@ -128,6 +128,7 @@ pub fn generate_naive_on(
     // 2. Decode one token per sample per step until the longest sample is done; finished
     //    samples keep running (a static batch) but their tokens are discarded.
     let max_new = reqs.iter().map(|r| r.max_tokens).max().unwrap_or(0);
+    let on_device = place.on_device(device);
     for step in 0..max_new {
         let idx = Tensor::new(
             last_rows.iter().map(|&r| r as u32).collect::<Vec<_>>(),
@@ -139,17 +140,16 @@ pub fn generate_naive_on(
         let mut next = Vec::with_capacity(samples.len());
         for (s, &(r, i)) in samples.iter().enumerate() {
             let req = &reqs[r];
-            let drawn = match place {
-                SamplingPlace::Device => {
-                    let key = DrawKey {
-                        key: stream_seed(req.sampling.seed.unwrap_or(0), i as u64),
-                        position: (req.prompt_ids.len() + step) as u32,
-                        sample_index: i as u32,
-                    };
-                    let params = DrawParams::of(&req.sampling);
-                    gumbel::sampled(gumbel::draw(&logits[s], &params, &key), false)
-                }
-                _ => sample(&logits[s], &req.sampling, &mut rngs[s]),
+            let drawn = if on_device {
+                let key = DrawKey {
+                    key: stream_seed(req.sampling.seed.unwrap_or(0), i as u64),
+                    position: (req.prompt_ids.len() + step) as u32,
+                    sample_index: i as u32,
+                };
+                let params = DrawParams::of(&req.sampling);
+                gumbel::sampled(gumbel::draw(&logits[s], &params, &key), false)
+            } else {
+                sample(&logits[s], &req.sampling, &mut rngs[s])
             };
             let out = &mut outputs[s];
             if !done[s] {

@@ -8,7 +8,7 @@ use dppo_model::CausalLm;
 use serde::{Deserialize, Serialize};
 
 use crate::cost::{nanos, IterationCost};
-use crate::cuda_attn::{Batch, CudaAttention};
+use crate::cuda_attn::{Batch, CudaAttention, Heads};
 use crate::generic_attn::{BatchIndex, GenericPagedAttention, TensorKvCache};
 use crate::paged_attn::{CacheShape, KvCache, PagedAttention, SeqAttnMeta};
 use crate::plan::Plan;
@@ -20,7 +20,8 @@ use crate::EngineError;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum AttentionMode {
-    /// The CPU kernel for f32 on the CPU, the generic path everywhere else.
+    /// The CPU kernel for f32 on the CPU; on a GPU of a CUDA build the paged CUDA kernels
+    /// where they take the model's heads; the generic path everywhere else.
     #[default]
     Auto,
     /// The CPU kernel: f32 on the CPU only.
@@ -28,17 +29,24 @@ pub enum AttentionMode {
     /// The device-generic path made of tensor ops, on any device and dtype.
     Generic,
     /// The paged CUDA kernels (kernels/paged_attention.cu): f32, bf16 or f16 on a GPU of a
-    /// CUDA build. Not yet checked on a GPU, so `auto` does not pick it.
+    /// CUDA build (checked on an H200: docs/results.md).
     Cuda,
 }
 
 impl AttentionMode {
-    /// The backend to run on `device` with the cache in `dtype`: `Auto` resolved, and an
-    /// error where the CPU kernel is asked for but cannot run.
-    pub fn resolve(self, device: &Device, dtype: DType) -> std::result::Result<Self, EngineError> {
+    /// The backend to run a model of `heads` on `device` with the cache in `dtype`: `Auto`
+    /// resolved, and an error where the backend asked for cannot run.
+    pub fn resolve(
+        self,
+        device: &Device,
+        dtype: DType,
+        heads: &Heads,
+    ) -> std::result::Result<Self, EngineError> {
         let cpu_kernel_fits = device.is_cpu() && dtype == DType::F32;
+        let cuda_kernels_fit = device.is_cuda() && cfg!(feature = "cuda") && heads.check().is_ok();
         match self {
             Self::Auto if cpu_kernel_fits => Ok(Self::Cpu),
+            Self::Auto if cuda_kernels_fit => Ok(Self::Cuda),
             Self::Auto | Self::Generic => Ok(Self::Generic),
             Self::Cpu if cpu_kernel_fits => Ok(Self::Cpu),
             Self::Cpu => Err(EngineError::InvalidConfig(format!(
@@ -98,7 +106,7 @@ impl Runner {
             num_kv_heads: cfg.num_key_value_heads,
             head_dim: cfg.head_dim,
         };
-        let attention = attention.resolve(&device, model.dtype())?;
+        let attention = attention.resolve(&device, model.dtype(), &Heads::of(&model))?;
         let cuda = match attention {
             AttentionMode::Cuda => Some(CudaAttention::new(&model, &device)?),
             _ => None,

@@ -43,9 +43,9 @@ pub struct RolloutArgs {
     /// holds the whole workload runs it without preemption, as a static cache holds its batch.
     #[arg(long)]
     kv_cache_tokens: Option<usize>,
-    /// Where tokens are drawn: host, or device (one GPU kernel for every row; on the CPU
-    /// its host reference), as `engine.sampling`.
-    #[arg(long, default_value = "host", value_parser = parse_sampling)]
+    /// Where tokens are drawn, as `engine.sampling`: auto (the device kernel on a GPU),
+    /// host, or device (one GPU kernel for every row; on the CPU its host reference).
+    #[arg(long, default_value = "auto", value_parser = parse_sampling)]
     sampling: SamplingPlace,
     /// candle-nn's fused kernels in the engine, as `engine.fused_kernels`.
     #[arg(long)]
@@ -234,11 +234,8 @@ fn parse_attention(s: &str) -> Result<AttentionMode, String> {
 }
 
 fn parse_sampling(s: &str) -> Result<SamplingPlace, String> {
-    match s {
-        "host" => Ok(SamplingPlace::Host),
-        "device" => Ok(SamplingPlace::Device),
-        _ => Err(format!("{s:?}: expected host or device")),
-    }
+    serde_json::from_value(serde_json::Value::String(s.into()))
+        .map_err(|_| format!("{s:?}: expected auto, host or device"))
 }
 
 /// The timed run's mean iteration, broken down (milliseconds; KiB moved by the engine).

@@ -26,6 +26,8 @@ mod twin;
 pub use launch::{multiprocessors, CudaIndex, CudaPagedAttention, DeviceTables};
 pub use state::{Batch, CudaAttention};
 
+use dppo_model::CausalLm;
+
 use crate::paged_attn::{CacheShape, SeqAttnMeta};
 use crate::EngineError;
 
@@ -75,6 +77,16 @@ pub struct Heads {
 }
 
 impl Heads {
+    /// The heads of `model`, as the kernels see them.
+    pub fn of(model: &CausalLm) -> Self {
+        let cfg = model.config();
+        Self {
+            num_heads: cfg.num_attention_heads,
+            num_kv_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim,
+        }
+    }
+
     /// Query heads per KV head.
     pub fn group(&self) -> usize {
         self.num_heads / self.num_kv_heads

@@ -38,7 +38,7 @@ pub struct CudaAttention {
 impl CudaAttention {
     /// The backend for `model` on `device`; an error names what the kernels cannot serve.
     pub fn new(model: &CausalLm, device: &Device) -> std::result::Result<Self, EngineError> {
-        heads(model).check()?;
+        Heads::of(model).check()?;
         Ok(Self {
             tables: TableMirror::default(),
             min_blocks: 2 * multiprocessors(device)?,
@@ -96,7 +96,7 @@ impl CudaAttention {
             (&rows, self.tables.width()),
             batch.slot_mapping,
             cache.shape(),
-            heads(model),
+            Heads::of(model),
             self.min_blocks,
         )
         .map_err(candle_core::Error::wrap)?;
@@ -159,16 +159,6 @@ impl CudaAttention {
             let _ = (model, cache, batch, plan, upload);
             candle_core::bail!("cuda attention in a build without CUDA")
         }
-    }
-}
-
-/// The heads of `model`, as the kernels see them.
-fn heads(model: &CausalLm) -> Heads {
-    let cfg = model.config();
-    Heads {
-        num_heads: cfg.num_attention_heads,
-        num_kv_heads: cfg.num_key_value_heads,
-        head_dim: cfg.head_dim,
     }
 }
 

@@ -1,8 +1,9 @@
-//! Sampling on the GPU (`engine.sampling = "device"`): the iteration's f32 logits stay on
-//! the device and one kernel launch (kernels/sample.cu, compiled once per process by NVRTC)
-//! draws every sample by the Gumbel-max trick, top-k and top-p applied as a threshold and
-//! top logprobs found on the device; 12 bytes per draw come back (plus 160 per draw when
-//! some draw asks for top logprobs) instead of a vocabulary-sized row. [`crate::gumbel`] is
+//! Sampling on the GPU (`engine.sampling = "device"`, or `auto` on a GPU): the iteration's
+//! f32 logits stay on the device and one kernel launch (kernels/sample.cu, compiled once per
+//! process by NVRTC) draws every sample by the Gumbel-max trick, top-k and top-p applied as
+//! a threshold and top logprobs found on the device; 12 bytes per draw come back (plus 160
+//! per draw when some draw asks for top logprobs) instead of a vocabulary-sized row.
+//! [`crate::gumbel`] is
 //! the kernel's reference.
 
 #[cfg(feature = "cuda")]
@@ -10,7 +11,7 @@ use std::sync::Arc;
 
 #[cfg(feature = "cuda")]
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
-use candle_core::{Result, Tensor};
+use candle_core::{Device, Result, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::diff::abs_diff;
@@ -28,12 +29,25 @@ pub const SOURCE: &str = include_str!("../../kernels/sample.cu");
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SamplingPlace {
-    /// On the host, from the logits rows copied there: every sampling option.
+    /// The device kernel on a GPU of a CUDA build, the host elsewhere.
     #[default]
+    Auto,
+    /// On the host, from the logits rows copied there: every sampling option.
     Host,
     /// On a GPU, by one kernel: every sampling option. On the CPU the kernel's host
     /// reference draws instead (the same tokens; for tests).
     Device,
+}
+
+impl SamplingPlace {
+    /// Whether the draws on `device` follow the device kernel's scheme (`Auto` resolved).
+    pub fn on_device(self, device: &Device) -> bool {
+        match self {
+            Self::Auto => device.is_cuda() && cfg!(feature = "cuda"),
+            Self::Host => false,
+            Self::Device => true,
+        }
+    }
 }
 
 /// One draw: the logits row it reads, its noise and what it asks.

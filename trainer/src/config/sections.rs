@@ -300,13 +300,14 @@ pub struct EngineSettings {
     /// what weights, learner state and activations leave of it (`dppo memory` shows the split).
     /// Default 0.5, the engine being co-located with the learner (`dppo serve` uses 0.9).
     pub gpu_memory_utilization: f64,
-    /// The attention backend: `auto` (the CPU kernel for f32 on the CPU, the device-generic
-    /// path elsewhere), `cpu`, `generic` or `cuda` (the paged CUDA kernels).
+    /// The attention backend: `auto` (the CPU kernel for f32 on the CPU, the paged CUDA
+    /// kernels on a GPU where they take the model's heads, the device-generic path
+    /// elsewhere), `cpu`, `generic` or `cuda`.
     pub attention: AttentionMode,
     /// Dtype of the engine's weights and KV cache (`auto`: f32 on the CPU, bf16 on a GPU).
     pub dtype: DtypeChoice,
-    /// Where tokens are drawn: `host`, or `device` (a GPU kernel where the sampling options
-    /// allow; on the CPU its host reference).
+    /// Where tokens are drawn: `auto` (the device kernel on a GPU, the host elsewhere),
+    /// `host`, or `device` (one GPU kernel; on the CPU its host reference).
     pub sampling: SamplingPlace,
     /// candle-nn's fused kernels for RMSNorm, rotary embedding, SiLU and the attention
     /// softmax in the engine (off until checked on a GPU).
@@ -319,7 +320,7 @@ impl Default for EngineSettings {
             gpu_memory_utilization: 0.5,
             attention: AttentionMode::Auto,
             dtype: DtypeChoice::Auto,
-            sampling: SamplingPlace::Host,
+            sampling: SamplingPlace::Auto,
             fused_kernels: false,
         }
     }

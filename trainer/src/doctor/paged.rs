@@ -1,7 +1,7 @@
 //! The paged attention kernels (`engine.attention = "cuda"`) on the GPU: the kernels alone
 //! against the generic path and the f64 reference, in f32, bf16 and f16; then the engine on
 //! them against the CPU, greedy, with forked samples, 4-token blocks and a pool that
-//! preempts (f32), and with the defaults (bf16).
+//! preempts (f32), with the defaults (bf16), and with candle-nn's fused kernels (bf16).
 
 use candle_core::Device;
 use dppo_engine::{Completion, GenerateRequest};
@@ -75,8 +75,9 @@ fn on_gpu(
 
 /// The engine through `attention` against the CPU's greedy `want` for `reqs`: each prompt
 /// sampled twice (the second sample forks the first's blocks) with 4-token blocks in a pool
-/// that preempts, in f32; then with the defaults in bf16. An engine error fails its own
-/// check, not the checks after it.
+/// that preempts, in f32; then with the defaults in bf16, and with the fused kernels
+/// (`engine.fused_kernels`) in bf16. An engine error fails its own check, not the checks
+/// after it.
 #[cfg(any(test, feature = "cuda"))]
 fn engine_checks(
     policy: &Policy,
@@ -93,21 +94,27 @@ fn engine_checks(
     let name = "paged kernels: forks, preemption f32";
     let preemption = preemption(policy, device, (&forked, &twice), attention, name)
         .unwrap_or_else(|e| failed(name, e));
-    let name = "paged kernels: greedy bf16";
-    let cfg = EngineConfig {
-        kv_cache_tokens: Some(4096),
-        dtype: Some(DType::BF16),
-        attention,
-        ..EngineConfig::default()
+    let bf16 = |name: &str, fused_kernels: bool| {
+        let cfg = EngineConfig {
+            kv_cache_tokens: Some(4096),
+            dtype: Some(DType::BF16),
+            attention,
+            fused_kernels,
+            ..EngineConfig::default()
+        };
+        match generate_with(policy, device, cfg, reqs) {
+            Ok((got, _)) => Check {
+                name: name.to_string(),
+                ..compare_greedy(want, &got, DType::BF16, false)
+            },
+            Err(e) => failed(name, e),
+        }
     };
-    let greedy = match generate_with(policy, device, cfg, reqs) {
-        Ok((got, _)) => Check {
-            name: name.to_string(),
-            ..compare_greedy(want, &got, DType::BF16, false)
-        },
-        Err(e) => failed(name, e),
-    };
-    vec![preemption, greedy]
+    vec![
+        preemption,
+        bf16("paged kernels: greedy bf16", false),
+        bf16("paged and fused kernels: greedy bf16", true),
+    ]
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -130,7 +137,7 @@ mod tests {
 
     /// The engine checks the GPU runs on the kernels, run here through the generic path (the
     /// CPU kernel has no bf16): their forked samples line up with the CPU's completions, the
-    /// pool preempts, and bf16 agrees.
+    /// pool preempts, and bf16 agrees, with and without the fused kernels.
     #[test]
     fn the_engine_checks_pass_through_the_generic_path() {
         let policy = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
@@ -156,7 +163,7 @@ mod tests {
             (&reqs, &want),
             AttentionMode::Generic,
         );
-        assert_eq!(checks.len(), 2);
+        assert_eq!(checks.len(), 3);
         for check in &checks {
             assert_eq!(check.status, Status::Ok, "{}: {}", check.name, check.detail);
         }
