@@ -153,18 +153,23 @@ def brief(numbers):
     for key, unit in [("tokens_per_s", "tok/s"), ("train_tokens_per_s", "train tok/s")]:
         if key in numbers:
             parts.append(f"{numbers[key]:,.0f} {unit}")
-    if "fraction_of_compute_limit" in numbers:
-        parts.append(f"{100 * numbers['fraction_of_compute_limit']:.1f}% of limit")
     step = numbers.get("decode_step") or {}
     if step.get("count"):
-        parts.append(f"decode step {step['forward_ms'] + step['fetch_ms']:.1f} ms, "
-                     f"{step['attention_ops']:.0f} attn ops, {step['h2d_kib']:.0f} KiB up")
+        # The whole step: with device sampling the wait for the device is in sample_ms.
+        total = sum(step.get(k, 0) for k in
+                    ["schedule_ms", "forward_ms", "fetch_ms", "sample_ms", "emit_ms"])
+        parts.append(f"decode step {total:.1f} ms, {step['attention_ops']:.0f} attn ops, "
+                     f"{step['h2d_kib']:.0f} KiB up")
+        if step.get("attention_ms"):
+            parts.append(f"attention {step['attention_ms']:.1f} ms")
     floor = numbers.get("memory_floor")
     if floor:
         parts.append(f"{floor['times_floor']:.1f}x its memory floor at batch {floor['batch']:.0f}")
+        if floor.get("attention_kv_gb_per_s"):
+            parts.append(f"KV read at {floor['attention_kv_gb_per_s']:,.0f} GB/s")
     if not parts:
         parts = [f"{k}: {v}" for k, v in numbers.items()]
-    return "; ".join(parts)[:130]
+    return "; ".join(parts)[:170]
 
 
 def targets(steps):

@@ -55,6 +55,8 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
         "rollout-qwen2.5-0.5b-cuda-attn",
         "rollout-qwen2.5-0.5b-full",
         "rollout-qwen2.5-0.5b-full-cuda-attn",
+        "rollout-qwen2.5-0.5b-timed",
+        "rollout-qwen2.5-0.5b-full-timed",
         "baseline",
         "agree",
         "train",
@@ -78,7 +80,12 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
         );
     }
     assert!(ok && text.contains("all steps run passed"), "{text}");
-    let agree = &steps[8]["numbers"]["shapes"]["smollm2-135m"];
+    // The timed rows split the step: the attention's device time is counted.
+    for timed in &steps[7..9] {
+        let ms = timed["numbers"]["decode_step"]["attention_ms"].as_f64();
+        assert!(ms.is_some_and(|ms| ms > 0.0), "{timed}\n{text}");
+    }
+    let agree = &steps[10]["numbers"]["shapes"]["smollm2-135m"];
     assert_eq!(agree["agreed_tokens"], 8, "{text}");
     assert_eq!(agree["max_logprob_diff"], 0.0, "{text}");
 }
@@ -138,7 +145,7 @@ fn gpu_check_with_its_budget_spent_runs_nothing_and_still_summarises() {
         &[("DPPO_BIN", dppo)],
     );
     assert!(
-        ok && text.contains("11 not run, the budget spent"),
+        ok && text.contains("13 not run, the budget spent"),
         "{text}"
     );
     let steps = summary_steps(dir.path());

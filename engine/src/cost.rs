@@ -24,6 +24,9 @@ pub struct IterationCost {
     pub h2d_bytes: u64,
     /// Bytes the engine downloads (the logits rows).
     pub d2h_bytes: u64,
+    /// With `EngineConfig::time_device`: the attention's device time, the device
+    /// synchronised before and after each layer's call (a part of `forward_ns`); else 0.
+    pub attention_ns: u64,
     /// Tensor ops or kernels the attention backend issues, counted where it issues them
     /// (the model's matmuls and norms, the same on every backend, are not counted).
     pub attention_ops: u64,
@@ -46,6 +49,7 @@ impl IterationCost {
             fetch_ns: self.fetch_ns - earlier.fetch_ns,
             sample_ns: self.sample_ns - earlier.sample_ns,
             emit_ns: self.emit_ns - earlier.emit_ns,
+            attention_ns: self.attention_ns - earlier.attention_ns,
             h2d_bytes: self.h2d_bytes - earlier.h2d_bytes,
             d2h_bytes: self.d2h_bytes - earlier.d2h_bytes,
             attention_ops: self.attention_ops - earlier.attention_ops,
@@ -62,6 +66,7 @@ impl IterationCost {
         self.fetch_ns += other.fetch_ns;
         self.sample_ns += other.sample_ns;
         self.emit_ns += other.emit_ns;
+        self.attention_ns += other.attention_ns;
         self.h2d_bytes += other.h2d_bytes;
         self.d2h_bytes += other.d2h_bytes;
         self.attention_ops += other.attention_ops;

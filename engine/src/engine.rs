@@ -48,6 +48,10 @@ pub struct EngineConfig {
     /// softmax, where the CPU's own fused ops do not apply, and q/k/v and gate/up as one
     /// GEMM each where the engine keeps its own weight buffers (`engine.fused_kernels`).
     pub fused_kernels: bool,
+    /// Synchronise the device around each layer's attention and after the forward pass, so
+    /// that the iteration costs split the device's time between attention, the rest of the
+    /// forward pass and sampling (`bench rollout --time-device`); slows the step.
+    pub time_device: bool,
 }
 
 /// The engine's dtype when none is configured: f32 on the CPU, bf16 on a GPU.
@@ -72,6 +76,7 @@ impl Default for EngineConfig {
             dtype: None,
             sampling: SamplingPlace::Auto,
             fused_kernels: false,
+            time_device: false,
         }
     }
 }
@@ -184,6 +189,7 @@ impl Engine {
             num_blocks,
             cfg.block_size,
             cfg.attention,
+            cfg.time_device,
             device.clone(),
         )?;
         let stats = Arc::new(Mutex::new(EngineStats {

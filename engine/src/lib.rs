@@ -6,6 +6,7 @@
 mod cost;
 pub mod cuda_attn;
 pub mod device_sample;
+mod device_timing;
 pub mod diff;
 pub mod engine;
 pub mod generic_attn;

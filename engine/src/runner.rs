@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::cost::{nanos, IterationCost};
 use crate::cuda_attn::{Batch, CudaAttention, Heads};
+use crate::device_timing;
 use crate::generic_attn::{BatchIndex, GenericPagedAttention, TensorKvCache};
 use crate::paged_attn::{CacheShape, KvCache, PagedAttention, SeqAttnMeta};
 use crate::plan::Plan;
@@ -85,17 +86,21 @@ pub struct Runner {
     cache: Cache,
     /// The CUDA kernels' state, where `engine.attention` resolved to them.
     cuda: Option<CudaAttention>,
+    /// `EngineConfig::time_device`.
+    time_device: bool,
     device: Device,
 }
 
 impl Runner {
     /// A runner with a zeroed cache of `num_blocks` blocks of `block_size` tokens, in the
-    /// model's dtype, read by the `attention` backend (see [`AttentionMode::resolve`]).
+    /// model's dtype, read by the `attention` backend (see [`AttentionMode::resolve`]);
+    /// `time_device` as `EngineConfig::time_device`.
     pub fn new(
         model: CausalLm,
         num_blocks: usize,
         block_size: usize,
         attention: AttentionMode,
+        time_device: bool,
         device: Device,
     ) -> std::result::Result<Self, EngineError> {
         let cfg = model.config();
@@ -108,7 +113,7 @@ impl Runner {
         };
         let attention = attention.resolve(&device, model.dtype(), &Heads::of(&model))?;
         let cuda = match attention {
-            AttentionMode::Cuda => Some(CudaAttention::new(&model, &device)?),
+            AttentionMode::Cuda => Some(CudaAttention::new(&model, &device, time_device)?),
             _ => None,
         };
         let cache = match attention {
@@ -119,6 +124,7 @@ impl Runner {
             cuda,
             model,
             cache,
+            time_device,
             device,
         })
     }
@@ -174,6 +180,8 @@ impl Runner {
         cost.h2d_bytes += 4 * (2 * n + sample_rows.len()) as u64;
         let input_ids = Tensor::from_vec(input_ids, n, &self.device)?;
         let positions = Tensor::from_vec(positions, n, &self.device)?;
+        let inputs = (&input_ids, &positions);
+        let time = self.time_device;
         let hidden = match (&mut self.cache, &mut self.cuda) {
             (Cache::Cpu(cache), _) => {
                 cache.copy_blocks(&plan.block_copies);
@@ -182,7 +190,7 @@ impl Runner {
                     seqs: &metas,
                     slot_mapping: &slot_mapping,
                 };
-                self.model.forward(&input_ids, &positions, &mut backend)?
+                device_timing::forward(&self.model, inputs, &mut backend, time, cost)?
             }
             (Cache::Tensor(cache), Some(cuda)) => {
                 cache.copy_blocks(&plan.block_copies)?;
@@ -206,7 +214,7 @@ impl Runner {
                     index: &index,
                     ops: 0,
                 };
-                let hidden = self.model.forward(&input_ids, &positions, &mut backend)?;
+                let hidden = device_timing::forward(&self.model, inputs, &mut backend, time, cost)?;
                 cost.attention_ops += backend.ops;
                 hidden
             }
@@ -219,6 +227,9 @@ impl Runner {
             let idx = Tensor::new(sample_rows.as_slice(), &self.device)?;
             let logits = self.model.logits(&hidden.index_select(&idx, 0)?)?;
             let logits = logits.to_dtype(DType::F32)?;
+            if time {
+                self.device.synchronize()?;
+            }
             cost.forward_ns += nanos(started);
             if on_device {
                 Some(logits)

@@ -329,6 +329,36 @@ fn decode_steps_count_the_kv_they_attend() {
     assert_eq!(stats.cost.seqs as usize, lens.len() * (1 + g * (t - 1)));
 }
 
+/// Timing the device (`time_device`) changes no output, only adds the attention's time, on
+/// the CPU kernel and on the generic path alike: a part of the forward pass's.
+#[test]
+fn timing_the_device_splits_the_forward_pass_and_changes_nothing_else() {
+    let policy = policy();
+    let reqs = workload(4, 2, policy.config.vocab_size);
+    for attention in [AttentionMode::Cpu, AttentionMode::Generic] {
+        let out = |time_device| {
+            let cfg = EngineConfig {
+                time_device,
+                ..config(4, 512, attention)
+            };
+            let engine = Engine::new(&policy, cfg, Device::Cpu).unwrap();
+            (run(&engine, &reqs), engine.stats().cost)
+        };
+        let (plain, plain_cost) = out(false);
+        let (timed, timed_cost) = out(true);
+        assert_eq!(plain_cost.attention_ns, 0, "{attention:?}");
+        assert!(timed_cost.attention_ns > 0, "{attention:?}");
+        assert!(
+            timed_cost.attention_ns < timed_cost.forward_ns,
+            "{attention:?}"
+        );
+        assert_eq!(tokens(&timed), tokens(&plain), "{attention:?}");
+        for (t, p) in timed.iter().flatten().zip(plain.iter().flatten()) {
+            assert_eq!(t.logprobs, p.logprobs, "{attention:?}");
+        }
+    }
+}
+
 #[test]
 fn dropping_the_engine_finishes_queued_work_although_handles_live() {
     let policy = policy();

@@ -7,6 +7,8 @@ use dppo_model::CausalLm;
 use super::tables::{TableMirror, TableUpload};
 use super::{Heads, KernelPlan, LAUNCHES_PER_LAYER};
 use crate::cost::IterationCost;
+#[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
+use crate::device_timing;
 use crate::generic_attn::TensorKvCache;
 use crate::paged_attn::SeqAttnMeta;
 use crate::sequence::SeqId;
@@ -28,6 +30,8 @@ pub struct CudaAttention {
     /// Blocks a grid should hold (twice the GPU's multiprocessors): the plan splits
     /// contexts until it does.
     min_blocks: usize,
+    /// `EngineConfig::time_device`.
+    time_device: bool,
     #[cfg(feature = "cuda")]
     device_tables: Option<super::launch::DeviceTables>,
     /// The emulated kernels' copy of the tables (the engine's unit tests on the CPU).
@@ -36,12 +40,18 @@ pub struct CudaAttention {
 }
 
 impl CudaAttention {
-    /// The backend for `model` on `device`; an error names what the kernels cannot serve.
-    pub fn new(model: &CausalLm, device: &Device) -> std::result::Result<Self, EngineError> {
+    /// The backend for `model` on `device`, `time_device` as `EngineConfig::time_device`;
+    /// an error names what the kernels cannot serve.
+    pub fn new(
+        model: &CausalLm,
+        device: &Device,
+        time_device: bool,
+    ) -> std::result::Result<Self, EngineError> {
         Heads::of(model).check()?;
         Ok(Self {
             tables: TableMirror::default(),
             min_blocks: 2 * multiprocessors(device)?,
+            time_device,
             #[cfg(feature = "cuda")]
             device_tables: None,
             #[cfg(all(test, target_os = "linux", not(feature = "cuda")))]
@@ -109,7 +119,7 @@ impl CudaAttention {
         // The kernels of every layer, and the table's scatter when entries changed.
         cost.attention_ops += LAUNCHES_PER_LAYER * layers
             + matches!(&upload, TableUpload::Entries(p) if !p.is_empty()) as u64;
-        self.launch(model, cache, batch, plan, &upload)
+        self.launch(model, cache, batch, plan, (&upload, cost))
     }
 
     #[cfg(feature = "cuda")]
@@ -119,7 +129,7 @@ impl CudaAttention {
         cache: &mut TensorKvCache,
         batch: &Batch<'_>,
         plan: KernelPlan,
-        upload: &TableUpload,
+        (upload, cost): (&TableUpload, &mut IterationCost),
     ) -> Result<Tensor> {
         use super::launch::{CudaIndex, CudaPagedAttention};
         let device = model.device();
@@ -130,7 +140,8 @@ impl CudaAttention {
             index: &index,
             tables,
         };
-        model.forward(batch.input_ids, batch.positions, &mut backend)
+        let inputs = (batch.input_ids, batch.positions);
+        device_timing::forward(model, inputs, &mut backend, self.time_device, cost)
     }
 
     #[cfg(not(feature = "cuda"))]
@@ -140,7 +151,7 @@ impl CudaAttention {
         cache: &mut TensorKvCache,
         batch: &Batch<'_>,
         plan: KernelPlan,
-        upload: &TableUpload,
+        (upload, cost): (&TableUpload, &mut IterationCost),
     ) -> Result<Tensor> {
         // In the engine's unit tests the CPU runs the kernels' source (`super::emulated`).
         #[cfg(all(test, target_os = "linux"))]
@@ -152,11 +163,12 @@ impl CudaAttention {
                 plan: &plan,
                 tables,
             };
-            model.forward(batch.input_ids, batch.positions, &mut backend)
+            let inputs = (batch.input_ids, batch.positions);
+            device_timing::forward(model, inputs, &mut backend, self.time_device, cost)
         }
         #[cfg(not(all(test, target_os = "linux")))]
         {
-            let _ = (model, cache, batch, plan, upload);
+            let _ = (model, cache, batch, plan, upload, cost, self.time_device);
             candle_core::bail!("cuda attention in a build without CUDA")
         }
     }

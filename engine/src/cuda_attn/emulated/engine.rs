@@ -151,7 +151,10 @@ fn a_failed_iteration_leaves_no_table_entry_stale() {
     };
     let fresh = || {
         let cache = TensorKvCache::new(shape, DType::F32, &Device::Cpu).unwrap();
-        (CudaAttention::new(&model, &Device::Cpu).unwrap(), cache)
+        (
+            CudaAttention::new(&model, &Device::Cpu, false).unwrap(),
+            cache,
+        )
     };
     // Sequence 1 prefills a block, sequence 3 two; then sequence 1 decodes into a new block.
     let prefill: [(u64, usize, usize, &[u32]); 2] = [(1, 0, 4, &[3]), (3, 0, 8, &[5, 6])];

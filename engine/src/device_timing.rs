@@ -1,0 +1,55 @@
+//! The attention's share of a forward pass on a device, for benchmarks
+//! (`EngineConfig::time_device`): the device is synchronised before and after each layer's
+//! attention call, so the host clock between the two reads the device's work. The
+//! synchronisations stall the queue, so the step measured this way is slower than a plain one.
+
+use std::time::Instant;
+
+use candle_core::{Device, Result, Tensor};
+use dppo_model::{AttentionBackend, CausalLm};
+
+use crate::cost::{nanos, IterationCost};
+
+/// `inner` with each `attend` call's device time added to `ns`.
+struct Timed<'a, B> {
+    inner: &'a mut B,
+    device: &'a Device,
+    ns: u64,
+}
+
+impl<B: AttentionBackend> AttentionBackend for Timed<'_, B> {
+    fn attend(&mut self, layer_idx: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        self.device.synchronize()?;
+        let start = Instant::now();
+        let out = self.inner.attend(layer_idx, q, k, v)?;
+        self.device.synchronize()?;
+        self.ns += nanos(start);
+        Ok(out)
+    }
+
+    fn packed_seqlens(&self) -> Option<&[usize]> {
+        self.inner.packed_seqlens()
+    }
+}
+
+/// `model`'s forward pass through `backend`; with `time` its attention's device time is
+/// added to `cost.attention_ns`.
+pub(crate) fn forward<B: AttentionBackend>(
+    model: &CausalLm,
+    (input_ids, positions): (&Tensor, &Tensor),
+    backend: &mut B,
+    time: bool,
+    cost: &mut IterationCost,
+) -> Result<Tensor> {
+    if !time {
+        return model.forward(input_ids, positions, backend);
+    }
+    let mut timed = Timed {
+        inner: backend,
+        device: model.device(),
+        ns: 0,
+    };
+    let hidden = model.forward(input_ids, positions, &mut timed);
+    cost.attention_ns += timed.ns;
+    hidden
+}
