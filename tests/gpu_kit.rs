@@ -158,3 +158,41 @@ fn gpu_check_with_its_budget_spent_runs_nothing_and_still_summarises() {
         assert_eq!(step["status"], expected, "{step}\n{text}");
     }
 }
+
+/// On a GPU (here: the GPU mode with the CPU binary, every CUDA step failing at once) the
+/// steps' files are packed into one archive, since the device tool returns at most 8 files:
+/// OUTDIR keeps the summary, the steps' table, the metadata and the archive.
+#[test]
+fn gpu_check_on_a_gpu_packs_its_steps_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let dppo = std::path::Path::new(env!("CARGO_BIN_EXE_dppo"));
+    let (ok, text) = script(
+        "gpu-check",
+        &["--budget", "60", dir.path().to_str().unwrap()],
+        &[("DPPO_BIN", dppo)],
+    );
+    assert!(!ok, "the CUDA steps fail on a CPU build: {text}");
+    let mut names: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        ["meta.json", "steps.tar.gz", "steps.tsv", "summary.json"],
+        "{text}"
+    );
+    let listing = std::process::Command::new("tar")
+        .arg("tzf")
+        .arg(dir.path().join("steps.tar.gz"))
+        .output()
+        .unwrap();
+    let listing = String::from_utf8(listing.stdout).unwrap();
+    for file in ["doctor.out", "doctor.log", "rollout-qwen2.5-0.5b-timed.log"] {
+        assert!(
+            listing.lines().any(|l| l.trim_start_matches("./") == file),
+            "{file}: {listing}"
+        );
+    }
+    assert_eq!(summary_steps(dir.path()).len(), 17, "{text}");
+}

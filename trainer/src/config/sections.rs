@@ -310,7 +310,7 @@ pub struct EngineSettings {
     /// `host`, or `device` (one GPU kernel; on the CPU its host reference).
     pub sampling: SamplingPlace,
     /// candle-nn's fused kernels for RMSNorm, rotary embedding, SiLU and the attention
-    /// softmax in the engine (off until checked on a GPU).
+    /// softmax in the engine (checked on a GPU; off until their speed there is measured).
     pub fused_kernels: bool,
 }
 
