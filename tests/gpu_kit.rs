@@ -53,6 +53,7 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
         "rollout-qwen2.5-0.5b",
         "rollout-qwen2.5-0.5b-fused",
         "rollout-qwen2.5-0.5b-cuda-attn",
+        "rollout-qwen2.5-0.5b-default",
         "rollout-qwen2.5-0.5b-full",
         "rollout-qwen2.5-0.5b-full-cuda-attn",
         "rollout-qwen2.5-0.5b-timed",
@@ -81,11 +82,11 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
     }
     assert!(ok && text.contains("all steps run passed"), "{text}");
     // The timed rows split the step: the attention's device time is counted.
-    for timed in &steps[7..9] {
+    for timed in &steps[8..10] {
         let ms = timed["numbers"]["decode_step"]["attention_ms"].as_f64();
         assert!(ms.is_some_and(|ms| ms > 0.0), "{timed}\n{text}");
     }
-    let agree = &steps[10]["numbers"]["shapes"]["smollm2-135m"];
+    let agree = &steps[11]["numbers"]["shapes"]["smollm2-135m"];
     assert_eq!(agree["agreed_tokens"], 8, "{text}");
     assert_eq!(agree["max_logprob_diff"], 0.0, "{text}");
 }
@@ -145,7 +146,7 @@ fn gpu_check_with_its_budget_spent_runs_nothing_and_still_summarises() {
         &[("DPPO_BIN", dppo)],
     );
     assert!(
-        ok && text.contains("13 not run, the budget spent"),
+        ok && text.contains("14 not run, the budget spent"),
         "{text}"
     );
     let steps = summary_steps(dir.path());
@@ -194,5 +195,5 @@ fn gpu_check_on_a_gpu_packs_its_steps_files() {
             "{file}: {listing}"
         );
     }
-    assert_eq!(summary_steps(dir.path()).len(), 17, "{text}");
+    assert_eq!(summary_steps(dir.path()).len(), 18, "{text}");
 }
