@@ -161,7 +161,8 @@ def brief(numbers):
         parts.append(f"decode step {total:.1f} ms, {step['attention_ops']:.0f} attn ops, "
                      f"{step['h2d_kib']:.0f} KiB up")
         if step.get("attention_ms"):
-            parts.append(f"attention {step['attention_ms']:.1f} ms")
+            parts.append(f"attention {step['attention_ms']:.1f} ms "
+                         f"(waiting {step.get('attention_wait_ms', 0):.1f})")
     floor = numbers.get("memory_floor")
     if floor:
         parts.append(f"{floor['times_floor']:.1f}x its memory floor at batch {floor['batch']:.0f}")
@@ -250,7 +251,8 @@ def summary(args):
     verdict = "all steps run passed" if report["passed"] else "some steps FAILED"
     if unrun:
         verdict += f"; {unrun} not run, the budget spent"
-    print(f"gpu-check: {verdict}; logs and summary.json in {args.outdir}")
+    print(f"gpu-check: {verdict}; summary.json and the steps' logs (steps.tar.gz on a GPU) "
+          f"in {args.outdir}")
     return 0 if report["passed"] else 1
 
 

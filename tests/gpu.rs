@@ -1,8 +1,8 @@
 //! The GPU path on a real GPU, against the CPU: gated at run time on the GPU opening, so
 //! that they pass as skipped (and say so) in a build without the `cuda` feature or on a
-//! machine without a GPU. The generic attention, preemption, the learner's gradients and
-//! optimizer state and the hand-offs between streams are `dppo doctor --full`'s device
-//! checks, run here as they run from the GPU kit's binary; SmolLM2's own weights (which the
+//! machine without a GPU. The engine's attention (on a GPU `auto` is the paged CUDA
+//! kernels; the generic path too, with preemption), the learner's gradients and optimizer
+//! state and the hand-offs between streams are `dppo doctor --full`'s device checks, run here as they run from the GPU kit's binary; SmolLM2's own weights (which the
 //! kit cannot carry) are checked here only. `scripts/test-gpu` runs them on a GPU machine.
 
 use candle_core::Device;

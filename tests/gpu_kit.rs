@@ -162,10 +162,12 @@ fn gpu_check_with_its_budget_spent_runs_nothing_and_still_summarises() {
 
 /// On a GPU (here: the GPU mode with the CPU binary, every CUDA step failing at once) the
 /// steps' files are packed into one archive, since the device tool returns at most 8 files:
-/// OUTDIR keeps the summary, the steps' table, the metadata and the archive.
+/// OUTDIR keeps the summary, the steps' table, the metadata and the archive, and what was
+/// there before.
 #[test]
 fn gpu_check_on_a_gpu_packs_its_steps_files() {
     let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("mine.txt"), "not gpu-check's").unwrap();
     let dppo = std::path::Path::new(env!("CARGO_BIN_EXE_dppo"));
     let (ok, text) = script(
         "gpu-check",
@@ -180,7 +182,13 @@ fn gpu_check_on_a_gpu_packs_its_steps_files() {
     names.sort();
     assert_eq!(
         names,
-        ["meta.json", "steps.tar.gz", "steps.tsv", "summary.json"],
+        [
+            "meta.json",
+            "mine.txt",
+            "steps.tar.gz",
+            "steps.tsv",
+            "summary.json"
+        ],
         "{text}"
     );
     let listing = std::process::Command::new("tar")

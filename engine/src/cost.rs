@@ -5,16 +5,18 @@ use std::time::Instant;
 
 /// An engine's iterations broken down, summed: the shape of a step on a device. On a GPU
 /// the forward pass is queued asynchronously, so `forward_ns` is the host's cost of queueing
-/// it (launches, uploads) and `fetch_ns` the wait for the device plus the logits' copy.
+/// it (launches, uploads) and the wait for the device falls in `fetch_ns` (host sampling) or
+/// `sample_ns` (device sampling); with `EngineConfig::time_device` it is in `forward_ns`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct IterationCost {
     /// Scheduling: the plan, preemptions, block tables.
     pub schedule_ns: u64,
     /// Building the inputs and queueing the forward pass and the logits.
     pub forward_ns: u64,
-    /// Waiting for the device and copying the sampled rows' logits to the host.
+    /// Waiting for the device and copying the sampled rows' logits to the host (host
+    /// sampling).
     pub fetch_ns: u64,
-    /// Sampling on the host.
+    /// Sampling: on the host, or on the device with the wait for it and the draws' copy.
     pub sample_ns: u64,
     /// Appending the sampled tokens to their sequences (forks, finishes). Stop strings and
     /// streaming come after the iteration is counted, so that a caller holding its last
@@ -24,9 +26,12 @@ pub struct IterationCost {
     pub h2d_bytes: u64,
     /// Bytes the engine downloads (the logits rows).
     pub d2h_bytes: u64,
-    /// With `EngineConfig::time_device`: the attention's device time, the device
-    /// synchronised before and after each layer's call (a part of `forward_ns`); else 0.
+    /// With `EngineConfig::time_device`: the attention's time, the device synchronised
+    /// before and after each layer's call (a part of `forward_ns`); else 0.
     pub attention_ns: u64,
+    /// The part of `attention_ns` after each call returned: the wait for the kernels it
+    /// issued last (on a GPU about their device time, plus a synchronisation's latency).
+    pub attention_wait_ns: u64,
     /// Tensor ops or kernels the attention backend issues, counted where it issues them
     /// (the model's matmuls and norms, the same on every backend, are not counted).
     pub attention_ops: u64,
@@ -50,6 +55,7 @@ impl IterationCost {
             sample_ns: self.sample_ns - earlier.sample_ns,
             emit_ns: self.emit_ns - earlier.emit_ns,
             attention_ns: self.attention_ns - earlier.attention_ns,
+            attention_wait_ns: self.attention_wait_ns - earlier.attention_wait_ns,
             h2d_bytes: self.h2d_bytes - earlier.h2d_bytes,
             d2h_bytes: self.d2h_bytes - earlier.d2h_bytes,
             attention_ops: self.attention_ops - earlier.attention_ops,
@@ -67,6 +73,7 @@ impl IterationCost {
         self.sample_ns += other.sample_ns;
         self.emit_ns += other.emit_ns;
         self.attention_ns += other.attention_ns;
+        self.attention_wait_ns += other.attention_wait_ns;
         self.h2d_bytes += other.h2d_bytes;
         self.d2h_bytes += other.d2h_bytes;
         self.attention_ops += other.attention_ops;

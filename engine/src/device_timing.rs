@@ -1,7 +1,9 @@
 //! The attention's share of a forward pass on a device, for benchmarks
 //! (`EngineConfig::time_device`): the device is synchronised before and after each layer's
-//! attention call, so the host clock between the two reads the device's work. The
-//! synchronisations stall the queue, so the step measured this way is slower than a plain one.
+//! attention call, so the host clock between the two reads the attention's whole time, the
+//! host issuing its ops included; the part after the call returned, the wait, is the device
+//! finishing the kernels the call issued last. The synchronisations stall the queue, so the
+//! step measured this way is slower than a plain one.
 
 use std::time::Instant;
 
@@ -10,11 +12,12 @@ use dppo_model::{AttentionBackend, CausalLm};
 
 use crate::cost::{nanos, IterationCost};
 
-/// `inner` with each `attend` call's device time added to `ns`.
+/// `inner` with each `attend` call's time added to `ns`, and the wait after it to `wait_ns`.
 struct Timed<'a, B> {
     inner: &'a mut B,
     device: &'a Device,
     ns: u64,
+    wait_ns: u64,
 }
 
 impl<B: AttentionBackend> AttentionBackend for Timed<'_, B> {
@@ -22,8 +25,10 @@ impl<B: AttentionBackend> AttentionBackend for Timed<'_, B> {
         self.device.synchronize()?;
         let start = Instant::now();
         let out = self.inner.attend(layer_idx, q, k, v)?;
+        let issued = Instant::now();
         self.device.synchronize()?;
         self.ns += nanos(start);
+        self.wait_ns += nanos(issued);
         Ok(out)
     }
 
@@ -32,8 +37,8 @@ impl<B: AttentionBackend> AttentionBackend for Timed<'_, B> {
     }
 }
 
-/// `model`'s forward pass through `backend`; with `time` its attention's device time is
-/// added to `cost.attention_ns`.
+/// `model`'s forward pass through `backend`; with `time` its attention's time is added to
+/// `cost.attention_ns`, the wait for the device within it to `cost.attention_wait_ns`.
 pub(crate) fn forward<B: AttentionBackend>(
     model: &CausalLm,
     (input_ids, positions): (&Tensor, &Tensor),
@@ -48,8 +53,10 @@ pub(crate) fn forward<B: AttentionBackend>(
         inner: backend,
         device: model.device(),
         ns: 0,
+        wait_ns: 0,
     };
     let hidden = model.forward(input_ids, positions, &mut timed);
     cost.attention_ns += timed.ns;
+    cost.attention_wait_ns += timed.wait_ns;
     hidden
 }

@@ -352,6 +352,10 @@ fn timing_the_device_splits_the_forward_pass_and_changes_nothing_else() {
             timed_cost.attention_ns < timed_cost.forward_ns,
             "{attention:?}"
         );
+        assert!(
+            timed_cost.attention_wait_ns <= timed_cost.attention_ns,
+            "{attention:?}"
+        );
         assert_eq!(tokens(&timed), tokens(&plain), "{attention:?}");
         for (t, p) in timed.iter().flatten().zip(plain.iter().flatten()) {
             assert_eq!(t.logprobs, p.logprobs, "{attention:?}");

@@ -112,12 +112,19 @@ fn run_checks(
         checks.push(compare_learner(cpu, got, dtype, exact));
     }
     if full {
+        // On a GPU `auto` is the paged kernels (checked below): this one keeps the generic
+        // path, which `auto` takes for heads the kernels refuse, checked on the device.
+        let (attention, name) = if device.is_cuda() {
+            (AttentionMode::Generic, "generic path: preemption f32")
+        } else {
+            (AttentionMode::Auto, "preemption f32")
+        };
         checks.push(super::full::preemption(
             &on_device,
             device,
             (&reqs, &want),
-            AttentionMode::Auto,
-            "preemption f32",
+            attention,
+            name,
         )?);
         checks.extend(super::full::learner_checks(&policy, device, &batch)?);
     }
