@@ -21,6 +21,14 @@ fn script(name: &str, args: &[&str], envs: &[(&str, &std::path::Path)]) -> (bool
     (out.status.success(), text)
 }
 
+/// `scripts/gpu-check ARGS OUTDIR` with the test binary as the kit's (`DPPO_BIN`).
+fn gpu_check(args: &[&str], outdir: &std::path::Path) -> (bool, String) {
+    let dppo = std::path::Path::new(env!("CARGO_BIN_EXE_dppo"));
+    let mut args = args.to_vec();
+    args.push(outdir.to_str().unwrap());
+    script("gpu-check", &args, &[("DPPO_BIN", dppo)])
+}
+
 #[test]
 fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
     let dir = tempfile::tempdir().unwrap();
@@ -101,12 +109,7 @@ fn summary_steps(out: &std::path::Path) -> Vec<Value> {
 #[test]
 fn gpu_check_targets_dry_run_measures_each_target() {
     let dir = tempfile::tempdir().unwrap();
-    let dppo = std::path::Path::new(env!("CARGO_BIN_EXE_dppo"));
-    let (ok, text) = script(
-        "gpu-check",
-        &["--dry-run", "--targets", dir.path().to_str().unwrap()],
-        &[("DPPO_BIN", dppo)],
-    );
+    let (ok, text) = gpu_check(&["--dry-run", "--targets"], dir.path());
     assert!(ok, "{text}");
     let steps = summary_steps(dir.path());
     let names: Vec<&str> = steps.iter().map(|s| s["name"].as_str().unwrap()).collect();
@@ -139,12 +142,7 @@ fn gpu_check_targets_dry_run_measures_each_target() {
 #[test]
 fn gpu_check_with_its_budget_spent_runs_nothing_and_still_summarises() {
     let dir = tempfile::tempdir().unwrap();
-    let dppo = std::path::Path::new(env!("CARGO_BIN_EXE_dppo"));
-    let (ok, text) = script(
-        "gpu-check",
-        &["--dry-run", "--budget", "1", dir.path().to_str().unwrap()],
-        &[("DPPO_BIN", dppo)],
-    );
+    let (ok, text) = gpu_check(&["--dry-run", "--budget", "1"], dir.path());
     assert!(
         ok && text.contains("14 not run, the budget spent"),
         "{text}"
@@ -168,12 +166,7 @@ fn gpu_check_with_its_budget_spent_runs_nothing_and_still_summarises() {
 fn gpu_check_on_a_gpu_packs_its_steps_files() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("mine.txt"), "not gpu-check's").unwrap();
-    let dppo = std::path::Path::new(env!("CARGO_BIN_EXE_dppo"));
-    let (ok, text) = script(
-        "gpu-check",
-        &["--budget", "60", dir.path().to_str().unwrap()],
-        &[("DPPO_BIN", dppo)],
-    );
+    let (ok, text) = gpu_check(&["--budget", "60"], dir.path());
     assert!(!ok, "the CUDA steps fail on a CPU build: {text}");
     let mut names: Vec<String> = std::fs::read_dir(dir.path())
         .unwrap()

@@ -111,7 +111,7 @@ impl Runner {
             num_kv_heads: cfg.num_key_value_heads,
             head_dim: cfg.head_dim,
         };
-        let attention = attention.resolve(&device, model.dtype(), &Heads::of(&model))?;
+        let attention = attention.resolve(&device, model.dtype(), &Heads::of(model.config()))?;
         let cuda = match attention {
             AttentionMode::Cuda => Some(CudaAttention::new(&model, &device, time_device)?),
             _ => None,

@@ -161,12 +161,9 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
     let dtype = cfg
         .dtype
         .unwrap_or_else(|| dppo_engine::engine::default_dtype(&device));
-    let heads = Heads {
-        num_heads: policy.config.num_attention_heads,
-        num_kv_heads: policy.config.num_key_value_heads,
-        head_dim: policy.config.head_dim,
-    };
-    let attention_resolved = args.attention.resolve(&device, dtype, &heads)?;
+    let attention_resolved = args
+        .attention
+        .resolve(&device, dtype, &Heads::of(&policy.config))?;
     let floor = match decode_steps {
         0 => None,
         steps => Some(memory_floor(

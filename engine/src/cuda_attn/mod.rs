@@ -26,7 +26,7 @@ mod twin;
 pub use launch::{multiprocessors, CudaIndex, CudaPagedAttention, DeviceTables};
 pub use state::{Batch, CudaAttention};
 
-use dppo_model::CausalLm;
+use dppo_model::ModelConfig;
 
 use crate::paged_attn::{CacheShape, SeqAttnMeta};
 use crate::EngineError;
@@ -77,9 +77,8 @@ pub struct Heads {
 }
 
 impl Heads {
-    /// The heads of `model`, as the kernels see them.
-    pub fn of(model: &CausalLm) -> Self {
-        let cfg = model.config();
+    /// The heads of a model of `cfg`, as the kernels see them.
+    pub fn of(cfg: &ModelConfig) -> Self {
         Self {
             num_heads: cfg.num_attention_heads,
             num_kv_heads: cfg.num_key_value_heads,

@@ -47,7 +47,7 @@ impl CudaAttention {
         device: &Device,
         time_device: bool,
     ) -> std::result::Result<Self, EngineError> {
-        Heads::of(model).check()?;
+        Heads::of(model.config()).check()?;
         Ok(Self {
             tables: TableMirror::default(),
             min_blocks: 2 * multiprocessors(device)?,
@@ -106,7 +106,7 @@ impl CudaAttention {
             (&rows, self.tables.width()),
             batch.slot_mapping,
             cache.shape(),
-            Heads::of(model),
+            Heads::of(model.config()),
             self.min_blocks,
         )
         .map_err(candle_core::Error::wrap)?;

@@ -3,8 +3,7 @@
 //! process by NVRTC) draws every sample by the Gumbel-max trick, top-k and top-p applied as
 //! a threshold and top logprobs found on the device; 12 bytes per draw come back (plus 160
 //! per draw when some draw asks for top logprobs) instead of a vocabulary-sized row.
-//! [`crate::gumbel`] is
-//! the kernel's reference.
+//! [`crate::gumbel`] is the kernel's reference.
 
 #[cfg(feature = "cuda")]
 use std::sync::Arc;
