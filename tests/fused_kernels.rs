@@ -4,7 +4,7 @@
 //! and the generic attention's softmax), with the same numbers as the ops they replace.
 
 use candle_core::{DType, Device};
-use dppo_engine::{AttentionMode, Engine, EngineConfig};
+use dppo_engine::{AttentionMode, Engine, EngineConfig, FusedKernels};
 
 use crate::engine::{
     assert_bf16_agrees_with_f32, assert_matches_reference, config, policy, reference, run,
@@ -21,7 +21,7 @@ fn fused_kernels_keep_the_f32_reference() {
     let want = reference(&policy, &reqs);
     for (block_size, kv) in [(16, 4096), (4, 64)] {
         let cfg = EngineConfig {
-            fused_kernels: true,
+            fused_kernels: FusedKernels::On,
             ..config(block_size, kv, AttentionMode::Generic)
         };
         let engine = Engine::new(&policy, cfg, Device::Cpu).unwrap();
@@ -37,7 +37,7 @@ fn smollm2_bf16_with_fused_kernels_agrees_with_f32() {
     let generate = |dtype, fused_kernels| {
         let cfg = EngineConfig {
             dtype: Some(dtype),
-            fused_kernels,
+            fused_kernels: FusedKernels::from(fused_kernels),
             ..config(16, 1024, AttentionMode::Auto)
         };
         run(&Engine::new(&policy, cfg, Device::Cpu).unwrap(), &reqs)
@@ -65,7 +65,7 @@ fn fused_projections_match_the_separate_ones_across_a_publication() {
     let f64_engine = |policy, fused_kernels| {
         let cfg = EngineConfig {
             dtype: Some(DType::F64),
-            fused_kernels,
+            fused_kernels: FusedKernels::from(fused_kernels),
             ..config(16, 2048, AttentionMode::Generic)
         };
         Engine::new(policy, cfg, Device::Cpu).unwrap()

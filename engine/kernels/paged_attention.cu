@@ -9,7 +9,9 @@
 //   query rows of one sequence (one row when decoding); the block serves every query head of
 //   its KV head for those rows (a "pair" is a row and a query head), over one split of the
 //   context, in chunks of CHUNK keys with an online softmax. It writes each pair's partial
-//   output (unnormalised), maximum and sum: FlashDecoding's split-K.
+//   output (unnormalised), maximum and sum: FlashDecoding's split-K. Each key's K row is read
+//   once for all of the block's pairs, and each V element once for VALUE_PAIRS of them, with
+//   several loads in flight per thread, so that the latency of single loads does not bound it.
 // - paged_reduce: merges a pair's splits (one block per row and query head).
 // The block tables stay on the device between iterations; write_table_entries applies an
 // iteration's changed entries.
@@ -19,8 +21,6 @@
 #define THREADS 128
 #define NWARPS (THREADS / WARP)
 #define CHUNK 128
-// head_dim <= 32 * MAX_LANE_DIMS, a multiple of 32.
-#define MAX_LANE_DIMS 8
 #define FULL_MASK 0xffffffffu
 
 struct bf16 { unsigned short x; };
@@ -61,6 +61,29 @@ __device__ void write_slots(const T *src, T *cache, const unsigned int *slots, u
     for (unsigned int i = threadIdx.x; i < row; i += blockDim.x) cache[to + i] = src[from + i];
 }
 
+// Up to 16 bytes of a K row as floats: one vector load on a GPU (rows are 16-byte aligned:
+// head_dim is a multiple of 32 and the pools start at their allocation), a copy on the host.
+template <typename T> struct Pack {
+    static constexpr unsigned int N = 16 / sizeof(T);
+    struct alignas(16) Raw { unsigned int w[4]; };
+    union { Raw raw; T e[N]; };
+    __device__ __forceinline__ explicit Pack(const T *p) {
+#ifdef __CUDA_ARCH__
+        raw = *reinterpret_cast<const Raw *>(p);
+#else
+        memcpy(&raw, p, 16);
+#endif
+    }
+    __device__ __forceinline__ float operator[](unsigned int i) const { return to_f32(e[i]); }
+};
+
+// Pairs whose scores a thread computes from one read of a key's K row.
+#define SCORE_PAIRS 8
+// Pairs and keys a thread accumulates together in the value pass: VALUE_KEYS loads of V in
+// flight at once, each used for VALUE_PAIRS pairs.
+#define VALUE_PAIRS 4
+#define VALUE_KEYS 8
+
 // tiles: 4 words per tile (sequence, first row, rows, position of the first row); a row at
 // position p sees keys 0..=p. block_tables: (rows, table_width), a row per sequence. Shared memory, floats:
 // q (pairs * head_dim, pre-scaled), acc (pairs * head_dim), scores (pairs * CHUNK), the
@@ -99,57 +122,96 @@ __device__ void paged_attention(
     const unsigned int keys = first_pos + rows;  // the tile's last row sees keys < this
     const unsigned int start = split * split_len;
     const unsigned int end = min(start + split_len, keys);
-    const unsigned int lane_dims = d / WARP;
     const unsigned int *table = block_tables + (size_t)seq * table_width;
+    const unsigned int value_items = (pairs + VALUE_PAIRS - 1) / VALUE_PAIRS * d;
     for (unsigned int c0 = start; c0 < end; c0 += CHUNK) {
         const unsigned int n = min(CHUNK, end - c0);
-        // 1. Scores: a warp per key, its lanes splitting head_dim, a butterfly sum.
-        for (unsigned int jj = warp; jj < n; jj += NWARPS) {
+        // 1. Scores: a thread per key reads the key's K row in 16-byte loads and scores it
+        // for SCORE_PAIRS pairs at a time, each dot product in dimension order.
+        for (unsigned int jj = tid; jj < n; jj += THREADS) {
             const unsigned int j = c0 + jj;
             const unsigned int slot = table[j / block_size] * block_size + j % block_size;
             const T *k = k_cache + (size_t)slot * row_len + kh * d;
-            float kr[MAX_LANE_DIMS];
-            for (unsigned int i = 0; i < lane_dims; ++i) kr[i] = to_f32(k[lane + WARP * i]);
-            for (unsigned int p = 0; p < pairs; ++p) {
-                float dot = 0.0f;
-                for (unsigned int i = 0; i < lane_dims; ++i)
-                    dot = fmaf(q_s[p * d + lane + WARP * i], kr[i], dot);
-                for (unsigned int off = WARP / 2; off > 0; off /= 2)
-                    dot += __shfl_xor_sync(FULL_MASK, dot, off);
-                if (lane == 0) s_s[p * CHUNK + jj] = j <= first_pos + p / group ? dot : NEG_INF;
+            for (unsigned int p0 = 0; p0 < pairs; p0 += SCORE_PAIRS) {
+                float dot[SCORE_PAIRS];
+#pragma unroll
+                for (unsigned int b = 0; b < SCORE_PAIRS; ++b) dot[b] = 0.0f;
+                for (unsigned int e0 = 0; e0 < d; e0 += Pack<T>::N) {
+                    const Pack<T> kv(k + e0);
+#pragma unroll
+                    for (unsigned int b = 0; b < SCORE_PAIRS; ++b) {
+                        if (p0 + b < pairs) {
+                            const float *qp = q_s + (p0 + b) * d + e0;
+#pragma unroll
+                            for (unsigned int i = 0; i < Pack<T>::N; ++i)
+                                dot[b] = fmaf(qp[i], kv[i], dot[b]);
+                        }
+                    }
+                }
+#pragma unroll
+                for (unsigned int b = 0; b < SCORE_PAIRS; ++b) {
+                    const unsigned int p = p0 + b;
+                    if (p < pairs) s_s[p * CHUNK + jj] = j <= first_pos + p / group ? dot[b] : NEG_INF;
+                }
             }
-            if (lane == 0) slot_s[jj] = slot;
+            slot_s[jj] = slot;
         }
         __syncthreads();
-        // 2. Online softmax: a thread per pair, keys in order.
-        for (unsigned int p = tid; p < pairs; p += THREADS) {
+        // 2. Online softmax: a warp per pair, lane i over keys i, i + 32, ..., then the
+        // warp's butterfly max and sum.
+        for (unsigned int p = warp; p < pairs; p += NWARPS) {
             float *s = s_s + p * CHUNK;
             float mc = NEG_INF;
-            for (unsigned int jj = 0; jj < n; ++jj) mc = fmaxf(mc, s[jj]);
+            for (unsigned int jj = lane; jj < n; jj += WARP) mc = fmaxf(mc, s[jj]);
+            for (unsigned int off = WARP / 2; off > 0; off /= 2)
+                mc = fmaxf(mc, __shfl_xor_sync(FULL_MASK, mc, off));
             const float m_old = m_s[p], m_new = fmaxf(m_old, mc);
             float l = l_s[p], alpha = 0.0f;
             if (m_new == NEG_INF) {
-                for (unsigned int jj = 0; jj < n; ++jj) s[jj] = 0.0f;
+                for (unsigned int jj = lane; jj < n; jj += WARP) s[jj] = 0.0f;
             } else {
                 alpha = expf(m_old - m_new);
-                l *= alpha;
-                for (unsigned int jj = 0; jj < n; ++jj) {
+                float sum = 0.0f;
+                for (unsigned int jj = lane; jj < n; jj += WARP) {
                     const float e = expf(s[jj] - m_new);
                     s[jj] = e;
-                    l += e;
+                    sum += e;
                 }
+                for (unsigned int off = WARP / 2; off > 0; off /= 2)
+                    sum += __shfl_xor_sync(FULL_MASK, sum, off);
+                l = fmaf(l, alpha, sum);
             }
-            m_s[p] = m_new; l_s[p] = l; a_s[p] = alpha;
+            __syncwarp();
+            if (lane == 0) { m_s[p] = m_new; l_s[p] = l; a_s[p] = alpha; }
         }
         __syncthreads();
-        // 3. Values: a thread per (pair, dimension), keys in order.
-        for (unsigned int i = tid; i < pairs * d; i += THREADS) {
-            const unsigned int p = i / d, e = i % d;
-            const float *w = s_s + p * CHUNK;
-            float a = acc_s[i] * a_s[p];
-            for (unsigned int jj = 0; jj < n; ++jj)
-                a = fmaf(w[jj], to_f32(v_cache[(size_t)slot_s[jj] * row_len + kh * d + e]), a);
-            acc_s[i] = a;
+        // 3. Values: a thread per (dimension, VALUE_PAIRS pairs), VALUE_KEYS keys' V loads
+        // at once; each pair's sum in key order.
+        for (unsigned int i = tid; i < value_items; i += THREADS) {
+            const unsigned int e = i % d, p0 = i / d * VALUE_PAIRS;
+            float a[VALUE_PAIRS];
+#pragma unroll
+            for (unsigned int b = 0; b < VALUE_PAIRS; ++b)
+                a[b] = p0 + b < pairs ? acc_s[(p0 + b) * d + e] * a_s[p0 + b] : 0.0f;
+            const T *v_col = v_cache + kh * d + e;
+            for (unsigned int j0 = 0; j0 < n; j0 += VALUE_KEYS) {
+                float v[VALUE_KEYS];
+#pragma unroll
+                for (unsigned int u = 0; u < VALUE_KEYS; ++u)
+                    v[u] = j0 + u < n ? to_f32(v_col[(size_t)slot_s[j0 + u] * row_len]) : 0.0f;
+#pragma unroll
+                for (unsigned int u = 0; u < VALUE_KEYS; ++u) {
+                    if (j0 + u < n) {
+#pragma unroll
+                        for (unsigned int b = 0; b < VALUE_PAIRS; ++b)
+                            if (p0 + b < pairs)
+                                a[b] = fmaf(s_s[(p0 + b) * CHUNK + j0 + u], v[u], a[b]);
+                    }
+                }
+            }
+#pragma unroll
+            for (unsigned int b = 0; b < VALUE_PAIRS; ++b)
+                if (p0 + b < pairs) acc_s[(p0 + b) * d + e] = a[b];
         }
         __syncthreads();
     }

@@ -11,6 +11,7 @@ use std::thread::JoinHandle;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use candle_core::{DType, Device};
+use dppo_model::fused::inference::FusedKernels;
 use dppo_model::{CausalLm, Policy, Weights};
 use parking_lot::Mutex;
 
@@ -46,8 +47,9 @@ pub struct EngineConfig {
     pub sampling: SamplingPlace,
     /// candle-nn's fused kernels for RMSNorm, rotary embedding, SiLU and the attention
     /// softmax, where the CPU's own fused ops do not apply, and q/k/v and gate/up as one
-    /// GEMM each where the engine keeps its own weight buffers (`engine.fused_kernels`).
-    pub fused_kernels: bool,
+    /// GEMM each where the engine keeps its own weight buffers (`engine.fused_kernels`;
+    /// `Auto`: on a GPU).
+    pub fused_kernels: FusedKernels,
     /// Synchronise the device around each layer's attention and after the forward pass, so
     /// that the iteration costs split the device's time between attention, the rest of the
     /// forward pass and sampling (`bench rollout --time-device`); slows the step.
@@ -75,7 +77,7 @@ impl Default for EngineConfig {
             attention: AttentionMode::Auto,
             dtype: None,
             sampling: SamplingPlace::Auto,
-            fused_kernels: false,
+            fused_kernels: FusedKernels::Auto,
             time_device: false,
         }
     }
@@ -165,8 +167,9 @@ impl Engine {
     /// Starts the worker thread for `policy` on `device`.
     pub fn new(policy: &Policy, cfg: EngineConfig, device: Device) -> Result<Self, EngineError> {
         let dtype = cfg.dtype.unwrap_or_else(|| default_dtype(&device));
+        let fused_kernels = cfg.fused_kernels.on(&device);
         let (publication, weights) =
-            Publication::new(&policy.weights, device.clone(), dtype, cfg.fused_kernels)?;
+            Publication::new(&policy.weights, device.clone(), dtype, fused_kernels)?;
         let model = CausalLm::new(&policy.config, &weights)?;
         let mc = &policy.config;
         let shape = CacheShape {
@@ -200,7 +203,6 @@ impl Engine {
         }));
         let (tx, rx) = mpsc::channel();
         let device_sampling = cfg.sampling.on_device(&device);
-        let fused_kernels = cfg.fused_kernels;
         let worker = Worker::new(scheduler, runner, policy, stats.clone(), device_sampling);
         let handle = std::thread::Builder::new()
             .name("dppo-engine".into())

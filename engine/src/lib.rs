@@ -32,6 +32,7 @@ mod worker;
 
 pub use cost::IterationCost;
 pub use device_sample::SamplingPlace;
+pub use dppo_model::fused::inference::FusedKernels;
 pub use engine::{Engine, EngineConfig, RequestHandle};
 pub use kv_pool::{BlockCopy, BlockId, KvPool};
 pub use plan::{Plan, ScheduledSeq};

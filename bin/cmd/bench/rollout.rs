@@ -10,7 +10,7 @@ use candle_core::{DType, Device};
 use dppo_engine::cuda_attn::Heads;
 use dppo_engine::naive::generate_naive;
 use dppo_engine::{
-    AttentionMode, Engine, EngineConfig, EngineStats, GenerateRequest, IterationCost,
+    AttentionMode, Engine, EngineConfig, EngineStats, FusedKernels, GenerateRequest, IterationCost,
     SamplingParams, SamplingPlace,
 };
 use dppo_model::device::timed;
@@ -48,9 +48,11 @@ pub struct RolloutArgs {
     /// host, or device (one GPU kernel for every row; on the CPU its host reference).
     #[arg(long, default_value = "auto", value_parser = parse_sampling)]
     sampling: SamplingPlace,
-    /// candle-nn's fused kernels in the engine, as `engine.fused_kernels`.
-    #[arg(long)]
-    fused_kernels: bool,
+    /// candle-nn's fused kernels in the engine, as `engine.fused_kernels`: auto (on a GPU),
+    /// true or false; the flag alone means true.
+    #[arg(long, default_value = "auto", num_args = 0..=1, default_missing_value = "true",
+          value_parser = parse_fused)]
+    fused_kernels: FusedKernels,
     /// The attention backend, as `engine.attention`: auto, cpu, generic or cuda.
     #[arg(long, default_value = "auto", value_parser = parse_attention)]
     attention: AttentionMode,
@@ -202,7 +204,7 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
         "time_limit_s": args.time_limit,
         "generated_tokens": num_tokens,
         "complete": num_tokens == args.prompts * args.samples * args.new_tokens,
-        "fused_kernels": args.fused_kernels,
+        "fused_kernels": args.fused_kernels.on(&device),
         "attention": args.attention,
         "attention_resolved": attention_resolved,
         "sampling_on_device": args.sampling.on_device(&device),
@@ -251,6 +253,15 @@ fn parse_attention(s: &str) -> Result<AttentionMode, String> {
 fn parse_sampling(s: &str) -> Result<SamplingPlace, String> {
     serde_json::from_value(serde_json::Value::String(s.into()))
         .map_err(|_| format!("{s:?}: expected auto, host or device"))
+}
+
+fn parse_fused(s: &str) -> Result<FusedKernels, String> {
+    let value = match s {
+        "true" => serde_json::Value::Bool(true),
+        "false" => serde_json::Value::Bool(false),
+        _ => serde_json::Value::String(s.into()),
+    };
+    serde_json::from_value(value).map_err(|_| format!("{s:?}: expected auto, true or false"))
 }
 
 /// The timed run's mean iteration, broken down (milliseconds; KiB moved by the engine).

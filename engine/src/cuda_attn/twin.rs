@@ -1,6 +1,6 @@
 //! The CPU twin of kernels/paged_attention.cu: the same grid of blocks, the same chunks,
-//! lanes, butterfly sums, online softmax and merge of splits, in the same order of
-//! operations (`mul_add` where the kernel calls `fmaf`), run from the same [`KernelPlan`].
+//! dot products, lanes, butterfly sums, online softmax and merge of splits, in the same order
+//! of operations (`mul_add` where the kernel calls `fmaf`), run from the same [`KernelPlan`].
 //! Tested against [`super::reference`], so a GPU run checks only the translation to CUDA.
 
 use super::{KernelPlan, CHUNK};
@@ -81,32 +81,23 @@ fn block(
     let bs = plan.block_size;
     for c0 in (start..end).step_by(CHUNK) {
         let n = CHUNK.min(end - c0);
-        // 1. Scores: lanes over head_dim, then the warp's butterfly.
+        // 1. Scores: each key's dot product with each pair's query, in dimension order.
         for jj in 0..n {
             let j = c0 + jj;
             let slot = table[j / bs] as usize * bs + j % bs;
             let k = &caches.k[slot * row_len + kh * d..][..d];
             for p in 0..pairs {
-                let mut lanes = [0f32; WARP];
-                for (lane, dot) in lanes.iter_mut().enumerate() {
-                    for i in 0..d / WARP {
-                        *dot = q_s[p * d + lane + WARP * i].mul_add(k[lane + WARP * i], *dot);
-                    }
-                }
-                let mut off = WARP / 2;
-                while off > 0 {
-                    let before = lanes;
-                    for (lane, dot) in lanes.iter_mut().enumerate() {
-                        *dot += before[lane ^ off];
-                    }
-                    off /= 2;
-                }
+                let q = &q_s[p * d..][..d];
+                let dot = q
+                    .iter()
+                    .zip(k)
+                    .fold(0f32, |dot, (&q, &k)| q.mul_add(k, dot));
                 let visible = j <= t.first_pos as usize + p / group;
-                s_s[p * CHUNK + jj] = if visible { lanes[0] } else { f32::NEG_INFINITY };
+                s_s[p * CHUNK + jj] = if visible { dot } else { f32::NEG_INFINITY };
             }
             slot_s[jj] = slot;
         }
-        // 2. Online softmax per pair.
+        // 2. Online softmax per pair: lane i sums keys i, i + 32, ..., then the butterfly.
         for p in 0..pairs {
             let s = &mut s_s[p * CHUNK..][..n];
             let mc = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
@@ -116,11 +107,12 @@ fn block(
                 s.fill(0.0);
             } else {
                 alpha = (m_s[p] - m_new).exp();
-                l *= alpha;
-                for x in s.iter_mut() {
+                let mut lanes = [0f32; WARP];
+                for (jj, x) in s.iter_mut().enumerate() {
                     *x = (*x - m_new).exp();
-                    l += *x;
+                    lanes[jj % WARP] += *x;
                 }
+                l = l.mul_add(alpha, butterfly_sum(lanes));
             }
             (m_s[p], l_s[p], a_s[p]) = (m_new, l, alpha);
         }
@@ -141,6 +133,20 @@ fn block(
         parts.max[at] = m_s[p];
         parts.sum[at] = l_s[p];
     }
+}
+
+/// A warp's butterfly sum (`__shfl_xor_sync` over offsets 16, 8, ..., 1): every lane ends
+/// with the same value, lane 0's order of additions.
+fn butterfly_sum(mut lanes: [f32; WARP]) -> f32 {
+    let mut off = WARP / 2;
+    while off > 0 {
+        let before = lanes;
+        for (lane, x) in lanes.iter_mut().enumerate() {
+            *x += before[lane ^ off];
+        }
+        off /= 2;
+    }
+    lanes[0]
 }
 
 /// The reduce kernel: each (row, head) merges its splits.

@@ -349,7 +349,8 @@ inline int launch(const Kernel *kernels, size_t count, const char *name, const u
 
 }  // namespace emu
 
-// __syncthreads, __shfl_xor_sync and __shfl_down_sync (width 32).
+// __syncthreads, __syncwarp (a full warp's barrier, tracked as its shuffles are), and
+// __shfl_xor_sync and __shfl_down_sync (width 32).
 __device__ inline void __syncthreads() {
     using namespace emu;
     if (block.done > 0) fail("__syncthreads after %u threads returned", block.done);
@@ -361,6 +362,11 @@ __device__ inline void __syncthreads() {
     }
     block.fibers[block.current].state = AT_BLOCK;
     wait();
+}
+
+__device__ inline void __syncwarp(unsigned mask = 0xffffffffu,
+                                  std::source_location at = std::source_location::current()) {
+    emu::exchange(mask, 0u, emu::block.current % emu::WARP, at.line());
 }
 
 template <typename T>

@@ -6,7 +6,69 @@
 
 use std::cell::Cell;
 
-use candle_core::{Result, Tensor};
+use candle_core::{Device, Result, Tensor};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// Whether the engine uses the fused kernels (`engine.fused_kernels`): `auto` (the default)
+/// on a GPU, where `dppo doctor` checks them and they were measured faster than the
+/// composites, and not on the CPU; or as set (`true`, `false`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FusedKernels {
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+impl FusedKernels {
+    /// Whether they are used on `device` (`Auto` resolved).
+    pub fn on(self, device: &Device) -> bool {
+        match self {
+            Self::Auto => device.is_cuda(),
+            Self::On => true,
+            Self::Off => false,
+        }
+    }
+}
+
+impl From<bool> for FusedKernels {
+    fn from(on: bool) -> Self {
+        if on {
+            Self::On
+        } else {
+            Self::Off
+        }
+    }
+}
+
+/// `"auto"`, `true` or `false`, as the config file writes it.
+impl Serialize for FusedKernels {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        match self {
+            Self::Auto => s.serialize_str("auto"),
+            Self::On => s.serialize_bool(true),
+            Self::Off => s.serialize_bool(false),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for FusedKernels {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Written {
+            Bool(bool),
+            Text(String),
+        }
+        match Written::deserialize(d)? {
+            Written::Bool(on) => Ok(on.into()),
+            Written::Text(t) if t == "auto" => Ok(Self::Auto),
+            Written::Text(t) => Err(serde::de::Error::custom(format!(
+                "fused_kernels: got {t:?}, allowed: auto | true | false"
+            ))),
+        }
+    }
+}
 
 thread_local! {
     static ON: Cell<bool> = const { Cell::new(false) };

@@ -28,6 +28,8 @@ pub struct KeyDoc {
 pub enum Allowed {
     /// `true` or `false`.
     Bool,
+    /// `true`, `false` or `"auto"`.
+    BoolOrAuto,
     /// An integer of at least `min`.
     Int { min: i64 },
     /// A finite number (integers included) within both bounds.
@@ -72,7 +74,8 @@ impl Allowed {
         use toml::Value as V;
         let is_device = |v: &V| v.as_str().is_some_and(|s| s.parse::<DeviceSpec>().is_ok());
         match (self, value) {
-            (Self::Bool, V::Boolean(_)) => true,
+            (Self::Bool | Self::BoolOrAuto, V::Boolean(_)) => true,
+            (Self::BoolOrAuto, V::String(s)) => s == "auto",
             (Self::Int { min }, V::Integer(i)) => i >= min,
             (Self::Float { low, high }, V::Integer(i)) => in_range(*i as f64, *low, *high),
             (Self::Float { low, high }, V::Float(x)) => in_range(*x, *low, *high),
@@ -119,6 +122,7 @@ impl fmt::Display for Allowed {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Bool => f.write_str("true | false"),
+            Self::BoolOrAuto => f.write_str("auto | true | false"),
             Self::Int { min: 1 } => f.write_str("integer > 0"),
             Self::Int { min } => write!(f, "integer >= {min}"),
             Self::Float { low, high } => {
@@ -304,7 +308,7 @@ pub const KEYS: &[KeyDoc] = &[
     key("engine.gpu_memory_utilization", "fraction of the GPU's memory the run may use; the KV cache gets what weights, learner state and activations leave (dppo memory)", FRACTION, Some("verl actor_rollout_ref.rollout.gpu_memory_utilization")),
     key("engine.attention", "the engine's attention backend: the CPU kernel (f32 on the CPU only), the device-generic tensor-op path, the paged CUDA kernels (GPU, CUDA build), or auto (the CPU kernel where it runs, the CUDA kernels on a GPU where they take the model's heads, generic elsewhere)", Allowed::OneOf(&["auto", "cpu", "generic", "cuda"]), Some("vLLM attention_backend")),
     key("engine.sampling", "where tokens are drawn: auto (the device kernel on a GPU, checked there against the host reference; the host elsewhere), host (from the logits rows copied there), or device (one GPU kernel for every row: temperature, top-k, top-p, min-p and top logprobs; on the CPU the kernel's host reference)", Allowed::OneOf(&["auto", "host", "device"]), None),
-    key("engine.fused_kernels", "candle-nn's fused kernels for RMSNorm, rotary embedding, SiLU and the attention softmax in the engine, one launch each instead of five to nine (where the CPU's own fused f32 ops do not apply), and q/k/v and gate/up as one GEMM each where the engine keeps its own weight buffers (another dtype or device than the learner's); checked on a GPU by `dppo doctor`, off by default until its speed on the paged CUDA kernels' path is measured", Allowed::Bool, None),
+    key("engine.fused_kernels", "candle-nn's fused kernels for RMSNorm, rotary embedding, SiLU and the attention softmax in the engine, one launch each instead of five to nine (where the CPU's own fused f32 ops do not apply), and q/k/v and gate/up as one GEMM each where the engine keeps its own weight buffers (another dtype or device than the learner's): auto (on a GPU, where `dppo doctor` checks them and they made the paged kernels' decode step 1.6x faster; not on the CPU), true or false", Allowed::BoolOrAuto, None),
     key("engine.dtype", "dtype of the engine's weights and KV cache (auto: f32 on the CPU, bf16 on a GPU)", Allowed::OneOf(&["auto", "f32", "bf16", "f16"]), Some("verl actor_rollout_ref.rollout.dtype")),
     key("eval.every", "held-out evaluation every this many steps (0: before and after only)", int(0), Some("verl trainer.test_freq; TRL eval_steps")),
     key("eval.grad_variance_draws", "pruning draws measuring the pruned gradient's scatter at evaluation steps (0: off)", int(0), None),
@@ -449,6 +453,7 @@ mod tests {
             let choices: Vec<String> = match doc.allowed {
                 Allowed::OneOf(choices) => choices.iter().map(|c| format!("{c:?}")).collect(),
                 Allowed::Bool => vec!["true".into(), "false".into()],
+                Allowed::BoolOrAuto => vec!["\"auto\"".into(), "true".into(), "false".into()],
                 _ => continue,
             };
             for choice in choices {

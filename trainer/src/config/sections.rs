@@ -2,7 +2,7 @@
 //! serde struct whose field names are the TOML keys.
 
 use candle_core::{DType, Device};
-use dppo_engine::{AttentionMode, SamplingPlace};
+use dppo_engine::{AttentionMode, FusedKernels, SamplingPlace};
 use serde::{Deserialize, Serialize};
 
 use crate::advantages::ScaleRewards;
@@ -310,8 +310,9 @@ pub struct EngineSettings {
     /// `host`, or `device` (one GPU kernel; on the CPU its host reference).
     pub sampling: SamplingPlace,
     /// candle-nn's fused kernels for RMSNorm, rotary embedding, SiLU and the attention
-    /// softmax in the engine (checked on a GPU; off until their speed there is measured).
-    pub fused_kernels: bool,
+    /// softmax in the engine: `auto` (on a GPU, where they are checked and faster; not on
+    /// the CPU), `true` or `false`.
+    pub fused_kernels: FusedKernels,
 }
 
 impl Default for EngineSettings {
@@ -321,7 +322,7 @@ impl Default for EngineSettings {
             attention: AttentionMode::Auto,
             dtype: DtypeChoice::Auto,
             sampling: SamplingPlace::Auto,
-            fused_kernels: false,
+            fused_kernels: FusedKernels::Auto,
         }
     }
 }

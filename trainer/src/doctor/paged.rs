@@ -99,7 +99,7 @@ fn engine_checks(
             kv_cache_tokens: Some(4096),
             dtype: Some(DType::BF16),
             attention,
-            fused_kernels,
+            fused_kernels: fused_kernels.into(),
             ..EngineConfig::default()
         };
         match generate_with(policy, device, cfg, reqs) {
