@@ -13,7 +13,7 @@ use crate::config::ModelConfig;
 use crate::fused::{add, rms_norm, silu_mul};
 use crate::linear::{linear, linear_many};
 use crate::lm_head::{lm_head_token_stats, TokenStats};
-use crate::rope::Rope;
+use crate::rope::{Rope, RopeAt};
 use crate::train_layer::{LayerGrads, LayerParams, TrainPass};
 use crate::weights::Weights;
 
@@ -105,8 +105,7 @@ impl Attention {
     fn forward(
         &self,
         x: &Tensor,
-        positions: &Tensor,
-        rope: &Rope,
+        rope: &RopeAt,
         layer_idx: usize,
         backend: &mut dyn AttentionBackend,
     ) -> Result<Tensor> {
@@ -141,8 +140,8 @@ impl Attention {
             _ => (q, k),
         };
         // 3. Rope at the given positions
-        let q = rope.apply(&q, positions)?;
-        let k = rope.apply(&k, positions)?;
+        let q = rope.apply(&q)?;
+        let k = rope.apply(&k)?;
         // 4. Attention (backend decides visibility) -> (tokens, heads * head_dim)
         let attn = backend.attend(layer_idx, &q, &k, &v.contiguous()?)?;
         let attn = attn.reshape((tokens, self.num_heads * self.head_dim))?;
@@ -307,6 +306,7 @@ impl CausalLm {
             .index_select(input_ids, 0)?
             .to_dtype(self.dtype())?;
         let train = self.train_pass(&x, positions, backend)?;
+        let rope = self.rope.at(positions)?;
         for (layer_idx, layer) in self.layers.iter().enumerate() {
             if let Some(train) = &train {
                 let params = layer.params();
@@ -316,9 +316,7 @@ impl CausalLm {
                 }
             }
             let normed = rms_norm(&x, &layer.input_layernorm, layer.eps)?;
-            let attn = layer
-                .attn
-                .forward(&normed, positions, &self.rope, layer_idx, backend)?;
+            let attn = layer.attn.forward(&normed, &rope, layer_idx, backend)?;
             x = add(&x, &attn)?;
             let normed = rms_norm(&x, &layer.post_attention_layernorm, layer.eps)?;
             x = add(&x, &layer.mlp.forward(&normed)?)?;

@@ -1,6 +1,8 @@
 //! Rotary position embeddings in the HF "rotate half" layout (fused on the CPU, see
 //! [`crate::fused`]).
 
+use std::cell::OnceCell;
+
 use candle_core::{DType, Device, Result, Tensor};
 
 /// Precomputed cos/sin tables, indexed by position id.
@@ -34,16 +36,15 @@ impl Rope {
         })
     }
 
-    /// Rotates `x` (tokens, heads, head_dim) by the angles of `positions` (tokens,) u32.
-    pub fn apply(&self, x: &Tensor, positions: &Tensor) -> Result<Tensor> {
-        let dtype = x.dtype();
+    /// The angles of `positions` (tokens,) u32, looked up once per forward pass and shared
+    /// by every layer's q and k: on a GPU, four ops a pass instead of four per rotation.
+    pub fn at(&self, positions: &Tensor) -> Result<RopeAt> {
         let (cos, sin) = self.tables_at(positions)?;
-        let (cos, sin) = if dtype == DType::F32 {
-            (cos, sin)
-        } else {
-            (cos.to_dtype(dtype)?, sin.to_dtype(dtype)?)
-        };
-        crate::fused::rope(x, &cos, &sin)
+        Ok(RopeAt {
+            cos,
+            sin,
+            cast: OnceCell::new(),
+        })
     }
 
     /// The f32 tables (tokens, head_dim / 2) at `positions` (tokens,) u32: one angle per
@@ -53,5 +54,36 @@ impl Rope {
             self.cos.index_select(positions, 0)?,
             self.sin.index_select(positions, 0)?,
         ))
+    }
+}
+
+/// Rotary angles of one forward pass's positions, (tokens, head_dim / 2) each, in f32 and
+/// cast once to the first other dtype rotated.
+#[derive(Debug, Clone)]
+pub struct RopeAt {
+    cos: Tensor,
+    sin: Tensor,
+    cast: OnceCell<(Tensor, Tensor)>,
+}
+
+impl RopeAt {
+    /// Rotates `x` (tokens, heads, head_dim) by the angles in `x`'s dtype.
+    pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        let dtype = x.dtype();
+        if dtype == DType::F32 {
+            return crate::fused::rope(x, &self.cos, &self.sin);
+        }
+        let cast =
+            || Ok::<_, candle_core::Error>((self.cos.to_dtype(dtype)?, self.sin.to_dtype(dtype)?));
+        let (cos, sin) = match self.cast.get() {
+            Some((cos, sin)) if cos.dtype() == dtype => (cos.clone(), sin.clone()),
+            Some(_) => cast()?,
+            None => {
+                let (cos, sin) = cast()?;
+                self.cast.get_or_init(|| (cos.clone(), sin.clone()));
+                (cos, sin)
+            }
+        };
+        crate::fused::rope(x, &cos, &sin)
     }
 }
