@@ -120,11 +120,13 @@ fn gpu_check_targets_dry_run_measures_each_target() {
         format!("target-rollout-{shape}"),
         format!("target-hf-{shape}"),
         format!("target-timed-{shape}"),
+        format!("target-untracked-{shape}"),
     ];
     assert_eq!(names, expected, "{text}");
     let rollout = &steps[2]["numbers"];
     assert_eq!(rollout["complete"], true, "{text}");
     assert_eq!(steps[4]["status"], "ok", "{text}");
+    assert_eq!(steps[5]["status"], "ok", "{text}");
     // The floor is measured on the CPU too; the speed over HF only where torch imports.
     assert!(
         text.contains(&format!("target {shape}: decode step")),
