@@ -61,7 +61,7 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
         "rollout-qwen2.5-0.5b",
         "rollout-qwen2.5-0.5b-fused",
         "rollout-qwen2.5-0.5b-cuda-attn",
-        "rollout-qwen2.5-0.5b-default",
+        "rollout-qwen2.5-0.5b-untracked",
         "rollout-qwen2.5-0.5b-full",
         "rollout-qwen2.5-0.5b-full-cuda-attn",
         "rollout-qwen2.5-0.5b-timed",
