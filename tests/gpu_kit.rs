@@ -62,6 +62,7 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
         "rollout-qwen2.5-0.5b-fused",
         "rollout-qwen2.5-0.5b-cuda-attn",
         "rollout-qwen2.5-0.5b-untracked",
+        "rollout-qwen2.5-0.5b-rope-kernel",
         "rollout-qwen2.5-0.5b-full",
         "rollout-qwen2.5-0.5b-full-cuda-attn",
         "rollout-qwen2.5-0.5b-timed",
@@ -90,11 +91,11 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
     }
     assert!(ok && text.contains("all steps run passed"), "{text}");
     // The timed rows split the step: the attention's device time is counted.
-    for timed in &steps[8..10] {
+    for timed in &steps[9..11] {
         let ms = timed["numbers"]["decode_step"]["attention_ms"].as_f64();
         assert!(ms.is_some_and(|ms| ms > 0.0), "{timed}\n{text}");
     }
-    let agree = &steps[11]["numbers"]["shapes"]["smollm2-135m"];
+    let agree = &steps[12]["numbers"]["shapes"]["smollm2-135m"];
     assert_eq!(agree["agreed_tokens"], 8, "{text}");
     assert_eq!(agree["max_logprob_diff"], 0.0, "{text}");
 }
@@ -148,7 +149,7 @@ fn gpu_check_with_its_budget_spent_runs_nothing_and_still_summarises() {
     let dir = tempfile::tempdir().unwrap();
     let (ok, text) = gpu_check(&["--dry-run", "--budget", "1"], dir.path());
     assert!(
-        ok && text.contains("14 not run, the budget spent"),
+        ok && text.contains("15 not run, the budget spent"),
         "{text}"
     );
     let steps = summary_steps(dir.path());
@@ -200,5 +201,5 @@ fn gpu_check_on_a_gpu_packs_its_steps_files() {
             "{file}: {listing}"
         );
     }
-    assert_eq!(summary_steps(dir.path()).len(), 18, "{text}");
+    assert_eq!(summary_steps(dir.path()).len(), 19, "{text}");
 }

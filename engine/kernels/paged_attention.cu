@@ -14,7 +14,8 @@
 //   several loads in flight per thread, so that the latency of single loads does not bound it.
 // - paged_reduce: merges a pair's splits (one block per row and query head).
 // The block tables stay on the device between iterations; write_table_entries applies an
-// iteration's changed entries.
+// iteration's changed entries. With `engine.rope_kernel`, qkv_rope prepares the layer's q, k
+// and v from its projection first.
 
 #define NEG_INF __int_as_float(0xff800000)
 #define WARP 32
@@ -53,6 +54,45 @@ __device__ __forceinline__ void from_f32(f16 &o, float v) {
 #else
     o.x = host_f32_to_f16(v);
 #endif
+}
+
+// The q/k/v projection's epilogue (`engine.rope_kernel`): one block per token adds the bias
+// (where `has_bias`), rotates q and k by the token's angles ("rotate half"; cos and sin are
+// (tokens, head_dim / 2) in T) and writes q, k and v as three contiguous segments of `out`,
+// (tokens, heads, head_dim) then (tokens, kv_heads, head_dim) twice, which the attention and
+// write_slots read as they are. The bias sum is rounded to T as a separate add would round
+// it; the rotation is computed in f32 and rounded once (in f32, the CPU's operations).
+template <typename T>
+__device__ void qkv_rope(const T *qkv, const T *bias, const T *cos, const T *sin, T *out,
+                         unsigned int heads, unsigned int kv_heads, unsigned int head_dim,
+                         unsigned int has_bias) {
+    const unsigned int t = blockIdx.x, tokens = gridDim.x, half = head_dim / 2;
+    const unsigned int q_dim = heads * head_dim, kv_dim = kv_heads * head_dim;
+    const T *row = qkv + (size_t)t * (q_dim + 2 * kv_dim);
+    T *q_out = out + (size_t)t * q_dim;
+    T *k_out = out + (size_t)tokens * q_dim + (size_t)t * kv_dim;
+    T *v_out = out + (size_t)tokens * (q_dim + kv_dim) + (size_t)t * kv_dim;
+    // q's and k's heads are consecutive in the row: rotate them together.
+    for (unsigned int i = threadIdx.x; i < (heads + kv_heads) * half; i += blockDim.x) {
+        const unsigned int h = i / half, j = i % half, col = h * head_dim + j;
+        float x1 = to_f32(row[col]), x2 = to_f32(row[col + half]);
+        if (has_bias) {
+            T r1, r2;
+            from_f32(r1, __fadd_rn(x1, to_f32(bias[col])));
+            from_f32(r2, __fadd_rn(x2, to_f32(bias[col + half])));
+            x1 = to_f32(r1);
+            x2 = to_f32(r2);
+        }
+        const float c = to_f32(cos[(size_t)t * half + j]), s = to_f32(sin[(size_t)t * half + j]);
+        T *dst = h < heads ? q_out + h * head_dim : k_out + (h - heads) * head_dim;
+        from_f32(dst[j], __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
+        from_f32(dst[j + half], __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
+    }
+    for (unsigned int e = threadIdx.x; e < kv_dim; e += blockDim.x) {
+        const unsigned int col = q_dim + kv_dim + e;
+        const float v = to_f32(row[col]);
+        from_f32(v_out[e], has_bias ? __fadd_rn(v, to_f32(bias[col])) : v);
+    }
 }
 
 template <typename T>
@@ -261,6 +301,12 @@ extern "C" __global__ void write_table_entries(unsigned int *table, const unsign
 }
 
 #define INSTANTIATE(NAME, T)                                                                    \
+    extern "C" __global__ void qkv_rope_##NAME(const T *qkv, const T *bias, const T *cos,      \
+                                               const T *sin, T *out, unsigned int heads,       \
+                                               unsigned int kv_heads, unsigned int head_dim,   \
+                                               unsigned int has_bias) {                        \
+        qkv_rope<T>(qkv, bias, cos, sin, out, heads, kv_heads, head_dim, has_bias);            \
+    }                                                                                           \
     extern "C" __global__ void write_slots_##NAME(const T *src, T *cache,                      \
                                                   const unsigned int *slots, unsigned int row) { \
         write_slots<T>(src, cache, slots, row);                                                 \

@@ -8,11 +8,11 @@
 use std::time::Instant;
 
 use candle_core::{Device, Result, Tensor};
-use dppo_model::{AttentionBackend, CausalLm};
+use dppo_model::{AttentionBackend, CausalLm, RopeAt};
 
 use crate::cost::{nanos, IterationCost};
 
-/// `inner` with each `attend` call's time added to `ns`, and the wait after it to `wait_ns`.
+/// `inner` with each attention call's time added to `ns`, and the wait after it to `wait_ns`.
 struct Timed<'a, B> {
     inner: &'a mut B,
     device: &'a Device,
@@ -20,16 +20,33 @@ struct Timed<'a, B> {
     wait_ns: u64,
 }
 
-impl<B: AttentionBackend> AttentionBackend for Timed<'_, B> {
-    fn attend(&mut self, layer_idx: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+impl<B: AttentionBackend> Timed<'_, B> {
+    /// `call` on the inner backend, timed.
+    fn time<T>(&mut self, call: impl FnOnce(&mut B) -> Result<T>) -> Result<T> {
         self.device.synchronize()?;
         let start = Instant::now();
-        let out = self.inner.attend(layer_idx, q, k, v)?;
+        let out = call(self.inner)?;
         let issued = Instant::now();
         self.device.synchronize()?;
         self.ns += nanos(start);
         self.wait_ns += nanos(issued);
         Ok(out)
+    }
+}
+
+impl<B: AttentionBackend> AttentionBackend for Timed<'_, B> {
+    fn attend(&mut self, layer_idx: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        self.time(|b| b.attend(layer_idx, q, k, v))
+    }
+
+    fn attend_projected(
+        &mut self,
+        layer_idx: usize,
+        qkv: &Tensor,
+        bias: Option<&Tensor>,
+        rope: &RopeAt,
+    ) -> Result<Option<Tensor>> {
+        self.time(|b| b.attend_projected(layer_idx, qkv, bias, rope))
     }
 
     fn packed_seqlens(&self) -> Option<&[usize]> {

@@ -50,6 +50,10 @@ pub struct EngineConfig {
     /// GEMM each where the engine keeps its own weight buffers (`engine.fused_kernels`;
     /// `Auto`: on a GPU).
     pub fused_kernels: FusedKernels,
+    /// With the paged CUDA kernels, add the q/k/v projection's bias and rotate q and k by one
+    /// kernel of their own instead of candle's ops (`engine.rope_kernel`; checked only on the
+    /// CPU's emulation of the kernels so far, so off by default).
+    pub rope_kernel: bool,
     /// Synchronise the device around each layer's attention and after the forward pass, so
     /// that the iteration costs split the device's time between attention, the rest of the
     /// forward pass and sampling (`bench rollout --time-device`); slows the step.
@@ -78,6 +82,7 @@ impl Default for EngineConfig {
             dtype: None,
             sampling: SamplingPlace::Auto,
             fused_kernels: FusedKernels::Auto,
+            rope_kernel: false,
             time_device: false,
         }
     }
@@ -189,10 +194,9 @@ impl Engine {
         let capacity = scheduler.capacity();
         let runner = Runner::new(
             model,
-            num_blocks,
-            cfg.block_size,
+            (num_blocks, cfg.block_size),
             cfg.attention,
-            cfg.time_device,
+            (cfg.time_device, cfg.rope_kernel),
             device.clone(),
         )?;
         let stats = Arc::new(Mutex::new(EngineStats {

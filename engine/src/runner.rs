@@ -94,13 +94,12 @@ pub struct Runner {
 impl Runner {
     /// A runner with a zeroed cache of `num_blocks` blocks of `block_size` tokens, in the
     /// model's dtype, read by the `attention` backend (see [`AttentionMode::resolve`]);
-    /// `time_device` as `EngineConfig::time_device`.
+    /// `time_device` and `rope_kernel` as `EngineConfig`'s.
     pub fn new(
         model: CausalLm,
-        num_blocks: usize,
-        block_size: usize,
+        (num_blocks, block_size): (usize, usize),
         attention: AttentionMode,
-        time_device: bool,
+        (time_device, rope_kernel): (bool, bool),
         device: Device,
     ) -> std::result::Result<Self, EngineError> {
         let cfg = model.config();
@@ -113,7 +112,11 @@ impl Runner {
         };
         let attention = attention.resolve(&device, model.dtype(), &Heads::of(model.config()))?;
         let cuda = match attention {
-            AttentionMode::Cuda => Some(CudaAttention::new(&model, &device, time_device)?),
+            AttentionMode::Cuda => Some(CudaAttention::new(
+                &model,
+                &device,
+                (time_device, rope_kernel),
+            )?),
             _ => None,
         };
         let cache = match attention {

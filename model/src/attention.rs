@@ -3,6 +3,7 @@
 use candle_core::{Device, Result, Tensor};
 
 use crate::ops::at_least_f32;
+use crate::rope::RopeAt;
 
 /// How a layer's attention sees the keys and values of its tokens.
 ///
@@ -13,6 +14,20 @@ pub trait AttentionBackend {
     /// `q`: (tokens, heads, head_dim); `k`, `v`: (tokens, kv_heads, head_dim).
     /// Returns (tokens, heads, head_dim).
     fn attend(&mut self, layer_idx: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor>;
+
+    /// Attention straight from the fused q/k/v projection `qkv` (tokens, q, k and v widths
+    /// together), before its `bias` and rotary embedding, for a backend that applies them
+    /// itself (one kernel where the model takes several ops). `None`: it does not, and the
+    /// model splits, biases and rotates as usual.
+    fn attend_projected(
+        &mut self,
+        _layer_idx: usize,
+        _qkv: &Tensor,
+        _bias: Option<&Tensor>,
+        _rope: &RopeAt,
+    ) -> Result<Option<Tensor>> {
+        Ok(None)
+    }
 
     /// The sequence boundaries when the tokens are a packed training row (each sequence
     /// attending causally to itself only), which the training layer computes itself.

@@ -11,7 +11,7 @@ use crate::attention::AttentionBackend;
 use crate::behaviour::Shaping;
 use crate::config::ModelConfig;
 use crate::fused::{add, rms_norm, silu_mul};
-use crate::linear::{linear, linear_many};
+use crate::linear::{linear, linear_many, projection, with_bias};
 use crate::lm_head::{lm_head_token_stats, TokenStats};
 use crate::rope::{Rope, RopeAt};
 use crate::train_layer::{LayerGrads, LayerParams, TrainPass};
@@ -113,7 +113,16 @@ impl Attention {
         // 1. Project: (tokens, hidden) -> (tokens, heads, head_dim)
         let [q, k, v] = match &self.qkv {
             Some((qkv, bias)) => {
-                let y = linear(x, qkv, bias.as_ref())?;
+                let y = projection(x, qkv)?;
+                // A backend may bias, rotate and attend from the projection itself.
+                if self.q_norm.is_none() {
+                    if let Some(attn) =
+                        backend.attend_projected(layer_idx, &y, bias.as_ref(), rope)?
+                    {
+                        return self.output(&attn, tokens);
+                    }
+                }
+                let y = with_bias(y, bias.as_ref())?;
                 let (q_dim, kv_dim) = (self.q_proj.dim(0)?, self.k_proj.dim(0)?);
                 [
                     y.narrow(1, 0, q_dim)?,
@@ -144,6 +153,11 @@ impl Attention {
         let k = rope.apply(&k)?;
         // 4. Attention (backend decides visibility) -> (tokens, heads * head_dim)
         let attn = backend.attend(layer_idx, &q, &k, &v.contiguous()?)?;
+        self.output(&attn, tokens)
+    }
+
+    /// The output projection of the attention's (tokens, heads, head_dim).
+    fn output(&self, attn: &Tensor, tokens: usize) -> Result<Tensor> {
         let attn = attn.reshape((tokens, self.num_heads * self.head_dim))?;
         linear(&attn, &self.o_proj, self.o_bias.as_ref())
     }

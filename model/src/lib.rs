@@ -39,6 +39,7 @@ pub use decoder::CausalLm;
 pub use device::{DeviceError, DeviceSpec};
 pub use packed::{PackedAttention, PackedRow};
 pub use policy::Policy;
+pub use rope::RopeAt;
 pub use shapes::{RandomSpec, Shape};
 pub use template::{ChatMessage, ChatTemplate};
 pub use tokenizer::TextTokenizer;

@@ -14,7 +14,7 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
 }
 
 /// `y + b`, broadcast over the rows, where there is a bias.
-fn with_bias(y: Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+pub(crate) fn with_bias(y: Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     match b {
         Some(b) => y.broadcast_add(b),
         None => Ok(y),
@@ -48,7 +48,7 @@ pub fn linear_many<const N: usize>(
     Ok(ys.try_into().expect("one output per weight"))
 }
 
-fn projection(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+pub(crate) fn projection(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     if crate::cpu_kernel::applies(x, w) {
         x.apply_op2(w, crate::cpu_kernel::NtMatmul)
     } else {

@@ -69,21 +69,25 @@ pub struct RopeAt {
 impl RopeAt {
     /// Rotates `x` (tokens, heads, head_dim) by the angles in `x`'s dtype.
     pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
-        let dtype = x.dtype();
+        let (cos, sin) = self.tables(x.dtype())?;
+        crate::fused::rope(x, &cos, &sin)
+    }
+
+    /// The angles' cos and sin, (tokens, head_dim / 2) each, in `dtype`.
+    pub fn tables(&self, dtype: DType) -> Result<(Tensor, Tensor)> {
         if dtype == DType::F32 {
-            return crate::fused::rope(x, &self.cos, &self.sin);
+            return Ok((self.cos.clone(), self.sin.clone()));
         }
-        let cast =
-            || Ok::<_, candle_core::Error>((self.cos.to_dtype(dtype)?, self.sin.to_dtype(dtype)?));
-        let (cos, sin) = match self.cast.get() {
+        let cast = || -> Result<(Tensor, Tensor)> {
+            Ok((self.cos.to_dtype(dtype)?, self.sin.to_dtype(dtype)?))
+        };
+        Ok(match self.cast.get() {
             Some((cos, sin)) if cos.dtype() == dtype => (cos.clone(), sin.clone()),
             Some(_) => cast()?,
             None => {
-                let (cos, sin) = cast()?;
-                self.cast.get_or_init(|| (cos.clone(), sin.clone()));
-                (cos, sin)
+                let tables = cast()?;
+                self.cast.get_or_init(|| tables).clone()
             }
-        };
-        crate::fused::rope(x, &cos, &sin)
+        })
     }
 }

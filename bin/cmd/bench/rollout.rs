@@ -53,6 +53,9 @@ pub struct RolloutArgs {
     #[arg(long, default_value = "auto", num_args = 0..=1, default_missing_value = "true",
           value_parser = parse_fused)]
     fused_kernels: FusedKernels,
+    /// The q/k/v projection's bias and rotation by one kernel, as `engine.rope_kernel`.
+    #[arg(long)]
+    rope_kernel: bool,
     /// The attention backend, as `engine.attention`: auto, cpu, generic or cuda.
     #[arg(long, default_value = "auto", value_parser = parse_attention)]
     attention: AttentionMode,
@@ -132,6 +135,7 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
         kv_cache_tokens: args.kv_cache_tokens,
         sampling: args.sampling,
         fused_kernels: args.fused_kernels,
+        rope_kernel: args.rope_kernel,
         attention: args.attention,
         time_device: args.time_device,
         max_num_seqs: (args.prompts * args.samples).max(1),
@@ -216,6 +220,7 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
         "generated_tokens": num_tokens,
         "complete": num_tokens == args.prompts * args.samples * args.new_tokens,
         "fused_kernels": args.fused_kernels.on(&device),
+        "rope_kernel": args.rope_kernel,
         "attention": args.attention,
         "attention_resolved": attention_resolved,
         "sampling_on_device": args.sampling.on_device(&device),

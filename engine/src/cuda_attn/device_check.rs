@@ -119,6 +119,8 @@ fn one_case(case: &Case, dtype: DType, device: &Device, min_blocks: usize) -> Re
         cache: &mut cuda_cache,
         index: &index,
         tables: &tables,
+        rope_kernel: false,
+        rotations: 0,
     }
     .attend(0, &q, &k, &v)?;
 

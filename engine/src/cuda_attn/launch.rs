@@ -1,6 +1,7 @@
 //! Queues kernels/paged_attention.cu on candle's CUDA stream: the K/V writes as in-place ops
 //! on the pool's tensors, the attention and the merge of its splits as one custom op whose
-//! output is a new tensor. The plan's tiles and slots go to the device once per iteration;
+//! output is a new tensor, and with `engine.rope_kernel` the projection's bias and rotation as
+//! one custom op before them. The plan's tiles and slots go to the device once per iteration;
 //! the block tables stay there ([`DeviceTables`]), changed entry by entry.
 
 use candle_core::backend::BackendStorage;
@@ -12,11 +13,11 @@ use candle_core::{
     bail, CpuStorage, CudaDevice, CustomOp3, DType, Device, InplaceOp2, Layout, Result, Shape,
     Tensor,
 };
-use dppo_model::AttentionBackend;
+use dppo_model::{AttentionBackend, RopeAt};
 
 use super::params::{self, Scalars};
 use super::tables::TableCopy;
-use super::{table_write_geometry, Geometry, KernelPlan, SOURCE};
+use super::{segments, table_write_geometry, Geometry, KernelPlan, SOURCE};
 use crate::generic_attn::TensorKvCache;
 
 /// kernels/paged_attention.cu as the GPU loads it.
@@ -114,6 +115,10 @@ pub struct CudaPagedAttention<'a> {
     pub cache: &'a mut TensorKvCache,
     pub index: &'a CudaIndex,
     pub tables: &'a DeviceTables,
+    /// `engine.rope_kernel`.
+    pub rope_kernel: bool,
+    /// `qkv_rope` launches so far (the attention's counted ops).
+    pub rotations: u64,
 }
 
 impl AttentionBackend for CudaPagedAttention<'_> {
@@ -127,6 +132,141 @@ impl AttentionBackend for CudaPagedAttention<'_> {
         };
         q.contiguous()?.apply_op3_no_bwd(kc, vc, &attend)
     }
+
+    fn attend_projected(
+        &mut self,
+        layer_idx: usize,
+        qkv: &Tensor,
+        bias: Option<&Tensor>,
+        rope: &RopeAt,
+    ) -> Result<Option<Tensor>> {
+        if !self.rope_kernel {
+            return Ok(None);
+        }
+        let (cos, sin) = rope.tables(qkv.dtype())?;
+        let op = Rotate {
+            plan: &self.index.plan,
+            bias,
+        };
+        let out = qkv.contiguous()?.apply_op3_no_bwd(&cos, &sin, &op)?;
+        self.rotations += 1;
+        let [q, k, v] = segments(&out, self.index.plan.heads)?;
+        self.attend(layer_idx, &q, &k, &v).map(Some)
+    }
+}
+
+/// `qkv_rope` of the projection (the op's first input) by the angles (the other two).
+struct Rotate<'a> {
+    plan: &'a KernelPlan,
+    bias: Option<&'a Tensor>,
+}
+
+impl CustomOp3 for Rotate<'_> {
+    fn name(&self) -> &'static str {
+        "paged-qkv-rope"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("paged-qkv-rope runs on a GPU only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        qkv: &CudaStorage,
+        l: &Layout,
+        cos: &CudaStorage,
+        cl: &Layout,
+        sin: &CudaStorage,
+        sl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let out = match qkv.dtype() {
+            DType::F32 => rotate::<f32>(self, (qkv, l), (cos, cl), (sin, sl))?,
+            DType::BF16 => rotate::<half::bf16>(self, (qkv, l), (cos, cl), (sin, sl))?,
+            DType::F16 => rotate::<half::f16>(self, (qkv, l), (cos, cl), (sin, sl))?,
+            other => bail!("cuda attention: no kernels for {other:?}"),
+        };
+        Ok((out, Shape::from(l.shape().elem_count())))
+    }
+}
+
+/// `storage`'s contiguous elements of type `T`.
+fn elements<'a, T: CudaDType>(
+    storage: &'a CudaStorage,
+    layout: &Layout,
+    what: &str,
+) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        bail!("paged-qkv-rope: {what} is not contiguous");
+    };
+    Ok(storage.as_cuda_slice::<T>()?.slice(start..end))
+}
+
+fn rotate<T: CudaDType + DeviceRepr>(
+    op: &Rotate<'_>,
+    (qkv, l): (&CudaStorage, &Layout),
+    (cos, cl): (&CudaStorage, &Layout),
+    (sin, sl): (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    let plan = op.plan;
+    let heads = plan.heads;
+    let width = (heads.num_heads + 2 * heads.num_kv_heads) * heads.head_dim;
+    let half = plan.rows * heads.head_dim / 2;
+    if l.shape().elem_count() != plan.rows * width
+        || cl.shape().elem_count() != half
+        || sl.shape().elem_count() != half
+    {
+        bail!(
+            "paged-qkv-rope: {} projected values and {} angles for {} rows of {width}",
+            l.shape().elem_count(),
+            cl.shape().elem_count(),
+            plan.rows
+        );
+    }
+    let (device, dtype) = (&qkv.device, qkv.dtype());
+    let qkv = elements::<T>(qkv, l, "the projection")?;
+    let (cos, sin) = (
+        elements::<T>(cos, cl, "cos")?,
+        elements::<T>(sin, sl, "sin")?,
+    );
+    let bias = op.bias.map(Tensor::storage_and_layout);
+    let bias = match &bias {
+        Some((storage, layout)) => match &**storage {
+            candle_core::Storage::Cuda(b) if layout.shape().elem_count() == width => {
+                Some(elements::<T>(b, layout, "the bias")?)
+            }
+            _ => bail!("paged-qkv-rope: a bias that is not {width} values on the GPU"),
+        },
+        None => None,
+    };
+    // SAFETY: the kernel writes every element: each row's q, k and v segments.
+    let mut out = unsafe { device.alloc::<T>(plan.rows * width) }?;
+    let scalars = Scalars::of(plan);
+    let has_bias = u32::from(bias.is_some());
+    let stream = device.cuda_stream();
+    let func = function(device, "qkv_rope", Some(dtype))?;
+    let mut launch = stream.launch_builder(&func);
+    params::QkvRope {
+        qkv: &qkv,
+        bias: bias.as_ref().unwrap_or(&qkv),
+        cos: &cos,
+        sin: &sin,
+        out: &mut out,
+        scalars: &scalars,
+        has_bias: &has_bias,
+    }
+    .push_to(&mut launch);
+    // SAFETY: the arguments are `qkv_rope`'s list in kernels/paged_attention.cu; the sizes
+    // of the projection, the bias, the angles and the output were checked against the plan.
+    unsafe { launch.launch(config(plan.rope_geometry())) }.w()?;
+    Ok(T::wrap_cuda_slice(out, device.clone()))
 }
 
 /// The kernels' suffix for `dtype`.

@@ -39,16 +39,41 @@ pub const SOURCE: &str = include_str!("../../kernels/paged_attention.cu");
 pub const THREADS: usize = 128;
 /// Keys scored together in shared memory (the kernel's `CHUNK`).
 pub const CHUNK: usize = 128;
-/// head_dim is a multiple of 32 and at most 32 times the kernel's `MAX_LANE_DIMS`.
+/// head_dim is a multiple of 32 up to this (the widest heads' shared memory fits 48 KiB).
 pub const MAX_HEAD_DIM: usize = 256;
 /// Query rows and heads (pairs) a prefill tile aims at: enough to reuse each key read.
 const TARGET_PAIRS: usize = 16;
 /// Shared memory a block may use without opting in (48 KiB on every CUDA GPU).
 const MAX_SHARED_BYTES: usize = 48 * 1024;
-/// Launches per layer: the K and V writes, the attention and the merge of its splits.
+/// Launches per layer: the K and V writes, the attention and the merge of its splits (and
+/// `qkv_rope` before them with `engine.rope_kernel`).
 pub const LAUNCHES_PER_LAYER: u64 = 4;
 /// Threads of a block that writes K/V rows or block-table entries.
 const WRITE_THREADS: u32 = 128;
+/// Threads of a `qkv_rope` block (a token's rotations and its V row).
+const ROPE_THREADS: u32 = 256;
+
+/// `qkv_rope`'s output, q, k and v as three contiguous segments of one flat tensor, as the
+/// attention's inputs: (tokens, heads, head_dim) and (tokens, kv_heads, head_dim) twice.
+pub fn segments(
+    out: &candle_core::Tensor,
+    heads: Heads,
+) -> candle_core::Result<[candle_core::Tensor; 3]> {
+    let (q_dim, kv_dim) = (
+        heads.num_heads * heads.head_dim,
+        heads.num_kv_heads * heads.head_dim,
+    );
+    let tokens = out.elem_count() / (q_dim + 2 * kv_dim);
+    let d = heads.head_dim;
+    Ok([
+        out.narrow(0, 0, tokens * q_dim)?
+            .reshape((tokens, heads.num_heads, d))?,
+        out.narrow(0, tokens * q_dim, tokens * kv_dim)?
+            .reshape((tokens, heads.num_kv_heads, d))?,
+        out.narrow(0, tokens * (q_dim + kv_dim), tokens * kv_dim)?
+            .reshape((tokens, heads.num_kv_heads, d))?,
+    ])
+}
 
 /// Grid, block and dynamic shared memory of one launch, as CUDA's launch configuration
 /// takes them (on a GPU and in the kernels' emulation in tests).
@@ -249,6 +274,14 @@ impl KernelPlan {
             grid: (self.rows as u32, 1, 1),
             block: (WRITE_THREADS, 1, 1),
             shared_bytes: 0,
+        }
+    }
+
+    /// `qkv_rope`: a block per batch row.
+    pub fn rope_geometry(&self) -> Geometry {
+        Geometry {
+            block: (ROPE_THREADS, 1, 1),
+            ..self.write_geometry()
         }
     }
 

@@ -141,3 +141,33 @@ impl<'s, I, O> Reduce<'s, I, O> {
         ArgList::push(list, self.out);
     }
 }
+
+/// `qkv_rope_<dtype>(qkv, bias, cos, sin, out, num_heads, num_kv_heads, head_dim, has_bias)`:
+/// the projection biased and rotated, q, k and v out as three segments.
+pub(crate) struct QkvRope<'s, I, O> {
+    pub qkv: I,
+    /// The projection itself where it has no bias (`has_bias` 0; never read then).
+    pub bias: I,
+    pub cos: I,
+    pub sin: I,
+    pub out: O,
+    pub scalars: &'s Scalars,
+    pub has_bias: &'s u32,
+}
+
+impl<'s, I, O> QkvRope<'s, I, O> {
+    pub(crate) fn push_to<L>(self, list: &mut L)
+    where
+        L: ArgList<I> + ArgList<O> + ArgList<&'s u32>,
+    {
+        let s = self.scalars;
+        ArgList::push(list, self.qkv);
+        ArgList::push(list, self.bias);
+        ArgList::push(list, self.cos);
+        ArgList::push(list, self.sin);
+        ArgList::push(list, self.out);
+        for scalar in [&s.num_heads, &s.num_kv_heads, &s.head_dim, self.has_bias] {
+            ArgList::push(list, scalar);
+        }
+    }
+}

@@ -32,6 +32,8 @@ pub struct CudaAttention {
     min_blocks: usize,
     /// `EngineConfig::time_device`.
     time_device: bool,
+    /// `engine.rope_kernel`: the projection's bias and rotation by `qkv_rope`.
+    rope_kernel: bool,
     #[cfg(feature = "cuda")]
     device_tables: Option<super::launch::DeviceTables>,
     /// The emulated kernels' copy of the tables (the engine's unit tests on the CPU).
@@ -40,18 +42,19 @@ pub struct CudaAttention {
 }
 
 impl CudaAttention {
-    /// The backend for `model` on `device`, `time_device` as `EngineConfig::time_device`;
-    /// an error names what the kernels cannot serve.
+    /// The backend for `model` on `device`, `time_device` and `rope_kernel` as
+    /// `EngineConfig`'s; an error names what the kernels cannot serve.
     pub fn new(
         model: &CausalLm,
         device: &Device,
-        time_device: bool,
+        (time_device, rope_kernel): (bool, bool),
     ) -> std::result::Result<Self, EngineError> {
         Heads::of(model.config()).check()?;
         Ok(Self {
             tables: TableMirror::default(),
             min_blocks: 2 * multiprocessors(device)?,
             time_device,
+            rope_kernel,
             #[cfg(feature = "cuda")]
             device_tables: None,
             #[cfg(all(test, target_os = "linux", not(feature = "cuda")))]
@@ -139,9 +142,13 @@ impl CudaAttention {
             cache,
             index: &index,
             tables,
+            rope_kernel: self.rope_kernel,
+            rotations: 0,
         };
         let inputs = (batch.input_ids, batch.positions);
-        device_timing::forward(model, inputs, &mut backend, self.time_device, cost)
+        let out = device_timing::forward(model, inputs, &mut backend, self.time_device, cost);
+        cost.attention_ops += backend.rotations;
+        out
     }
 
     #[cfg(not(feature = "cuda"))]
@@ -162,13 +169,18 @@ impl CudaAttention {
                 cache,
                 plan: &plan,
                 tables,
+                rope_kernel: self.rope_kernel,
+                rotations: 0,
             };
             let inputs = (batch.input_ids, batch.positions);
-            device_timing::forward(model, inputs, &mut backend, self.time_device, cost)
+            let out = device_timing::forward(model, inputs, &mut backend, self.time_device, cost);
+            cost.attention_ops += backend.rotations;
+            out
         }
         #[cfg(not(all(test, target_os = "linux")))]
         {
-            let _ = (model, cache, batch, plan, upload, cost, self.time_device);
+            let _ = (model, cache, batch, plan, upload, cost);
+            let _ = (self.time_device, self.rope_kernel);
             candle_core::bail!("cuda attention in a build without CUDA")
         }
     }

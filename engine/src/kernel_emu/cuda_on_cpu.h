@@ -74,6 +74,12 @@ __device__ inline float max(float a, float b) { return fmaxf(a, b); }
 __device__ inline double min(double a, double b) { return fmin(a, b); }
 __device__ inline double max(double a, double b) { return fmax(a, b); }
 
+// CUDA's rounded arithmetic that is never contracted into an FMA (the host compile contracts
+// nothing either).
+__device__ inline float __fadd_rn(float a, float b) { return a + b; }
+__device__ inline float __fsub_rn(float a, float b) { return a - b; }
+__device__ inline float __fmul_rn(float a, float b) { return a * b; }
+
 // A host compile converts f16 in software (the kernels use PTX's cvt on a GPU).
 inline float host_f16_to_f32(unsigned short bits) {
     _Float16 h;

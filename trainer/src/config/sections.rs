@@ -313,6 +313,9 @@ pub struct EngineSettings {
     /// softmax in the engine: `auto` (on a GPU, where they are checked and faster; not on
     /// the CPU), `true` or `false`.
     pub fused_kernels: FusedKernels,
+    /// With the paged CUDA kernels, the q/k/v projection's bias and rotary embedding by one
+    /// kernel of dppo's own (not yet run on a GPU, so off).
+    pub rope_kernel: bool,
 }
 
 impl Default for EngineSettings {
@@ -323,6 +326,7 @@ impl Default for EngineSettings {
             dtype: DtypeChoice::Auto,
             sampling: SamplingPlace::Auto,
             fused_kernels: FusedKernels::Auto,
+            rope_kernel: false,
         }
     }
 }

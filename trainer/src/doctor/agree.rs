@@ -19,9 +19,9 @@ use crate::train_batch::TrainBatch;
 use crate::TrainError;
 
 /// Seed of the random weights: the CPU and the device hold the same ones.
-const SEED: u64 = 7;
+pub(super) const SEED: u64 = 7;
 /// Standard deviation of the random weights: large enough that greedy choices are clear.
-const WEIGHT_STD: f32 = 0.3;
+pub(super) const WEIGHT_STD: f32 = 0.3;
 /// Largest relative difference of the learner's loss and gradient norm, per dtype.
 const LEARNER_TOL_F32: f64 = 1e-3;
 const LEARNER_TOL_BF16: f64 = 5e-2;
@@ -119,11 +119,15 @@ fn run_checks(
         } else {
             (AttentionMode::Auto, "preemption f32")
         };
+        let base = EngineConfig {
+            attention,
+            ..EngineConfig::default()
+        };
         checks.push(super::full::preemption(
             &on_device,
             device,
             (&reqs, &want),
-            attention,
+            base,
             name,
         )?);
         checks.extend(super::full::learner_checks(&policy, device, &batch)?);

@@ -20,14 +20,15 @@ const GRADIENT_TOL: f32 = 1e-4;
 /// AdamW steps taken before the optimizer state is checked.
 const ADAMW_STEPS: usize = 3;
 
-/// Greedy f32 generation through `attention` with 4-token blocks and a KV pool too small
-/// for every sequence at once, so that sequences are preempted and recomputed: the same
-/// tokens as the CPU's `want`, and at least one preemption. The check is called `name`.
+/// Greedy f32 generation by an engine of `base` (its attention backend and switches) with
+/// 4-token blocks and a KV pool too small for every sequence at once, so that sequences are
+/// preempted and recomputed: the same tokens as the CPU's `want`, and at least one
+/// preemption. The check is called `name`.
 pub(super) fn preemption(
     policy: &Policy,
     device: &Device,
     (reqs, want): (&[GenerateRequest], &[Completion]),
-    attention: AttentionMode,
+    base: EngineConfig,
     name: &str,
 ) -> Result<Check, TrainError> {
     let longest = reqs
@@ -39,9 +40,9 @@ pub(super) fn preemption(
         block_size: 4,
         kv_cache_tokens: Some(2 * longest.next_multiple_of(4)),
         dtype: Some(DType::F32),
-        attention,
-        ..EngineConfig::default()
+        ..base
     };
+    let attention = cfg.attention;
     let (got, engine) = generate_with(policy, device, cfg, reqs)?;
     let preemptions = engine.stats().num_preemptions;
     // The CPU kernel computes a recomputed prefill exactly as the decode steps it replaces.

@@ -1,7 +1,8 @@
 //! The paged attention kernels (`engine.attention = "cuda"`) on the GPU: the kernels alone
 //! against the generic path and the f64 reference, in f32, bf16 and f16; then the engine on
 //! them against the CPU, greedy, with forked samples, 4-token blocks and a pool that
-//! preempts (f32), with the defaults (bf16), and with candle-nn's fused kernels (bf16).
+//! preempts (f32), in bf16 without and with candle-nn's fused kernels, and the same with
+//! `engine.rope_kernel` on a model with q/k/v biases.
 
 use candle_core::Device;
 use dppo_engine::{Completion, GenerateRequest};
@@ -12,6 +13,8 @@ use candle_core::DType;
 #[cfg(any(test, feature = "cuda"))]
 use dppo_engine::{AttentionMode, EngineConfig};
 
+#[cfg(any(test, feature = "cuda"))]
+use super::agree::{SEED, WEIGHT_STD};
 #[cfg(any(test, feature = "cuda"))]
 use super::compare::{compare_greedy, generate_with, BUG_FIX};
 #[cfg(any(test, feature = "cuda"))]
@@ -64,26 +67,38 @@ fn on_gpu(
         detail,
         BUG_FIX,
     )];
+    let base = EngineConfig {
+        attention: AttentionMode::Cuda,
+        ..EngineConfig::default()
+    };
     checks.extend(engine_checks(
         policy,
         device,
         (reqs, want),
-        AttentionMode::Cuda,
+        (base, "paged kernels"),
+        &[false, true],
     ));
+    checks.extend(rope_kernel_checks(
+        policy,
+        device,
+        reqs,
+        AttentionMode::Cuda,
+    )?);
     Ok(checks)
 }
 
-/// The engine through `attention` against the CPU's greedy `want` for `reqs`: each prompt
-/// sampled twice (the second sample forks the first's blocks) with 4-token blocks in a pool
-/// that preempts, in f32; then with the defaults in bf16, and with the fused kernels
-/// (`engine.fused_kernels`) in bf16. An engine error fails its own check, not the checks
-/// after it.
+/// The engine of `base` (its attention backend and switches) against the CPU's greedy
+/// `want` for `reqs`: each prompt sampled twice (the second sample forks the first's blocks)
+/// with 4-token blocks in a pool that preempts, in f32; then in bf16 without and with the
+/// fused kernels, as `bf16_fused` lists. Checks named after `label`; an engine error fails
+/// its own check, not the checks after it.
 #[cfg(any(test, feature = "cuda"))]
 fn engine_checks(
     policy: &Policy,
     device: &Device,
     (reqs, want): (&[GenerateRequest], &[Completion]),
-    attention: AttentionMode,
+    (base, label): (EngineConfig, &str),
+    bf16_fused: &[bool],
 ) -> Vec<Check> {
     let forked: Vec<GenerateRequest> = reqs
         .iter()
@@ -91,30 +106,67 @@ fn engine_checks(
         .collect();
     let twice: Vec<Completion> = want.iter().flat_map(|c| [c.clone(), c.clone()]).collect();
     let failed = |name: &str, e: TrainError| Check::fail(name, e.to_string(), BUG_FIX);
-    let name = "paged kernels: forks, preemption f32";
-    let preemption = preemption(policy, device, (&forked, &twice), attention, name)
-        .unwrap_or_else(|e| failed(name, e));
-    let bf16 = |name: &str, fused_kernels: bool| {
+    let name = format!("{label}: forks, preemption f32");
+    let preemption = preemption(policy, device, (&forked, &twice), base, &name)
+        .unwrap_or_else(|e| failed(&name, e));
+    let bf16 = |fused: bool| {
+        let name = match fused {
+            true => format!("{label}, fused: greedy bf16"),
+            false => format!("{label}: greedy bf16"),
+        };
         let cfg = EngineConfig {
             kv_cache_tokens: Some(4096),
             dtype: Some(DType::BF16),
-            attention,
-            fused_kernels: fused_kernels.into(),
-            ..EngineConfig::default()
+            fused_kernels: fused.into(),
+            ..base
         };
         match generate_with(policy, device, cfg, reqs) {
             Ok((got, _)) => Check {
-                name: name.to_string(),
+                name,
                 ..compare_greedy(want, &got, DType::BF16, false)
             },
-            Err(e) => failed(name, e),
+            Err(e) => failed(&name, e),
         }
     };
-    vec![
-        preemption,
-        bf16("paged kernels: greedy bf16", false),
-        bf16("paged and fused kernels: greedy bf16", true),
-    ]
+    std::iter::once(preemption)
+        .chain(bf16_fused.iter().map(|&fused| bf16(fused)))
+        .collect()
+}
+
+/// [`engine_checks`] with `engine.rope_kernel` on a Qwen2-style variant of the doctor's
+/// model (q/k/v biases, no q/k norms: the projections the rope kernel serves), against the
+/// variant's own CPU completions; in bf16 with the fused kernels only (the kernel needs
+/// the projections they concatenate).
+#[cfg(any(test, feature = "cuda"))]
+fn rope_kernel_checks(
+    policy: &Policy,
+    device: &Device,
+    reqs: &[GenerateRequest],
+    attention: AttentionMode,
+) -> Result<Vec<Check>, TrainError> {
+    let mut config = policy.config.clone();
+    config.arch = dppo_model::Arch::Qwen2;
+    config.qkv_bias = true;
+    config.qk_norm = false;
+    let weights = dppo_model::Weights::random(&config, WEIGHT_STD, SEED, &Device::Cpu)?;
+    let variant = Policy::new(config, weights, policy.tokenizer.clone())?;
+    let cpu = EngineConfig {
+        dtype: Some(DType::F32),
+        ..EngineConfig::default()
+    };
+    let want = generate_with(&variant, &Device::Cpu, cpu, reqs)?.0;
+    let base = EngineConfig {
+        attention,
+        rope_kernel: true,
+        ..EngineConfig::default()
+    };
+    Ok(engine_checks(
+        &variant,
+        device,
+        (reqs, &want),
+        (base, "rope kernel"),
+        &[true],
+    ))
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -157,13 +209,21 @@ mod tests {
             ..EngineConfig::default()
         };
         let want = generate_with(&policy, &Device::Cpu, cfg, &reqs).unwrap().0;
-        let checks = engine_checks(
+        let base = EngineConfig {
+            attention: AttentionMode::Generic,
+            ..EngineConfig::default()
+        };
+        let mut checks = engine_checks(
             &policy,
             &Device::Cpu,
             (&reqs, &want),
-            AttentionMode::Generic,
+            (base, "paged kernels"),
+            &[false, true],
         );
-        assert_eq!(checks.len(), 3);
+        checks.extend(
+            rope_kernel_checks(&policy, &Device::Cpu, &reqs, AttentionMode::Generic).unwrap(),
+        );
+        assert_eq!(checks.len(), 5);
         for check in &checks {
             assert_eq!(check.status, Status::Ok, "{}: {}", check.name, check.detail);
         }

@@ -51,6 +51,7 @@ pub(super) fn engine_config(
         dtype: Some(cfg.engine.dtype.resolve(device)),
         sampling: cfg.engine.sampling,
         fused_kernels: cfg.engine.fused_kernels,
+        rope_kernel: cfg.engine.rope_kernel,
         ..EngineConfig::default()
     };
     if let Some((free, total)) = dppo_model::device::memory_info(device)? {

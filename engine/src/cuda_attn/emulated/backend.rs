@@ -1,13 +1,14 @@
 //! The emulated kernels as the engine's attention backend on the CPU (its unit tests), as
 //! `launch.rs`'s `CudaPagedAttention` is on a GPU: the K/V writes in place on the pool's
-//! tensors, the attention and its merge as one op.
+//! tensors, the attention and its merge as one op, and with `rope_kernel` the projection's
+//! bias and rotation as one op before them.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, InplaceOp2, Layout, Result, Shape, Tensor};
-use dppo_model::AttentionBackend;
+use dppo_model::{AttentionBackend, RopeAt};
 
-use super::{attend, write_slots, Stored};
-use crate::cuda_attn::KernelPlan;
+use super::{attend, qkv_rope, write_slots, Stored};
+use crate::cuda_attn::{segments, KernelPlan};
 use crate::generic_attn::TensorKvCache;
 
 /// One iteration's backend (`tables`: the emulation's copy of the block tables).
@@ -15,6 +16,10 @@ pub(in crate::cuda_attn) struct Backend<'a> {
     pub(in crate::cuda_attn) cache: &'a mut TensorKvCache,
     pub(in crate::cuda_attn) plan: &'a KernelPlan,
     pub(in crate::cuda_attn) tables: &'a [u32],
+    /// `engine.rope_kernel`.
+    pub(in crate::cuda_attn) rope_kernel: bool,
+    /// `qkv_rope` launches so far (the attention's counted ops).
+    pub(in crate::cuda_attn) rotations: u64,
 }
 
 impl AttentionBackend for Backend<'_> {
@@ -27,6 +32,88 @@ impl AttentionBackend for Backend<'_> {
             tables: self.tables,
         };
         q.contiguous()?.apply_op3_no_bwd(kc, vc, &op)
+    }
+
+    fn attend_projected(
+        &mut self,
+        layer_idx: usize,
+        qkv: &Tensor,
+        bias: Option<&Tensor>,
+        rope: &RopeAt,
+    ) -> Result<Option<Tensor>> {
+        if !self.rope_kernel {
+            return Ok(None);
+        }
+        let (cos, sin) = rope.tables(qkv.dtype())?;
+        let op = Rotate {
+            plan: self.plan,
+            bias,
+        };
+        let out = qkv.contiguous()?.apply_op3_no_bwd(&cos, &sin, &op)?;
+        self.rotations += 1;
+        let [q, k, v] = segments(&out, self.plan.heads)?;
+        self.attend(layer_idx, &q, &k, &v).map(Some)
+    }
+}
+
+/// `qkv_rope` of the projection (the op's first input) by the angles (the other two).
+struct Rotate<'a> {
+    plan: &'a KernelPlan,
+    bias: Option<&'a Tensor>,
+}
+
+impl Rotate<'_> {
+    fn run<T: Stored>(
+        &self,
+        (qkv, l): (&CpuStorage, &Layout),
+        (cos, cl): (&CpuStorage, &Layout),
+        (sin, sl): (&CpuStorage, &Layout),
+    ) -> Result<CpuStorage> {
+        let bias = self.bias.map(Tensor::storage_and_layout);
+        let bias = match &bias {
+            Some((storage, layout)) => match &**storage {
+                candle_core::Storage::Cpu(b) => {
+                    Some(contiguous(T::cpu_storage_as_slice(b)?, layout)?)
+                }
+                _ => bail!("emulated qkv_rope: a bias off the CPU"),
+            },
+            None => None,
+        };
+        let out = qkv_rope(
+            self.plan,
+            contiguous(T::cpu_storage_as_slice(qkv)?, l)?,
+            bias,
+            (
+                contiguous(T::cpu_storage_as_slice(cos)?, cl)?,
+                contiguous(T::cpu_storage_as_slice(sin)?, sl)?,
+            ),
+        )?;
+        Ok(T::to_cpu_storage_owned(out))
+    }
+}
+
+impl CustomOp3 for Rotate<'_> {
+    fn name(&self) -> &'static str {
+        "emulated-qkv-rope"
+    }
+
+    fn cpu_fwd(
+        &self,
+        qkv: &CpuStorage,
+        l: &Layout,
+        cos: &CpuStorage,
+        cl: &Layout,
+        sin: &CpuStorage,
+        sl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let args = ((qkv, l), (cos, cl), (sin, sl));
+        let out = match qkv.dtype() {
+            DType::F32 => self.run::<f32>(args.0, args.1, args.2)?,
+            DType::BF16 => self.run::<half::bf16>(args.0, args.1, args.2)?,
+            DType::F16 => self.run::<half::f16>(args.0, args.1, args.2)?,
+            other => bail!("cuda attention: no kernels for {other:?}"),
+        };
+        Ok((out, Shape::from(l.shape().elem_count())))
     }
 }
 

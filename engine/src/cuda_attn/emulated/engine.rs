@@ -13,8 +13,13 @@ use crate::{AttentionMode, Engine, EngineConfig, GenerateRequest, IterationCost}
 /// A model the kernels serve: 6 query heads over 2 KV heads of 32 dimensions; weights
 /// wide enough that greedy choices are not near-ties.
 fn policy() -> Policy {
+    policy_of(|_| {})
+}
+
+/// [`policy`]'s model with `edit` applied to its config.
+fn policy_of(edit: impl FnOnce(&mut ModelConfig)) -> Policy {
     let tokenizer = task_tokenizer().unwrap();
-    let config = ModelConfig {
+    let mut config = ModelConfig {
         arch: Arch::Qwen3,
         vocab_size: tokenizer.vocab_size(),
         hidden_size: 96,
@@ -33,6 +38,7 @@ fn policy() -> Policy {
         bos_token_id: None,
         eos_token_ids: vec![0],
     };
+    edit(&mut config);
     let weights = Weights::random(&config, 0.2, 5, &Device::Cpu).unwrap();
     Policy::new(config, weights, tokenizer).unwrap()
 }
@@ -95,6 +101,56 @@ fn the_engine_on_the_emulated_kernels_generates_what_the_generic_path_does() {
     }
 }
 
+/// With `engine.rope_kernel` the engine on the emulated kernels generates exactly what it
+/// generates without, and every layer of every iteration ran `qkv_rope`: in f32 the kernel
+/// is the model's bias add, split and rotation bit for bit. A Qwen2-style model (q/k/v
+/// biases, no q/k norms) in f16, so that the f32 engine keeps weight buffers of its own and
+/// the fused kernels concatenate its projections (the path the kernel serves).
+#[test]
+fn the_rope_kernel_changes_no_token_or_logprob() {
+    let policy = policy_of(|c| {
+        c.arch = Arch::Qwen2;
+        c.qkv_bias = true;
+        c.qk_norm = false;
+    });
+    let policy = Policy {
+        weights: policy.weights.to_dtype(DType::F16).unwrap(),
+        ..policy
+    };
+    let reqs = requests(policy.config.vocab_size);
+    let run = |rope_kernel| {
+        let cfg = EngineConfig {
+            block_size: 4,
+            kv_cache_tokens: Some(192),
+            max_num_seqs: 12,
+            max_batched_tokens: 24,
+            attention: AttentionMode::Cuda,
+            dtype: Some(DType::F32),
+            fused_kernels: crate::FusedKernels::On,
+            rope_kernel,
+            ..EngineConfig::default()
+        };
+        let engine = Engine::new(&policy, cfg, Device::Cpu).unwrap();
+        let out = engine.generate(reqs.clone()).unwrap();
+        let stats = engine.stats();
+        (out, stats.cost.attention_ops, stats.num_iterations)
+    };
+    let (want, plain_ops, iterations) = run(false);
+    let (got, ops, _) = run(true);
+    let layers = policy.config.num_hidden_layers as u64;
+    assert_eq!(
+        ops - plain_ops,
+        layers * iterations as u64,
+        "a qkv_rope a layer"
+    );
+    for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+        for (s, (g, w)) in g.iter().zip(w).enumerate() {
+            assert_eq!(g.token_ids, w.token_ids, "request {r} sample {s}");
+            assert_eq!(g.logprobs, w.logprobs, "request {r} sample {s}");
+        }
+    }
+}
+
 /// One iteration of `seqs` ((sequence, cached tokens, new tokens, block table)) through
 /// `backend`, 4-token blocks: the attention's model output.
 fn iteration(
@@ -152,7 +208,7 @@ fn a_failed_iteration_leaves_no_table_entry_stale() {
     let fresh = || {
         let cache = TensorKvCache::new(shape, DType::F32, &Device::Cpu).unwrap();
         (
-            CudaAttention::new(&model, &Device::Cpu, false).unwrap(),
+            CudaAttention::new(&model, &Device::Cpu, (false, false)).unwrap(),
             cache,
         )
     };

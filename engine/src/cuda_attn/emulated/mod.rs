@@ -9,7 +9,7 @@ use std::sync::LazyLock;
 
 use candle_core::{bail, Device, Result, WithDType};
 
-use super::params::{Attention, Reduce, Scalars, TableEntries, WriteSlots};
+use super::params::{Attention, QkvRope, Reduce, Scalars, TableEntries, WriteSlots};
 use super::tables::TableCopy;
 use super::{table_write_geometry, Geometry, KernelPlan, SOURCE};
 use crate::kernel_emu::{Args, Emulator};
@@ -18,6 +18,7 @@ use crate::kernel_emu::{Args, Emulator};
 mod backend;
 #[cfg(not(feature = "cuda"))]
 mod engine;
+mod rope;
 mod tests;
 
 #[cfg(not(feature = "cuda"))]
@@ -27,7 +28,7 @@ pub(super) use backend::Backend;
 pub(super) const MULTIPROCESSORS: usize = 132;
 
 static KERNELS: LazyLock<Emulator> = LazyLock::new(|| {
-    let names: Vec<String> = ["write_slots", "paged_attention", "paged_reduce"]
+    let names: Vec<String> = ["qkv_rope", "write_slots", "paged_attention", "paged_reduce"]
         .iter()
         .flat_map(|k| ["f32", "bf16", "f16"].map(|t| format!("{k}_{t}")))
         .chain(["write_table_entries".to_string()])
@@ -201,5 +202,51 @@ pub(super) fn attend<T: Stored>(
     let args = Args::filled(|list| reduce.push_to(list));
     let reduce = format!("paged_reduce_{}", T::SUFFIX);
     launch(&reduce, plan.reduce_geometry(), &args)?;
+    Ok(out)
+}
+
+/// `qkv_rope`: the batch's projection `qkv` (rows, (heads + 2 kv_heads) * head_dim) biased
+/// and rotated by `cos`, `sin` (rows, head_dim / 2), out as q, k and v segments.
+pub(super) fn qkv_rope<T: Stored>(
+    plan: &KernelPlan,
+    qkv: &[T],
+    bias: Option<&[T]>,
+    (cos, sin): (&[T], &[T]),
+) -> Result<Vec<T>> {
+    let heads = plan.heads;
+    let width = (heads.num_heads + 2 * heads.num_kv_heads) * heads.head_dim;
+    let half = plan.rows * heads.head_dim / 2;
+    if qkv.len() != plan.rows * width || cos.len() != half || sin.len() != half {
+        bail!(
+            "qkv_rope: {} projected values and {} angles for {} rows of {width}",
+            qkv.len(),
+            cos.len(),
+            plan.rows
+        );
+    }
+    if bias.is_some_and(|b| b.len() != width) {
+        bail!(
+            "qkv_rope: a bias of {} for rows of {width}",
+            bias.map_or(0, <[T]>::len)
+        );
+    }
+    let mut out = vec![T::of(f32::NAN); qkv.len()];
+    let scalars = Scalars::of(plan);
+    let has_bias = u32::from(bias.is_some());
+    let rope = QkvRope {
+        qkv: qkv.as_ptr(),
+        bias: bias.unwrap_or(qkv).as_ptr(),
+        cos: cos.as_ptr(),
+        sin: sin.as_ptr(),
+        out: out.as_mut_ptr(),
+        scalars: &scalars,
+        has_bias: &has_bias,
+    };
+    let args = Args::filled(|list| rope.push_to(list));
+    launch(
+        &format!("qkv_rope_{}", T::SUFFIX),
+        plan.rope_geometry(),
+        &args,
+    )?;
     Ok(out)
 }

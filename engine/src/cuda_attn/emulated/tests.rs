@@ -113,7 +113,7 @@ fn f16_kernels_compute_what_their_twin_computes_bit_for_bit() {
     check::<half::f16>();
 }
 
-/// The widest heads the kernels take: head_dim 256 (eight dimensions a lane) and 16 query
+/// The widest heads the kernels take: head_dim 256 (sixteen 16-byte loads a bf16 K row) and 16 query
 /// heads a KV head, whose prefill tiles use the most shared memory a block may have without
 /// opting in to more (41 of 48 KiB; the emulation faults a word past a launch's share).
 #[test]

@@ -1,0 +1,197 @@
+//! `qkv_rope` of kernels/paged_attention.cu run on the CPU: held bit for bit to a twin of its
+//! arithmetic in f32, bf16 and f16, and in f32 to the model's own bias add, split and
+//! rotation (the ops it replaces with `engine.rope_kernel`).
+
+use candle_core::{DType, Device, Tensor};
+use dppo_model::rope::Rope;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::{qkv_rope, Stored};
+use crate::cuda_attn::{Heads, KernelPlan, CHUNK};
+
+/// A plan of `rows` decoding rows of `heads` (all `qkv_rope` reads of one).
+fn plan(heads: Heads, rows: usize) -> KernelPlan {
+    KernelPlan {
+        heads,
+        block_size: 16,
+        tiles: Vec::new(),
+        table_width: 1,
+        slots: vec![0; rows],
+        rows,
+        splits: 1,
+        split_len: CHUNK,
+        max_pairs: heads.group(),
+    }
+}
+
+/// The kernel's arithmetic: the bias added and rounded to `T`, the rotation in f32 from the
+/// rounded values, rounded once; q, k and v as three segments.
+fn twin<T: Stored>(
+    heads: Heads,
+    rows: usize,
+    qkv: &[T],
+    bias: Option<&[T]>,
+    (cos, sin): (&[T], &[T]),
+) -> Vec<T> {
+    let (d, half) = (heads.head_dim, heads.head_dim / 2);
+    let (q_dim, kv_dim) = (heads.num_heads * d, heads.num_kv_heads * d);
+    let width = q_dim + 2 * kv_dim;
+    let biased = |t: usize, col: usize| {
+        let x = qkv[t * width + col].value();
+        bias.map_or(x, |b| T::of(x + b[col].value()).value())
+    };
+    let mut out = vec![T::of(f32::NAN); rows * width];
+    for t in 0..rows {
+        for h in 0..heads.num_heads + heads.num_kv_heads {
+            let dst = match h < heads.num_heads {
+                true => t * q_dim + h * d,
+                false => rows * q_dim + t * kv_dim + (h - heads.num_heads) * d,
+            };
+            for j in 0..half {
+                let (x1, x2) = (biased(t, h * d + j), biased(t, h * d + j + half));
+                let (c, s) = (cos[t * half + j].value(), sin[t * half + j].value());
+                out[dst + j] = T::of(x1 * c - x2 * s);
+                out[dst + j + half] = T::of(x2 * c + x1 * s);
+            }
+        }
+        for e in 0..kv_dim {
+            let col = q_dim + kv_dim + e;
+            let v = qkv[t * width + col].value();
+            let v = bias.map_or(v, |b| v + b[col].value());
+            out[rows * (q_dim + kv_dim) + t * kv_dim + e] = T::of(v);
+        }
+    }
+    out
+}
+
+/// A projection of `rows` rows of `heads`, a bias and the angles of random positions.
+struct Inputs {
+    qkv: Vec<f32>,
+    bias: Vec<f32>,
+    positions: Vec<u32>,
+}
+
+impl Inputs {
+    fn new(rng: &mut StdRng, heads: Heads, rows: usize) -> Self {
+        let width = (heads.num_heads + 2 * heads.num_kv_heads) * heads.head_dim;
+        let mut values = |n: usize| (0..n).map(|_| rng.random_range(-2.0..2.0)).collect();
+        Self {
+            qkv: values(rows * width),
+            bias: values(width),
+            positions: (0..rows).map(|_| rng.random_range(0..500)).collect(),
+        }
+    }
+
+    /// cos and sin at the positions, in `dtype`, as the model's forward pass makes them.
+    fn angles(&self, head_dim: usize, dtype: DType) -> (Vec<f32>, Vec<f32>) {
+        let rope = Rope::new(head_dim, 1_000_000.0, 512, &Device::Cpu).unwrap();
+        let positions = Tensor::new(self.positions.as_slice(), &Device::Cpu).unwrap();
+        let (cos, sin) = rope.at(&positions).unwrap().tables(dtype).unwrap();
+        let host = |t: Tensor| {
+            t.to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        };
+        (host(cos), host(sin))
+    }
+}
+
+fn stored<T: Stored>(xs: &[f32]) -> Vec<T> {
+    xs.iter().map(|&x| T::of(x)).collect()
+}
+
+/// The kernel against its twin in `T`, with and without a bias, on GQA 1, 3 and 7.
+fn check<T: Stored>(dtype: DType) {
+    let mut rng = StdRng::seed_from_u64(31);
+    for (group, head_dim, rows) in [(1, 64, 3), (3, 64, 5), (7, 128, 4)] {
+        let heads = Heads {
+            num_heads: 2 * group,
+            num_kv_heads: 2,
+            head_dim,
+        };
+        let inputs = Inputs::new(&mut rng, heads, rows);
+        let (cos, sin) = inputs.angles(head_dim, dtype);
+        let (qkv, bias) = (stored::<T>(&inputs.qkv), stored::<T>(&inputs.bias));
+        let (cos, sin) = (stored::<T>(&cos), stored::<T>(&sin));
+        for bias in [None, Some(bias.as_slice())] {
+            let plan = plan(heads, rows);
+            let got = qkv_rope(&plan, &qkv, bias, (&cos, &sin)).unwrap();
+            let want = twin(heads, rows, &qkv, bias, (&cos, &sin));
+            let differ = got
+                .iter()
+                .zip(&want)
+                .filter(|(g, w)| g.bits() != w.bits())
+                .count();
+            assert_eq!(
+                differ,
+                0,
+                "{dtype:?}, group {group}, bias {}",
+                bias.is_some()
+            );
+        }
+    }
+}
+
+#[test]
+fn qkv_rope_computes_what_its_twin_computes_bit_for_bit() {
+    check::<f32>(DType::F32);
+    check::<half::bf16>(DType::BF16);
+    check::<half::f16>(DType::F16);
+}
+
+/// In f32 the kernel gives exactly what the model's ops give: the bias added to the
+/// projection, q, k and v split off, q and k rotated.
+#[test]
+fn qkv_rope_in_f32_is_the_models_bias_split_and_rotation() {
+    let mut rng = StdRng::seed_from_u64(32);
+    let heads = Heads {
+        num_heads: 6,
+        num_kv_heads: 2,
+        head_dim: 64,
+    };
+    let rows = 5;
+    let inputs = Inputs::new(&mut rng, heads, rows);
+    let (cos, sin) = inputs.angles(heads.head_dim, DType::F32);
+    let got = qkv_rope(
+        &plan(heads, rows),
+        &inputs.qkv,
+        Some(&inputs.bias),
+        (&cos, &sin),
+    )
+    .unwrap();
+
+    let dev = &Device::Cpu;
+    let width = inputs.bias.len();
+    let y = Tensor::from_slice(&inputs.qkv, (rows, width), dev).unwrap();
+    let y = y
+        .broadcast_add(&Tensor::new(inputs.bias.as_slice(), dev).unwrap())
+        .unwrap();
+    let angles = |x: &[f32]| Tensor::from_slice(x, (rows, heads.head_dim / 2), dev).unwrap();
+    let (cos, sin) = (angles(&cos), angles(&sin));
+    let d = heads.head_dim;
+    let (q_dim, kv_dim) = (heads.num_heads * d, heads.num_kv_heads * d);
+    let part = |start: usize, len: usize, n: usize| {
+        y.narrow(1, start, len)
+            .unwrap()
+            .reshape((rows, n, d))
+            .unwrap()
+    };
+    let q = part(0, q_dim, heads.num_heads);
+    let k = part(q_dim, kv_dim, heads.num_kv_heads);
+    let v = part(q_dim + kv_dim, kv_dim, heads.num_kv_heads);
+    let rotate = |x: &Tensor| dppo_model::fused::rope(x, &cos, &sin).unwrap();
+    let want: Vec<f32> = [rotate(&q), rotate(&k), v]
+        .iter()
+        .flat_map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+        .collect();
+    let differ = got
+        .iter()
+        .zip(&want)
+        .filter(|(g, w)| g.to_bits() != w.to_bits())
+        .count();
+    assert_eq!(differ, 0, "of {}", want.len());
+}
