@@ -12,16 +12,12 @@ use dppo_model::device::timed;
 use dppo_model::{Policy, Weights};
 
 use super::compare::{compare_greedy, generate_with, BUG_FIX};
-use super::Check;
+use super::{Check, SEED, WEIGHT_STD};
 use crate::learner::{Learner, LearnerConfig};
 use crate::loss::{Normalisers, TrainSeq};
 use crate::train_batch::TrainBatch;
 use crate::TrainError;
 
-/// Seed of the random weights: the CPU and the device hold the same ones.
-pub(super) const SEED: u64 = 7;
-/// Standard deviation of the random weights: large enough that greedy choices are clear.
-pub(super) const WEIGHT_STD: f32 = 0.3;
 /// Largest relative difference of the learner's loss and gradient norm, per dtype.
 const LEARNER_TOL_F32: f64 = 1e-3;
 const LEARNER_TOL_BF16: f64 = 5e-2;

@@ -19,6 +19,11 @@ use std::fmt;
 use dppo_model::DeviceSpec;
 use serde::Serialize;
 
+/// Seed of the checks' random weights: the CPU and the device hold the same ones.
+const SEED: u64 = 7;
+/// Standard deviation of the random weights: large enough that greedy choices are clear.
+const WEIGHT_STD: f32 = 0.3;
+
 /// What to check.
 #[derive(Debug, Clone)]
 pub struct Options {

@@ -14,12 +14,12 @@ use candle_core::DType;
 use dppo_engine::{AttentionMode, EngineConfig};
 
 #[cfg(any(test, feature = "cuda"))]
-use super::agree::{SEED, WEIGHT_STD};
-#[cfg(any(test, feature = "cuda"))]
 use super::compare::{compare_greedy, generate_with, BUG_FIX};
 #[cfg(any(test, feature = "cuda"))]
 use super::full::preemption;
 use super::Check;
+#[cfg(any(test, feature = "cuda"))]
+use super::{SEED, WEIGHT_STD};
 use crate::TrainError;
 
 const NAME: &str = "paged attention kernels";
