@@ -39,13 +39,17 @@ impl<B: AttentionBackend> AttentionBackend for Timed<'_, B> {
         self.time(|b| b.attend(layer_idx, q, k, v))
     }
 
+    fn takes_projection(&self) -> bool {
+        self.inner.takes_projection()
+    }
+
     fn attend_projected(
         &mut self,
         layer_idx: usize,
         qkv: &Tensor,
         bias: Option<&Tensor>,
         rope: &RopeAt,
-    ) -> Result<Option<Tensor>> {
+    ) -> Result<Tensor> {
         self.time(|b| b.attend_projected(layer_idx, qkv, bias, rope))
     }
 

@@ -15,18 +15,24 @@ pub trait AttentionBackend {
     /// Returns (tokens, heads, head_dim).
     fn attend(&mut self, layer_idx: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor>;
 
+    /// Whether the backend takes the fused q/k/v projection itself ([`Self::attend_projected`]);
+    /// if not, the model splits, biases and rotates it and calls [`Self::attend`].
+    fn takes_projection(&self) -> bool {
+        false
+    }
+
     /// Attention straight from the fused q/k/v projection `qkv` (tokens, q, k and v widths
-    /// together), before its `bias` and rotary embedding, for a backend that applies them
-    /// itself (one kernel where the model takes several ops). `None`: it does not, and the
-    /// model splits, biases and rotates as usual.
+    /// together), before its `bias` and rotary embedding, which the backend applies itself
+    /// (one kernel where the model takes several ops). Called only where
+    /// [`Self::takes_projection`].
     fn attend_projected(
         &mut self,
         _layer_idx: usize,
         _qkv: &Tensor,
         _bias: Option<&Tensor>,
         _rope: &RopeAt,
-    ) -> Result<Option<Tensor>> {
-        Ok(None)
+    ) -> Result<Tensor> {
+        candle_core::bail!("this attention backend does not take the q/k/v projection")
     }
 
     /// The sequence boundaries when the tokens are a packed training row (each sequence

@@ -115,12 +115,9 @@ impl Attention {
             Some((qkv, bias)) => {
                 let y = projection(x, qkv)?;
                 // A backend may bias, rotate and attend from the projection itself.
-                if self.q_norm.is_none() {
-                    if let Some(attn) =
-                        backend.attend_projected(layer_idx, &y, bias.as_ref(), rope)?
-                    {
-                        return self.output(&attn, tokens);
-                    }
+                if self.q_norm.is_none() && backend.takes_projection() {
+                    let attn = backend.attend_projected(layer_idx, &y, bias.as_ref(), rope)?;
+                    return self.output(&attn, tokens);
                 }
                 let y = with_bias(y, bias.as_ref())?;
                 let (q_dim, kv_dim) = (self.q_proj.dim(0)?, self.k_proj.dim(0)?);

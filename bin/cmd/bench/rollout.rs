@@ -389,8 +389,9 @@ impl Drop for Untracked {
             if let Err(e) = context.synchronize() {
                 tracing::error!("synchronising after the untracked runs: {e}");
             }
-            // Safety: the GPU is idle; slices allocated meanwhile stay untracked and are
-            // used only by the engine's stream.
+            // Safety: slices allocated meanwhile stay untracked and are used only by the
+            // engine's stream, in order (a time-boxed run's cancelled iterations may still
+            // be finishing there).
             unsafe { context.enable_event_tracking() };
         }
     }

@@ -133,16 +133,17 @@ impl AttentionBackend for CudaPagedAttention<'_> {
         q.contiguous()?.apply_op3_no_bwd(kc, vc, &attend)
     }
 
+    fn takes_projection(&self) -> bool {
+        self.rope_kernel
+    }
+
     fn attend_projected(
         &mut self,
         layer_idx: usize,
         qkv: &Tensor,
         bias: Option<&Tensor>,
         rope: &RopeAt,
-    ) -> Result<Option<Tensor>> {
-        if !self.rope_kernel {
-            return Ok(None);
-        }
+    ) -> Result<Tensor> {
         let (cos, sin) = rope.tables(qkv.dtype())?;
         let op = Rotate {
             plan: &self.index.plan,
@@ -151,7 +152,7 @@ impl AttentionBackend for CudaPagedAttention<'_> {
         let out = qkv.contiguous()?.apply_op3_no_bwd(&cos, &sin, &op)?;
         self.rotations += 1;
         let [q, k, v] = segments(&out, self.index.plan.heads)?;
-        self.attend(layer_idx, &q, &k, &v).map(Some)
+        self.attend(layer_idx, &q, &k, &v)
     }
 }
 

@@ -34,16 +34,17 @@ impl AttentionBackend for Backend<'_> {
         q.contiguous()?.apply_op3_no_bwd(kc, vc, &op)
     }
 
+    fn takes_projection(&self) -> bool {
+        self.rope_kernel
+    }
+
     fn attend_projected(
         &mut self,
         layer_idx: usize,
         qkv: &Tensor,
         bias: Option<&Tensor>,
         rope: &RopeAt,
-    ) -> Result<Option<Tensor>> {
-        if !self.rope_kernel {
-            return Ok(None);
-        }
+    ) -> Result<Tensor> {
         let (cos, sin) = rope.tables(qkv.dtype())?;
         let op = Rotate {
             plan: self.plan,
@@ -52,7 +53,7 @@ impl AttentionBackend for Backend<'_> {
         let out = qkv.contiguous()?.apply_op3_no_bwd(&cos, &sin, &op)?;
         self.rotations += 1;
         let [q, k, v] = segments(&out, self.plan.heads)?;
-        self.attend(layer_idx, &q, &k, &v).map(Some)
+        self.attend(layer_idx, &q, &k, &v)
     }
 }
 
