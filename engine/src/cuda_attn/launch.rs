@@ -17,7 +17,7 @@ use dppo_model::{AttentionBackend, RopeAt};
 
 use super::params::{self, Scalars};
 use super::tables::TableCopy;
-use super::{segments, table_write_geometry, Geometry, KernelPlan, SOURCE};
+use super::{attend_rotated, table_write_geometry, Geometry, KernelPlan, SOURCE};
 use crate::generic_attn::TensorKvCache;
 
 /// kernels/paged_attention.cu as the GPU loads it.
@@ -144,15 +144,14 @@ impl AttentionBackend for CudaPagedAttention<'_> {
         bias: Option<&Tensor>,
         rope: &RopeAt,
     ) -> Result<Tensor> {
-        let (cos, sin) = rope.tables(qkv.dtype())?;
-        let op = Rotate {
-            plan: &self.index.plan,
-            bias,
-        };
-        let out = qkv.contiguous()?.apply_op3_no_bwd(&cos, &sin, &op)?;
+        let plan = &self.index.plan;
         self.rotations += 1;
-        let [q, k, v] = segments(&out, self.index.plan.heads)?;
-        self.attend(layer_idx, &q, &k, &v)
+        attend_rotated(
+            self,
+            &Rotate { plan, bias },
+            plan.heads,
+            (layer_idx, qkv, rope),
+        )
     }
 }
 

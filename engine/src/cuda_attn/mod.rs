@@ -26,7 +26,8 @@ mod twin;
 pub use launch::{multiprocessors, CudaIndex, CudaPagedAttention, DeviceTables};
 pub use state::{Batch, CudaAttention};
 
-use dppo_model::ModelConfig;
+use candle_core::{CustomOp3, Tensor};
+use dppo_model::{AttentionBackend, ModelConfig, RopeAt};
 
 use crate::paged_attn::{CacheShape, SeqAttnMeta};
 use crate::EngineError;
@@ -53,26 +54,33 @@ const WRITE_THREADS: u32 = 128;
 /// Threads of a `qkv_rope` block (a token's rotations and its V row).
 const ROPE_THREADS: u32 = 256;
 
-/// `qkv_rope`'s output, q, k and v as three contiguous segments of one flat tensor, as the
-/// attention's inputs: (tokens, heads, head_dim) and (tokens, kv_heads, head_dim) twice.
-pub fn segments(
-    out: &candle_core::Tensor,
+/// `attend_projected` of both launchers: `rotate` (their `qkv_rope` op) turns the projection
+/// `qkv` and the angles of `rope` into q, k and v as three contiguous segments of one flat
+/// tensor, (tokens, heads, head_dim) then (tokens, kv_heads, head_dim) twice, which
+/// `backend` attends.
+pub fn attend_rotated(
+    backend: &mut impl AttentionBackend,
+    rotate: &impl CustomOp3,
     heads: Heads,
-) -> candle_core::Result<[candle_core::Tensor; 3]> {
+    (layer_idx, qkv, rope): (usize, &Tensor, &RopeAt),
+) -> candle_core::Result<Tensor> {
+    let (cos, sin) = rope.tables(qkv.dtype())?;
+    let out = qkv.contiguous()?.apply_op3_no_bwd(&cos, &sin, rotate)?;
     let (q_dim, kv_dim) = (
         heads.num_heads * heads.head_dim,
         heads.num_kv_heads * heads.head_dim,
     );
     let tokens = out.elem_count() / (q_dim + 2 * kv_dim);
     let d = heads.head_dim;
-    Ok([
-        out.narrow(0, 0, tokens * q_dim)?
-            .reshape((tokens, heads.num_heads, d))?,
-        out.narrow(0, tokens * q_dim, tokens * kv_dim)?
-            .reshape((tokens, heads.num_kv_heads, d))?,
-        out.narrow(0, tokens * (q_dim + kv_dim), tokens * kv_dim)?
-            .reshape((tokens, heads.num_kv_heads, d))?,
-    ])
+    let q = out.narrow(0, 0, tokens * q_dim)?;
+    let k = out.narrow(0, tokens * q_dim, tokens * kv_dim)?;
+    let v = out.narrow(0, tokens * (q_dim + kv_dim), tokens * kv_dim)?;
+    backend.attend(
+        layer_idx,
+        &q.reshape((tokens, heads.num_heads, d))?,
+        &k.reshape((tokens, heads.num_kv_heads, d))?,
+        &v.reshape((tokens, heads.num_kv_heads, d))?,
+    )
 }
 
 /// Grid, block and dynamic shared memory of one launch, as CUDA's launch configuration

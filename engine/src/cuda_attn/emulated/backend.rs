@@ -8,7 +8,7 @@ use candle_core::{bail, CpuStorage, CustomOp3, DType, InplaceOp2, Layout, Result
 use dppo_model::{AttentionBackend, RopeAt};
 
 use super::{attend, qkv_rope, write_slots, Stored};
-use crate::cuda_attn::{segments, KernelPlan};
+use crate::cuda_attn::{attend_rotated, KernelPlan};
 use crate::generic_attn::TensorKvCache;
 
 /// One iteration's backend (`tables`: the emulation's copy of the block tables).
@@ -45,15 +45,14 @@ impl AttentionBackend for Backend<'_> {
         bias: Option<&Tensor>,
         rope: &RopeAt,
     ) -> Result<Tensor> {
-        let (cos, sin) = rope.tables(qkv.dtype())?;
-        let op = Rotate {
-            plan: self.plan,
-            bias,
-        };
-        let out = qkv.contiguous()?.apply_op3_no_bwd(&cos, &sin, &op)?;
+        let plan = self.plan;
         self.rotations += 1;
-        let [q, k, v] = segments(&out, self.plan.heads)?;
-        self.attend(layer_idx, &q, &k, &v)
+        attend_rotated(
+            self,
+            &Rotate { plan, bias },
+            plan.heads,
+            (layer_idx, qkv, rope),
+        )
     }
 }
 
