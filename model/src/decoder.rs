@@ -5,7 +5,7 @@
 //! this code. Only differentiable ops are used: composites (see [`crate::ops`]), or on
 //! the CPU custom ops with their own backward (see [`crate::fused`]).
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 
 use crate::attention::AttentionBackend;
 use crate::behaviour::Shaping;
@@ -270,7 +270,7 @@ impl CausalLm {
     fn train_pass(
         &self,
         x: &Tensor,
-        positions: &Tensor,
+        rope: &RopeAt,
         backend: &dyn AttentionBackend,
     ) -> Result<Option<TrainPass>> {
         let (Some(grads), Some(cu_seqlens)) = (&self.layer_grads, backend.packed_seqlens()) else {
@@ -282,7 +282,7 @@ impl CausalLm {
         Ok(Some(TrainPass::new(
             &self.cfg,
             cu_seqlens.to_vec(),
-            self.rope.tables_at(positions)?,
+            rope.tables(DType::F32)?,
             grads.clone(),
         )))
     }
@@ -316,8 +316,8 @@ impl CausalLm {
             .embed_tokens
             .index_select(input_ids, 0)?
             .to_dtype(self.dtype())?;
-        let train = self.train_pass(&x, positions, backend)?;
         let rope = self.rope.at(positions)?;
+        let train = self.train_pass(&x, &rope, backend)?;
         for (layer_idx, layer) in self.layers.iter().enumerate() {
             if let Some(train) = &train {
                 let params = layer.params();

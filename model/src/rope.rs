@@ -36,24 +36,15 @@ impl Rope {
         })
     }
 
-    /// The angles of `positions` (tokens,) u32, looked up once per forward pass and shared
-    /// by every layer's q and k: on a GPU, four ops a pass instead of four per rotation.
+    /// The angles of `positions` (tokens,) u32, one per token for all heads, looked up once
+    /// per forward pass and shared by every layer's q and k (and the training layers): on a
+    /// GPU, four ops a pass instead of four per rotation.
     pub fn at(&self, positions: &Tensor) -> Result<RopeAt> {
-        let (cos, sin) = self.tables_at(positions)?;
         Ok(RopeAt {
-            cos,
-            sin,
+            cos: self.cos.index_select(positions, 0)?,
+            sin: self.sin.index_select(positions, 0)?,
             cast: OnceCell::new(),
         })
-    }
-
-    /// The f32 tables (tokens, head_dim / 2) at `positions` (tokens,) u32: one angle per
-    /// token, shared by all heads.
-    pub fn tables_at(&self, positions: &Tensor) -> Result<(Tensor, Tensor)> {
-        Ok((
-            self.cos.index_select(positions, 0)?,
-            self.sin.index_select(positions, 0)?,
-        ))
     }
 }
 
