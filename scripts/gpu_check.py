@@ -5,12 +5,17 @@
     gpu_check.py agree DPPO DEVICE OUTDIR --shapes A,B --max-tokens N --budget SECONDS
     gpu_check.py prompt-len FILE     the mean prompt length of a `bench rollout --json` output
     gpu_check.py summary OUTDIR
+    gpu_check.py profile NCU DPPO OUTDIR NAME [--launch-count N] -- ARGS...
+                                     `dppo bench rollout ARGS` under Nsight Compute: the last
+                                     decode steps' device time by kernel, as JSON
+    gpu_check.py profile-summary CSV the same from an exported `ncu --csv --page raw`
 
 With `--targets`, the summary also sets issue #38's targets against what the steps measured:
 dppo's rollout tokens/s over HF `generate`'s on each shape (at least 5x), and the decode step
 at batch 256 over its memory floor (at most 2x).
 """
 import argparse
+import csv
 import json
 import os
 import subprocess
@@ -111,6 +116,8 @@ def key_numbers(name, text, outdir):
         return {"verdict": data.get("verdict")}
     if name == "agree":
         return {"shapes": data.get("shapes", {})}
+    if name.startswith("profile"):
+        return dict(data, kernels=data.get("kernels", [])[:20])
     keys = ["tokens_per_s", "fraction_of_compute_limit", "train_tokens_per_s", "step_s",
             "rollout_s", "prompts", "samples", "new_tokens", "compute_dtype", "gpu", "steps",
             "seconds", "decode_step", "memory_floor", "prompt_tokens_mean", "prompt_len",
@@ -140,6 +147,10 @@ def brief(numbers):
             (f" ({v['max_logprob_diff']:.2g})" if "max_logprob_diff" in v else "") +
             ("" if v["status"] == "ok" else f" {v['status']}")
             for shape, v in numbers["shapes"].items())
+    if "step_device_ms" in numbers:
+        groups = ", ".join(f"{k} {v:.2f}" for k, v in numbers["groups_ms"].items())
+        return (f"device {numbers['step_device_ms']:.2f} ms a decode step, "
+                f"{numbers['launches_per_step']:.0f} launches: {groups}")[:170]
     for key in ["verdict", "last_line"]:
         if key in numbers:
             return str(numbers[key])[:70]
@@ -218,6 +229,111 @@ def targets(steps):
     return {"shapes": result, "lines": lines}
 
 
+# Nsight Compute's time units (`--print-units base` gives nanoseconds; others are scaled).
+UNITS_NS = {"nsecond": 1.0, "usecond": 1e3, "msecond": 1e6, "second": 1e9}
+# The engine's sampling kernel ends every iteration that samples.
+STEP_END = "gumbel_sample"
+
+
+def kernel_times(path):
+    """(kernel name, nanoseconds) of each launch in an `ncu --csv --page raw` export, in
+    launch order: the columns found by name, the units row read, rows without an ID skipped."""
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    header = next((r for r in rows if "Kernel Name" in r), None)
+    if header is None:
+        raise ValueError(f"{path}: no 'Kernel Name' column (not an ncu raw-page CSV export)")
+    name_col = header.index("Kernel Name")
+    time_col = next((i for i, c in enumerate(header) if c.startswith("gpu__time_duration")), None)
+    if time_col is None:
+        raise ValueError(f"{path}: no gpu__time_duration column")
+    scale, out = 1.0, []
+    for row in rows[rows.index(header) + 1:]:
+        if len(row) <= max(name_col, time_col):
+            continue
+        if not row[0].strip().isdigit():
+            scale = UNITS_NS.get(row[time_col].strip(), scale)
+            continue
+        value = row[time_col].replace(",", "").strip()
+        if value:
+            out.append((row[name_col], float(value) * scale))
+    return out
+
+
+def kind_of(name):
+    """The group a kernel counts in: cuBLAS's GEMMs, the paged kernels, candle's ops."""
+    low = name.lower()
+    if any(k in low for k in ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "sm80_")):
+        return "gemm"
+    if low.startswith(("paged_", "write_slots", "write_table", "qkv_rope")):
+        return "paged kernels"
+    if low.startswith(STEP_END):
+        return "sampling"
+    return "other"
+
+
+def profile_of(launches, steps=3):
+    """Per decode step, averaged over the last `steps` complete iterations (each ends with the
+    sampling kernel; the last ones of a short rollout are decode steps): the device time and
+    launches in all, per group, and per kernel name, largest first."""
+    ends = [i for i, (name, _) in enumerate(launches) if name.startswith(STEP_END)]
+    if len(ends) < 2:
+        raise ValueError(f"{len(launches)} launches, {len(ends)} sampling kernels: no whole "
+                         f"iteration between two of them")
+    picked = ends[-(steps + 1):]
+    n = len(picked) - 1
+    names, kinds = {}, {}
+    for start, end in zip(picked, picked[1:]):
+        for name, ns in launches[start + 1:end + 1]:
+            calls, total = names.get(name, (0, 0.0))
+            names[name] = (calls + 1, total + ns)
+            kinds[kind_of(name)] = kinds.get(kind_of(name), 0.0) + ns
+    total = sum(t for _, t in names.values())
+    top = sorted(names.items(), key=lambda kv: -kv[1][1])
+    return {
+        "steps": n,
+        "step_device_ms": total / n / 1e6,
+        "launches_per_step": sum(c for c, _ in names.values()) / n,
+        "groups_ms": {k: v / n / 1e6 for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        "kernels": [{"name": name[:120], "calls": c / n, "ms": t / n / 1e6,
+                     "share": t / total if total else 0.0} for name, (c, t) in top],
+    }
+
+
+def profile(args):
+    """Runs `dppo bench rollout ARGS` under Nsight Compute (each kernel's duration, launch
+    order), exports the launches, and prints the last decode steps' device time by kernel as
+    one JSON object."""
+    report = os.path.join(args.outdir, args.name)
+    capture = [args.ncu, "--clock-control", "none", "--cache-control", "none", "--metrics",
+               "gpu__time_duration.sum", "--launch-count", str(args.launch_count), "-f", "-o",
+               report, "--", args.dppo, "bench", "rollout", "--json"] + args.rest
+    print("capture:", " ".join(capture), file=sys.stderr, flush=True)
+    run = subprocess.run(capture, stdout=sys.stderr, stderr=sys.stderr)
+    if run.returncode != 0:
+        print(f"profile: ncu exited {run.returncode}", file=sys.stderr)
+        return run.returncode
+    exported = report + ".csv"
+    with open(exported, "w") as f:
+        run = subprocess.run([args.ncu, "--import", report + ".ncu-rep", "--csv", "--page", "raw",
+                              "--print-units", "base", "--print-kernel-base", "function"],
+                             stdout=f, stderr=sys.stderr)
+    if run.returncode != 0:
+        print(f"profile: ncu --import exited {run.returncode}", file=sys.stderr)
+        return run.returncode
+    return profile_summary(argparse.Namespace(csv=exported))
+
+
+def profile_summary(args):
+    """The JSON of `profile` from an exported CSV; a table of the largest kernels on stderr."""
+    result = profile_of(kernel_times(args.csv))
+    for k in result["kernels"][:15]:
+        print(f"{k['ms']:8.3f} ms {k['calls']:6.1f}x {k['share']:6.1%}  {k['name']}",
+              file=sys.stderr)
+    print(json.dumps(result))
+    return 0
+
+
 def summary(args):
     """Writes OUTDIR/summary.json from steps.tsv and the steps' outputs; prints the table."""
     steps = []
@@ -270,8 +386,21 @@ def main():
     p.add_argument("file")
     s = sub.add_parser("summary")
     s.add_argument("outdir")
+    r = sub.add_parser("profile")
+    r.add_argument("ncu")
+    r.add_argument("dppo")
+    r.add_argument("outdir")
+    r.add_argument("name")
+    r.add_argument("--launch-count", type=int, default=8000)
+    r.add_argument("rest", nargs=argparse.REMAINDER)
+    c = sub.add_parser("profile-summary")
+    c.add_argument("csv")
     args = parser.parse_args()
-    sys.exit({"agree": agree, "prompt-len": prompt_len, "summary": summary}[args.command](args))
+    if args.command == "profile" and args.rest[:1] == ["--"]:
+        args.rest = args.rest[1:]
+    commands = {"agree": agree, "prompt-len": prompt_len, "summary": summary,
+                "profile": profile, "profile-summary": profile_summary}
+    sys.exit(commands[args.command](args))
 
 
 if __name__ == "__main__":

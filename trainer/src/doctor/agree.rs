@@ -12,7 +12,8 @@ use dppo_model::device::timed;
 use dppo_model::{Policy, Weights};
 
 use super::compare::{compare_greedy, generate_with, BUG_FIX};
-use super::{Check, SEED, WEIGHT_STD};
+use super::workload::{greedy_requests, model, Workload};
+use super::{Check, SEED};
 use crate::learner::{Learner, LearnerConfig};
 use crate::loss::{Normalisers, TrainSeq};
 use crate::train_batch::TrainBatch;
@@ -22,29 +23,9 @@ use crate::TrainError;
 const LEARNER_TOL_F32: f64 = 1e-3;
 const LEARNER_TOL_BF16: f64 = 5e-2;
 
-/// The sizes of one device check.
-struct Workload {
-    prompts: usize,
-    greedy_tokens: usize,
-    /// Prompts, samples per prompt and new tokens of the timed rollout.
-    rollout: (usize, usize, usize),
-}
-
 /// Every check of the device section.
 pub(super) fn device_checks(device: &Device, full: bool) -> Vec<Check> {
-    let work = if full {
-        Workload {
-            prompts: 16,
-            greedy_tokens: 32,
-            rollout: (32, 8, 64),
-        }
-    } else {
-        Workload {
-            prompts: 4,
-            greedy_tokens: 16,
-            rollout: (8, 4, 32),
-        }
-    };
+    let work = Workload::of(full);
     let mut checks = Vec::new();
     if let Err(e) = run_checks(device, full, &work, &mut checks) {
         let error = e.to_string();
@@ -137,40 +118,6 @@ fn run_checks(
     )?);
     checks.push(timed_rollout(&on_device, device, work.rollout)?);
     Ok(())
-}
-
-/// The built-in tiny model's shape (larger with `full`) with the task tokenizer and
-/// seeded random weights drawn on the CPU. Its heads are 32 wide, the narrowest the paged
-/// CUDA kernels take (the tiny preset's are 16), so every check can run on the kernels.
-fn model(full: bool) -> Result<Policy, TrainError> {
-    let base = dppo_model::presets::load_preset("tiny", &Device::Cpu)?;
-    let mut config = base.config.clone();
-    config.head_dim = 32;
-    if full {
-        config.hidden_size = 256;
-        config.intermediate_size = 704;
-        config.num_hidden_layers = 4;
-        config.num_attention_heads = 8;
-        config.num_key_value_heads = 4;
-    }
-    let weights = Weights::random(&config, WEIGHT_STD, SEED, &Device::Cpu)?;
-    Ok(Policy::new(config, weights, base.tokenizer)?)
-}
-
-/// Greedy requests of varied prompt lengths, every one `greedy_tokens` long.
-fn greedy_requests(work: &Workload, vocab: usize) -> Vec<GenerateRequest> {
-    (0..work.prompts)
-        .map(|p| {
-            let len = 3 + (p * 7) % 23;
-            let ids = (0..len)
-                .map(|i| ((i * 11 + p * 5 + 3) % vocab) as u32)
-                .collect();
-            let mut req = GenerateRequest::new(ids, 1, work.greedy_tokens);
-            req.sampling.temperature = 0.0;
-            req.ignore_eos = true;
-            req
-        })
-        .collect()
 }
 
 /// The completions of `reqs` by an engine on `device` in `dtype`, and the KV blocks it

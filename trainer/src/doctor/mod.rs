@@ -13,6 +13,7 @@ mod handoff;
 mod paged;
 pub mod probe;
 mod sampling;
+mod workload;
 
 use std::fmt;
 
