@@ -62,7 +62,8 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
         "rollout-qwen2.5-0.5b-fused",
         "rollout-qwen2.5-0.5b-cuda-attn",
         "rollout-qwen2.5-0.5b-untracked",
-        "rollout-qwen2.5-0.5b-rope-kernel",
+        "rollout-qwen2.5-0.5b-no-rope-kernel",
+        "rollout-qwen2.5-0.5b-layer-kernels",
         "rollout-qwen2.5-0.5b-full",
         "rollout-qwen2.5-0.5b-full-cuda-attn",
         "rollout-qwen2.5-0.5b-timed",
@@ -91,11 +92,11 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
     }
     assert!(ok && text.contains("all steps run passed"), "{text}");
     // The timed rows split the step: the attention's device time is counted.
-    for timed in &steps[9..11] {
+    for timed in &steps[10..12] {
         let ms = timed["numbers"]["decode_step"]["attention_ms"].as_f64();
         assert!(ms.is_some_and(|ms| ms > 0.0), "{timed}\n{text}");
     }
-    let agree = &steps[12]["numbers"]["shapes"]["smollm2-135m"];
+    let agree = &steps[13]["numbers"]["shapes"]["smollm2-135m"];
     assert_eq!(agree["agreed_tokens"], 8, "{text}");
     assert_eq!(agree["max_logprob_diff"], 0.0, "{text}");
 }
@@ -144,12 +145,40 @@ fn gpu_check_targets_dry_run_measures_each_target() {
     }
 }
 
+/// `--profile` runs the doctor and the main shape's rollouts with and without the layer
+/// kernels; on the CPU the Nsight Compute steps are skipped, saying why.
+#[test]
+fn gpu_check_profile_dry_run_runs_the_rollouts_and_skips_the_profiles() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ok, text) = gpu_check(&["--dry-run", "--profile"], dir.path());
+    assert!(ok, "{text}");
+    let steps = summary_steps(dir.path());
+    let got: Vec<(&str, &str)> = steps
+        .iter()
+        .map(|s| (s["name"].as_str().unwrap(), s["status"].as_str().unwrap()))
+        .collect();
+    let main = "rollout-qwen2.5-0.5b";
+    assert_eq!(
+        got,
+        [
+            ("doctor", "ok"),
+            (&*format!("{main}-cuda-attn"), "ok"),
+            (&*format!("{main}-full-cuda-attn"), "ok"),
+            (&*format!("{main}-cuda-attn-layer-kernels"), "ok"),
+            (&*format!("{main}-full-cuda-attn-layer-kernels"), "ok"),
+            ("profile-qwen2.5-0.5b-b256", "skipped"),
+            ("profile-qwen2.5-0.5b-b256-layer-kernels", "skipped"),
+        ],
+        "{text}"
+    );
+}
+
 #[test]
 fn gpu_check_with_its_budget_spent_runs_nothing_and_still_summarises() {
     let dir = tempfile::tempdir().unwrap();
     let (ok, text) = gpu_check(&["--dry-run", "--budget", "1"], dir.path());
     assert!(
-        ok && text.contains("15 not run, the budget spent"),
+        ok && text.contains("16 not run, the budget spent"),
         "{text}"
     );
     let steps = summary_steps(dir.path());
@@ -201,5 +230,95 @@ fn gpu_check_on_a_gpu_packs_its_steps_files() {
             "{file}: {listing}"
         );
     }
-    assert_eq!(summary_steps(dir.path()).len(), 19, "{text}");
+    assert_eq!(summary_steps(dir.path()).len(), 20, "{text}");
+}
+
+/// `gpu_check.py profile` runs the rollout under Nsight Compute (here a stand-in that runs
+/// the command and exports a fixed launch list in ncu's raw-page CSV, units row included) and
+/// averages the iterations between the last sampling kernels: per step, device time, launches,
+/// groups and kernels, largest first; times scaled by the units row.
+#[test]
+fn gpu_check_profile_averages_the_last_steps_by_kernel() {
+    let dir = tempfile::tempdir().unwrap();
+    let csv = dir.path().join("launches.csv");
+    let row = |id: usize, name: &str, t: &str| {
+        format!("\"{id}\",\"1\",\"dppo\",\"h\",\"{name}\",\"1\",\"7\",\"(128, 1, 1)\",\"(4, 1, 1)\",\"0\",\"9.0\",\"{t}\"\n")
+    };
+    let mut text = String::from(
+        "\"ID\",\"Process ID\",\"Process Name\",\"Host Name\",\"Kernel Name\",\"Context\",\
+         \"Stream\",\"Block Size\",\"Grid Size\",\"Device\",\"CC\",\"gpu__time_duration.sum\"\n\
+         \"\",\"\",\"\",\"\",\"\",\"\",\"\",\"\",\"\",\"\",\"\",\"usecond\"\n",
+    );
+    // A prefill iteration, then three decode steps: the last three iterations are averaged.
+    let launches = [
+        ("ucopy_bf16", "9"),
+        ("gumbel_sample", "1"),
+        ("nvjet_tst_128x64", "3"),
+        ("paged_attention_bf16", "2"),
+        ("gumbel_sample", "1"),
+        ("nvjet_tst_128x64", "5"),
+        ("paged_attention_bf16", "4"),
+        ("gumbel_sample", "1"),
+        ("nvjet_tst_128x64", "1,000"),
+        ("gumbel_sample", "1"),
+    ];
+    for (id, (name, t)) in launches.iter().enumerate() {
+        text += &row(id, name, t);
+    }
+    std::fs::write(&csv, text).unwrap();
+    let ncu = dir.path().join("ncu");
+    std::fs::write(
+        &ncu,
+        format!(
+            "#!/usr/bin/env bash\n\
+             if [[ $1 == --import ]]; then cat {}; exit 0; fi\n\
+             while [[ $# -gt 0 && $1 != -- ]]; do [[ $1 == -o ]] && out=$2; shift; done\n\
+             shift; touch \"$out.ncu-rep\"; exec \"$@\"\n",
+            csv.display()
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&ncu, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let dppo = env!("CARGO_BIN_EXE_dppo");
+    let out = std::process::Command::new("python3")
+        .arg(repo_root().join("scripts/gpu_check.py"))
+        .arg("profile")
+        .args([
+            ncu.to_str().unwrap(),
+            dppo,
+            dir.path().to_str().unwrap(),
+            "p",
+        ])
+        .args(["--", "--skip-naive", "--prompts", "1", "--samples", "1"])
+        .args(["--new-tokens", "2", "--warmup-runs", "0"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    // The rollout ran (its JSON goes to stderr, the profile's to stdout).
+    assert!(stderr.contains("tokens_per_s"), "{stderr}");
+    let got: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(got["steps"], 3, "{got}");
+    // (3 + 2 + 1) + (5 + 4 + 1) + (1000 + 1) us over three steps.
+    let ms = |v: &Value| v.as_f64().unwrap();
+    assert!(
+        (ms(&got["step_device_ms"]) - 1.017 / 3.0).abs() < 1e-9,
+        "{got}"
+    );
+    assert!(
+        (ms(&got["launches_per_step"]) - 8.0 / 3.0).abs() < 1e-9,
+        "{got}"
+    );
+    assert!(
+        (ms(&got["groups_ms"]["gemm"]) - 1.008 / 3.0).abs() < 1e-9,
+        "{got}"
+    );
+    assert!(
+        (ms(&got["groups_ms"]["paged kernels"]) - 0.006 / 3.0).abs() < 1e-9,
+        "{got}"
+    );
+    let first = &got["kernels"][0];
+    assert_eq!(first["name"], "nvjet_tst_128x64", "{got}");
+    assert_eq!(first["calls"], 1.0, "{got}");
 }

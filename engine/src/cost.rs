@@ -35,6 +35,9 @@ pub struct IterationCost {
     /// Tensor ops or kernels the attention backend issues, counted where it issues them
     /// (the model's matmuls and norms, the same on every backend, are not counted).
     pub attention_ops: u64,
+    /// Launches of the layer kernels (`engine.layer_kernels`), which take the place of the
+    /// model's norms, residual adds and gated products.
+    pub layer_ops: u64,
     /// Times the host waits for the device (copies to the host).
     pub syncs: u64,
     /// Sequences scheduled (a forking group's prefill row counts once).
@@ -59,6 +62,7 @@ impl IterationCost {
             h2d_bytes: self.h2d_bytes - earlier.h2d_bytes,
             d2h_bytes: self.d2h_bytes - earlier.d2h_bytes,
             attention_ops: self.attention_ops - earlier.attention_ops,
+            layer_ops: self.layer_ops - earlier.layer_ops,
             syncs: self.syncs - earlier.syncs,
             seqs: self.seqs - earlier.seqs,
             kv_tokens: self.kv_tokens - earlier.kv_tokens,
@@ -77,6 +81,7 @@ impl IterationCost {
         self.h2d_bytes += other.h2d_bytes;
         self.d2h_bytes += other.d2h_bytes;
         self.attention_ops += other.attention_ops;
+        self.layer_ops += other.layer_ops;
         self.syncs += other.syncs;
         self.seqs += other.seqs;
         self.kv_tokens += other.kv_tokens;

@@ -8,7 +8,7 @@
 use std::time::Instant;
 
 use candle_core::{Device, Result, Tensor};
-use dppo_model::{AttentionBackend, CausalLm, RopeAt};
+use dppo_model::{AttentionBackend, CausalLm, LayerKernels, RopeAt};
 
 use crate::cost::{nanos, IterationCost};
 
@@ -55,6 +55,10 @@ impl<B: AttentionBackend> AttentionBackend for Timed<'_, B> {
 
     fn packed_seqlens(&self) -> Option<&[usize]> {
         self.inner.packed_seqlens()
+    }
+
+    fn layer_kernels(&self) -> Option<&dyn LayerKernels> {
+        self.inner.layer_kernels()
     }
 }
 

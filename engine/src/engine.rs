@@ -15,6 +15,7 @@ use dppo_model::fused::inference::FusedKernels;
 use dppo_model::{CausalLm, Policy, Weights};
 use parking_lot::Mutex;
 
+use crate::cuda_attn::Switches;
 use crate::device_sample::SamplingPlace;
 use crate::kv_pool::KvPool;
 use crate::paged_attn::CacheShape;
@@ -51,9 +52,13 @@ pub struct EngineConfig {
     /// `Auto`: on a GPU).
     pub fused_kernels: FusedKernels,
     /// With the paged CUDA kernels, add the q/k/v projection's bias and rotate q and k by one
-    /// kernel of their own instead of candle's ops (`engine.rope_kernel`; checked only on the
-    /// CPU's emulation of the kernels so far, so off by default).
+    /// kernel of their own instead of candle's ops (`engine.rope_kernel`; on by default: it
+    /// passed `dppo doctor` on an H200; the other backends ignore it).
     pub rope_kernel: bool,
+    /// With the paged CUDA kernels, the residual add with the RMSNorm after it, and the gated
+    /// MLP's SiLU product, by kernels of their own (`engine.layer_kernels`; off until
+    /// `dppo doctor` has passed them on a GPU).
+    pub layer_kernels: bool,
     /// Synchronise the device around each layer's attention and after the forward pass, so
     /// that the iteration costs split the device's time between attention, the rest of the
     /// forward pass and sampling (`bench rollout --time-device`); slows the step.
@@ -82,7 +87,8 @@ impl Default for EngineConfig {
             dtype: None,
             sampling: SamplingPlace::Auto,
             fused_kernels: FusedKernels::Auto,
-            rope_kernel: false,
+            rope_kernel: true,
+            layer_kernels: false,
             time_device: false,
         }
     }
@@ -196,7 +202,11 @@ impl Engine {
             model,
             (num_blocks, cfg.block_size),
             cfg.attention,
-            (cfg.time_device, cfg.rope_kernel),
+            Switches {
+                time_device: cfg.time_device,
+                rope_kernel: cfg.rope_kernel,
+                layer_kernels: cfg.layer_kernels,
+            },
             device.clone(),
         )?;
         let stats = Arc::new(Mutex::new(EngineStats {

@@ -8,7 +8,7 @@ use dppo_model::CausalLm;
 use serde::{Deserialize, Serialize};
 
 use crate::cost::{nanos, IterationCost};
-use crate::cuda_attn::{Batch, CudaAttention, Heads};
+use crate::cuda_attn::{Batch, CudaAttention, Heads, Switches};
 use crate::device_timing;
 use crate::generic_attn::{BatchIndex, GenericPagedAttention, TensorKvCache};
 use crate::paged_attn::{CacheShape, KvCache, PagedAttention, SeqAttnMeta};
@@ -94,12 +94,12 @@ pub struct Runner {
 impl Runner {
     /// A runner with a zeroed cache of `num_blocks` blocks of `block_size` tokens, in the
     /// model's dtype, read by the `attention` backend (see [`AttentionMode::resolve`]);
-    /// `time_device` and `rope_kernel` as `EngineConfig`'s.
+    /// `switches` as `EngineConfig`'s.
     pub fn new(
         model: CausalLm,
         (num_blocks, block_size): (usize, usize),
         attention: AttentionMode,
-        (time_device, rope_kernel): (bool, bool),
+        switches: Switches,
         device: Device,
     ) -> std::result::Result<Self, EngineError> {
         let cfg = model.config();
@@ -112,11 +112,7 @@ impl Runner {
         };
         let attention = attention.resolve(&device, model.dtype(), &Heads::of(model.config()))?;
         let cuda = match attention {
-            AttentionMode::Cuda => Some(CudaAttention::new(
-                &model,
-                &device,
-                (time_device, rope_kernel),
-            )?),
+            AttentionMode::Cuda => Some(CudaAttention::new(&model, &device, switches)?),
             _ => None,
         };
         let cache = match attention {
@@ -127,7 +123,7 @@ impl Runner {
             cuda,
             model,
             cache,
-            time_device,
+            time_device: switches.time_device,
             device,
         })
     }

@@ -40,6 +40,28 @@ pub trait AttentionBackend {
     fn packed_seqlens(&self) -> Option<&[usize]> {
         None
     }
+
+    /// Kernels of the backend's own for the layer's other steps (inference on a GPU); the
+    /// model's ops where `None`.
+    fn layer_kernels(&self) -> Option<&dyn LayerKernels> {
+        None
+    }
+}
+
+/// A layer's elementwise steps as a backend's kernels take them (no gradient).
+pub trait LayerKernels {
+    /// `(s, rms_norm(s) * weight)` where `s` is `x + residual` (`x` without one); `x`,
+    /// `residual`: (tokens, hidden).
+    fn add_rms_norm(
+        &self,
+        x: &Tensor,
+        residual: Option<&Tensor>,
+        weight: &Tensor,
+        eps: f64,
+    ) -> Result<(Tensor, Tensor)>;
+
+    /// `silu(gate) * up` where `gate_up` (tokens, 2 * width) holds gate then up in each row.
+    fn silu_mul_halves(&self, gate_up: &Tensor) -> Result<Tensor>;
 }
 
 /// Reference backend: the whole input is one sequence starting at position 0, no cache.

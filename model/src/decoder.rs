@@ -7,7 +7,7 @@
 
 use candle_core::{DType, Result, Tensor};
 
-use crate::attention::AttentionBackend;
+use crate::attention::{AttentionBackend, LayerKernels};
 use crate::behaviour::Shaping;
 use crate::config::ModelConfig;
 use crate::fused::{add, rms_norm, silu_mul};
@@ -37,10 +37,13 @@ impl Mlp {
         })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, kernels: Option<&dyn LayerKernels>) -> Result<Tensor> {
         let [gate, up] = match &self.gate_up {
             Some(gate_up) => {
                 let y = linear(x, gate_up, None)?;
+                if let Some(kernels) = kernels {
+                    return linear(&kernels.silu_mul_halves(&y)?, &self.down_proj, None);
+                }
                 let i = self.gate_proj.dim(0)?;
                 [y.narrow(1, 0, i)?, y.narrow(1, i, i)?]
             }
@@ -48,6 +51,25 @@ impl Mlp {
         };
         linear(&silu_mul(&gate, &up)?, &self.down_proj, None)
     }
+}
+
+/// `(x + residual, rms_norm(x + residual) * weight)` (`x` alone without a residual): by the
+/// backend's `kernels` where it has them, else by the model's ops.
+fn add_norm(
+    kernels: Option<&dyn LayerKernels>,
+    x: &Tensor,
+    residual: Option<Tensor>,
+    (weight, eps): (&Tensor, f64),
+) -> Result<(Tensor, Tensor)> {
+    if let Some(kernels) = kernels {
+        return kernels.add_rms_norm(x, residual.as_ref(), weight, eps);
+    }
+    let sum = match residual {
+        Some(r) => add(x, &r)?,
+        None => x.clone(),
+    };
+    let normed = rms_norm(&sum, weight, eps)?;
+    Ok((sum, normed))
 }
 
 #[derive(Debug, Clone)]
@@ -318,21 +340,30 @@ impl CausalLm {
             .to_dtype(self.dtype())?;
         let rope = self.rope.at(positions)?;
         let train = self.train_pass(&x, &rope, backend)?;
+        // The MLP's output waits to be added where the next norm reads the sum, so that a
+        // backend's kernel can take the add and the norm together.
+        let mut pending: Option<Tensor> = None;
         for (layer_idx, layer) in self.layers.iter().enumerate() {
             if let Some(train) = &train {
                 let params = layer.params();
+                if let Some(mlp) = pending.take() {
+                    x = add(&x, &mlp)?;
+                }
                 if train.applies(&x, &params) {
                     x = train.layer(&x, params)?;
                     continue;
                 }
             }
-            let normed = rms_norm(&x, &layer.input_layernorm, layer.eps)?;
+            let norm = (&layer.input_layernorm, layer.eps);
+            let (sum, normed) = add_norm(backend.layer_kernels(), &x, pending.take(), norm)?;
             let attn = layer.attn.forward(&normed, &rope, layer_idx, backend)?;
-            x = add(&x, &attn)?;
-            let normed = rms_norm(&x, &layer.post_attention_layernorm, layer.eps)?;
-            x = add(&x, &layer.mlp.forward(&normed)?)?;
+            let norm = (&layer.post_attention_layernorm, layer.eps);
+            let (sum, normed) = add_norm(backend.layer_kernels(), &sum, Some(attn), norm)?;
+            x = sum;
+            pending = Some(layer.mlp.forward(&normed, backend.layer_kernels())?);
         }
-        rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)
+        let norm = (&self.norm, self.cfg.rms_norm_eps);
+        Ok(add_norm(backend.layer_kernels(), &x, pending, norm)?.1)
     }
 
     /// Logits (tokens, vocab) of final hidden states (tokens, hidden).

@@ -53,9 +53,15 @@ pub struct RolloutArgs {
     #[arg(long, default_value = "auto", num_args = 0..=1, default_missing_value = "true",
           value_parser = parse_fused)]
     fused_kernels: FusedKernels,
-    /// The q/k/v projection's bias and rotation by one kernel, as `engine.rope_kernel`.
-    #[arg(long)]
+    /// The q/k/v projection's bias and rotation by one kernel, as `engine.rope_kernel`: true
+    /// (the default; the paged CUDA kernels' path only) or false; the flag alone means true.
+    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true",
+          action = clap::ArgAction::Set)]
     rope_kernel: bool,
+    /// The residual add with its RMSNorm and the gated MLP's product by kernels of dppo's
+    /// own, as `engine.layer_kernels` (the paged CUDA kernels' path only).
+    #[arg(long)]
+    layer_kernels: bool,
     /// The attention backend, as `engine.attention`: auto, cpu, generic or cuda.
     #[arg(long, default_value = "auto", value_parser = parse_attention)]
     attention: AttentionMode,
@@ -136,6 +142,7 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
         sampling: args.sampling,
         fused_kernels: args.fused_kernels,
         rope_kernel: args.rope_kernel,
+        layer_kernels: args.layer_kernels,
         attention: args.attention,
         time_device: args.time_device,
         max_num_seqs: (args.prompts * args.samples).max(1),
@@ -221,6 +228,7 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
         "complete": num_tokens == args.prompts * args.samples * args.new_tokens,
         "fused_kernels": args.fused_kernels.on(&device),
         "rope_kernel": args.rope_kernel,
+        "layer_kernels": args.layer_kernels,
         "attention": args.attention,
         "attention_resolved": attention_resolved,
         "sampling_on_device": args.sampling.on_device(&device),
@@ -296,6 +304,7 @@ fn iteration_cost(iterations: usize, cost: &IterationCost) -> serde_json::Value 
         "h2d_kib": per(cost.h2d_bytes) / 1024.0,
         "d2h_kib": per(cost.d2h_bytes) / 1024.0,
         "attention_ops": per(cost.attention_ops),
+        "layer_ops": per(cost.layer_ops),
         "syncs": per(cost.syncs),
         "seqs": per(cost.seqs),
         "kv_tokens": per(cost.kv_tokens),

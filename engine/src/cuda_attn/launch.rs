@@ -13,8 +13,9 @@ use candle_core::{
     bail, CpuStorage, CudaDevice, CustomOp3, DType, Device, InplaceOp2, Layout, Result, Shape,
     Tensor,
 };
-use dppo_model::{AttentionBackend, RopeAt};
+use dppo_model::{AttentionBackend, LayerKernels, RopeAt};
 
+use super::layer_ops::LayerOps;
 use super::params::{self, Scalars};
 use super::tables::TableCopy;
 use super::{attend_rotated, table_write_geometry, Geometry, KernelPlan, SOURCE};
@@ -84,7 +85,7 @@ impl TableCopy for DeviceTables {
 }
 
 /// `g` as cudarc takes it.
-fn config(g: Geometry) -> LaunchConfig {
+pub(super) fn config(g: Geometry) -> LaunchConfig {
     LaunchConfig {
         grid_dim: g.grid,
         block_dim: g.block,
@@ -117,6 +118,8 @@ pub struct CudaPagedAttention<'a> {
     pub tables: &'a DeviceTables,
     /// `engine.rope_kernel`.
     pub rope_kernel: bool,
+    /// `engine.layer_kernels`: the kernels, where on.
+    pub layer_ops: Option<LayerOps>,
     /// `qkv_rope` launches so far (the attention's counted ops).
     pub rotations: u64,
 }
@@ -152,6 +155,10 @@ impl AttentionBackend for CudaPagedAttention<'_> {
             plan.heads,
             (layer_idx, qkv, rope),
         )
+    }
+
+    fn layer_kernels(&self) -> Option<&dyn LayerKernels> {
+        self.layer_ops.as_ref().map(|k| k as &dyn LayerKernels)
     }
 }
 
@@ -197,14 +204,14 @@ impl CustomOp3 for Rotate<'_> {
     }
 }
 
-/// `storage`'s contiguous elements of type `T`.
-fn elements<'a, T: CudaDType>(
+/// `storage`'s contiguous elements of type `T` (`what` names the input in errors).
+pub(super) fn elements<'a, T: CudaDType>(
     storage: &'a CudaStorage,
     layout: &Layout,
     what: &str,
 ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
     let Some((start, end)) = layout.contiguous_offsets() else {
-        bail!("paged-qkv-rope: {what} is not contiguous");
+        bail!("{what} is not contiguous");
     };
     Ok(storage.as_cuda_slice::<T>()?.slice(start..end))
 }
@@ -231,16 +238,16 @@ fn rotate<T: CudaDType + DeviceRepr>(
         );
     }
     let (device, dtype) = (&qkv.device, qkv.dtype());
-    let qkv = elements::<T>(qkv, l, "the projection")?;
+    let qkv = elements::<T>(qkv, l, "qkv_rope's projection")?;
     let (cos, sin) = (
-        elements::<T>(cos, cl, "cos")?,
-        elements::<T>(sin, sl, "sin")?,
+        elements::<T>(cos, cl, "qkv_rope's cos")?,
+        elements::<T>(sin, sl, "qkv_rope's sin")?,
     );
     let bias = op.bias.map(Tensor::storage_and_layout);
     let bias = match &bias {
         Some((storage, layout)) => match &**storage {
             candle_core::Storage::Cuda(b) if layout.shape().elem_count() == width => {
-                Some(elements::<T>(b, layout, "the bias")?)
+                Some(elements::<T>(b, layout, "qkv_rope's bias")?)
             }
             _ => bail!("paged-qkv-rope: a bias that is not {width} values on the GPU"),
         },
@@ -281,7 +288,11 @@ fn suffix(dtype: DType) -> Result<&'static str> {
 
 /// Loads `name` (for `dtype`, where it has a version per dtype) from the module, compiling
 /// it (once per process) on first use.
-fn function(device: &CudaDevice, name: &str, dtype: Option<DType>) -> Result<CudaFunction> {
+pub(super) fn function(
+    device: &CudaDevice,
+    name: &str,
+    dtype: Option<DType>,
+) -> Result<CudaFunction> {
     let name = match dtype {
         Some(dtype) => format!("{name}_{}", suffix(dtype)?),
         None => name.to_string(),

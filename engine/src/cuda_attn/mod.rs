@@ -15,6 +15,8 @@ mod emulated;
 #[cfg(feature = "cuda")]
 mod launch;
 #[cfg(any(all(test, target_os = "linux"), feature = "cuda"))]
+mod layer_ops;
+#[cfg(any(all(test, target_os = "linux"), feature = "cuda"))]
 mod params;
 pub mod reference;
 mod state;
@@ -24,7 +26,7 @@ mod twin;
 
 #[cfg(feature = "cuda")]
 pub use launch::{multiprocessors, CudaIndex, CudaPagedAttention, DeviceTables};
-pub use state::{Batch, CudaAttention};
+pub use state::{Batch, CudaAttention, Switches};
 
 use candle_core::{CustomOp3, Tensor};
 use dppo_model::{AttentionBackend, ModelConfig, RopeAt};
@@ -53,6 +55,11 @@ pub const LAUNCHES_PER_LAYER: u64 = 4;
 const WRITE_THREADS: u32 = 128;
 /// Threads of a `qkv_rope` block (a token's rotations and its V row).
 const ROPE_THREADS: u32 = 256;
+/// Threads of an `add_rms_norm` block (one row; the kernel's `NORM_THREADS`).
+const NORM_THREADS: u32 = 256;
+/// Threads of a `silu_mul` block, and the most blocks it launches (they stride over the rest).
+const SILU_THREADS: u32 = 256;
+const SILU_MAX_BLOCKS: u32 = 4096;
 
 /// `attend_projected` of both launchers: `rotate` (their `qkv_rope` op) turns the projection
 /// `qkv` and the angles of `rope` into q, k and v as three contiguous segments of one flat
@@ -97,6 +104,30 @@ pub fn table_write_geometry(entries: usize) -> Geometry {
     Geometry {
         grid: ((entries as u32).div_ceil(WRITE_THREADS), 1, 1),
         block: (WRITE_THREADS, 1, 1),
+        shared_bytes: 0,
+    }
+}
+
+/// `add_rms_norm` over `rows` rows: a block each.
+pub fn norm_geometry(rows: usize) -> Geometry {
+    Geometry {
+        grid: (rows as u32, 1, 1),
+        block: (NORM_THREADS, 1, 1),
+        shared_bytes: 0,
+    }
+}
+
+/// `silu_mul` over `total` outputs: a thread each, up to [`SILU_MAX_BLOCKS`] blocks.
+pub fn silu_geometry(total: usize) -> Geometry {
+    Geometry {
+        grid: (
+            (total as u32)
+                .div_ceil(SILU_THREADS)
+                .clamp(1, SILU_MAX_BLOCKS),
+            1,
+            1,
+        ),
+        block: (SILU_THREADS, 1, 1),
         shared_bytes: 0,
     }
 }

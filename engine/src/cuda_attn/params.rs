@@ -171,3 +171,52 @@ impl<'s, I, O> QkvRope<'s, I, O> {
         }
     }
 }
+
+/// `add_rms_norm_<dtype>(x, r, weight, out, width, has_residual, eps)`: the residual sum and
+/// its RMSNorm, out as two (rows, width) halves.
+pub(crate) struct AddRmsNorm<'s, I, O> {
+    pub x: I,
+    /// `x` itself where there is no residual (`has_residual` 0; never read then).
+    pub r: I,
+    pub weight: I,
+    pub out: O,
+    pub width: &'s u32,
+    pub has_residual: &'s u32,
+    pub eps: &'s f32,
+}
+
+impl<'s, I, O> AddRmsNorm<'s, I, O> {
+    pub(crate) fn push_to<L>(self, list: &mut L)
+    where
+        L: ArgList<I> + ArgList<O> + ArgList<&'s u32> + ArgList<&'s f32>,
+    {
+        ArgList::push(list, self.x);
+        ArgList::push(list, self.r);
+        ArgList::push(list, self.weight);
+        ArgList::push(list, self.out);
+        ArgList::push(list, self.width);
+        ArgList::push(list, self.has_residual);
+        ArgList::push(list, self.eps);
+    }
+}
+
+/// `silu_mul_<dtype>(gate_up, out, width, total)`: silu(gate) * up of each row's halves.
+pub(crate) struct SiluMul<'s, I, O> {
+    pub gate_up: I,
+    pub out: O,
+    pub width: &'s u32,
+    /// rows x width.
+    pub total: &'s u32,
+}
+
+impl<'s, I, O> SiluMul<'s, I, O> {
+    pub(crate) fn push_to<L>(self, list: &mut L)
+    where
+        L: ArgList<I> + ArgList<O> + ArgList<&'s u32>,
+    {
+        ArgList::push(list, self.gate_up);
+        ArgList::push(list, self.out);
+        ArgList::push(list, self.width);
+        ArgList::push(list, self.total);
+    }
+}

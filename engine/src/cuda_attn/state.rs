@@ -4,6 +4,8 @@
 use candle_core::{Device, Result, Tensor};
 use dppo_model::CausalLm;
 
+#[cfg(any(all(test, target_os = "linux"), feature = "cuda"))]
+use super::layer_ops::LayerOps;
 use super::tables::{TableMirror, TableUpload};
 use super::{Heads, KernelPlan, LAUNCHES_PER_LAYER};
 use crate::cost::IterationCost;
@@ -24,16 +26,24 @@ pub struct Batch<'a> {
     pub positions: &'a Tensor,
 }
 
+/// The engine's switches the CUDA backend follows, as `EngineConfig`'s.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Switches {
+    /// `EngineConfig::time_device`.
+    pub time_device: bool,
+    /// `engine.rope_kernel`: the projection's bias and rotation by `qkv_rope`.
+    pub rope_kernel: bool,
+    /// `engine.layer_kernels`: the add-and-norm and the gated product by kernels of ours.
+    pub layer_kernels: bool,
+}
+
 /// What the CUDA backend keeps between iterations.
 pub struct CudaAttention {
     tables: TableMirror,
     /// Blocks a grid should hold (twice the GPU's multiprocessors): the plan splits
     /// contexts until it does.
     min_blocks: usize,
-    /// `EngineConfig::time_device`.
-    time_device: bool,
-    /// `engine.rope_kernel`: the projection's bias and rotation by `qkv_rope`.
-    rope_kernel: bool,
+    switches: Switches,
     #[cfg(feature = "cuda")]
     device_tables: Option<super::launch::DeviceTables>,
     /// The emulated kernels' copy of the tables (the engine's unit tests on the CPU).
@@ -42,19 +52,17 @@ pub struct CudaAttention {
 }
 
 impl CudaAttention {
-    /// The backend for `model` on `device`, `time_device` and `rope_kernel` as
-    /// `EngineConfig`'s; an error names what the kernels cannot serve.
+    /// The backend for `model` on `device`; an error names what the kernels cannot serve.
     pub fn new(
         model: &CausalLm,
         device: &Device,
-        (time_device, rope_kernel): (bool, bool),
+        switches: Switches,
     ) -> std::result::Result<Self, EngineError> {
         Heads::of(model.config()).check()?;
         Ok(Self {
             tables: TableMirror::default(),
             min_blocks: 2 * multiprocessors(device)?,
-            time_device,
-            rope_kernel,
+            switches,
             #[cfg(feature = "cuda")]
             device_tables: None,
             #[cfg(all(test, target_os = "linux", not(feature = "cuda")))]
@@ -142,12 +150,15 @@ impl CudaAttention {
             cache,
             index: &index,
             tables,
-            rope_kernel: self.rope_kernel,
+            rope_kernel: self.switches.rope_kernel,
+            layer_ops: self.switches.layer_kernels.then(LayerOps::default),
             rotations: 0,
         };
         let inputs = (batch.input_ids, batch.positions);
-        let out = device_timing::forward(model, inputs, &mut backend, self.time_device, cost);
+        let time = self.switches.time_device;
+        let out = device_timing::forward(model, inputs, &mut backend, time, cost);
         cost.attention_ops += backend.rotations;
+        cost.layer_ops += backend.layer_ops.map_or(0, |k| k.launches.get());
         out
     }
 
@@ -169,18 +180,21 @@ impl CudaAttention {
                 cache,
                 plan: &plan,
                 tables,
-                rope_kernel: self.rope_kernel,
+                rope_kernel: self.switches.rope_kernel,
+                layer_ops: self.switches.layer_kernels.then(LayerOps::default),
                 rotations: 0,
             };
             let inputs = (batch.input_ids, batch.positions);
-            let out = device_timing::forward(model, inputs, &mut backend, self.time_device, cost);
+            let time = self.switches.time_device;
+            let out = device_timing::forward(model, inputs, &mut backend, time, cost);
             cost.attention_ops += backend.rotations;
+            cost.layer_ops += backend.layer_ops.map_or(0, |k| k.launches.get());
             out
         }
         #[cfg(not(all(test, target_os = "linux")))]
         {
             let _ = (model, cache, batch, plan, upload, cost);
-            let _ = (self.time_device, self.rope_kernel);
+            let _ = self.switches;
             candle_core::bail!("cuda attention in a build without CUDA")
         }
     }

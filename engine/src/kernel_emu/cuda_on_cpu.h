@@ -79,6 +79,7 @@ __device__ inline double max(double a, double b) { return fmax(a, b); }
 __device__ inline float __fadd_rn(float a, float b) { return a + b; }
 __device__ inline float __fsub_rn(float a, float b) { return a - b; }
 __device__ inline float __fmul_rn(float a, float b) { return a * b; }
+__device__ inline float __fdiv_rn(float a, float b) { return a / b; }
 
 // A host compile converts f16 in software (the kernels use PTX's cvt on a GPU).
 inline float host_f16_to_f32(unsigned short bits) {

@@ -314,8 +314,11 @@ pub struct EngineSettings {
     /// the CPU), `true` or `false`.
     pub fused_kernels: FusedKernels,
     /// With the paged CUDA kernels, the q/k/v projection's bias and rotary embedding by one
-    /// kernel of dppo's own (not yet run on a GPU, so off).
+    /// kernel of dppo's own (on; checked on an H200).
     pub rope_kernel: bool,
+    /// With the paged CUDA kernels, the residual add with its RMSNorm and the gated MLP's
+    /// product by kernels of dppo's own (off until checked on a GPU).
+    pub layer_kernels: bool,
 }
 
 impl Default for EngineSettings {
@@ -326,7 +329,8 @@ impl Default for EngineSettings {
             dtype: DtypeChoice::Auto,
             sampling: SamplingPlace::Auto,
             fused_kernels: FusedKernels::Auto,
-            rope_kernel: false,
+            rope_kernel: true,
+            layer_kernels: false,
         }
     }
 }

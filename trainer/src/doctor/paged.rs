@@ -2,7 +2,7 @@
 //! against the generic path and the f64 reference, in f32, bf16 and f16; then the engine on
 //! them against the CPU, greedy, with forked samples, 4-token blocks and a pool that
 //! preempts (f32), in bf16 without and with candle-nn's fused kernels, and the same with
-//! `engine.rope_kernel` on a model with q/k/v biases.
+//! `engine.rope_kernel`, then also `engine.layer_kernels`, on a model with q/k/v biases.
 
 use candle_core::Device;
 use dppo_engine::{Completion, GenerateRequest};
@@ -84,12 +84,7 @@ fn on_gpu(
         (base, "paged kernels"),
         &[false, true],
     ));
-    checks.extend(rope_kernel_checks(
-        policy,
-        device,
-        reqs,
-        AttentionMode::Cuda,
-    ));
+    checks.extend(variant_checks(policy, device, reqs, AttentionMode::Cuda));
     Ok(checks)
 }
 
@@ -139,14 +134,14 @@ fn engine_checks(
         .collect()
 }
 
-/// [`engine_checks`] with `engine.rope_kernel` on a Qwen2-style variant of the doctor's
-/// model (q/k/v biases, no q/k norms: the projections the rope kernel serves; smaller
-/// weights, [`VARIANT_STD`]), against the
-/// variant's own CPU completions; in bf16 with the fused kernels only (the kernel needs
-/// the projections they concatenate). A failure to build the variant or its reference
-/// fails one check, not the doctor.
+/// [`engine_checks`] with `engine.rope_kernel`, then with `engine.layer_kernels` too, on a
+/// Qwen2-style variant of the doctor's model (q/k/v biases, no q/k norms: the projections
+/// the rope kernel serves; smaller weights, [`VARIANT_STD`]), against the variant's own CPU
+/// completions; in bf16 with the fused kernels only (the kernels need the projections they
+/// concatenate). A failure to build the variant or its reference fails one check, not the
+/// doctor.
 #[cfg(any(test, feature = "cuda"))]
-fn rope_kernel_checks(
+fn variant_checks(
     policy: &Policy,
     device: &Device,
     reqs: &[GenerateRequest],
@@ -170,18 +165,18 @@ fn rope_kernel_checks(
         Ok(reference) => reference,
         Err(e) => return vec![Check::fail("rope kernel", e.to_string(), BUG_FIX)],
     };
-    let base = EngineConfig {
-        attention,
-        rope_kernel: true,
-        ..EngineConfig::default()
-    };
-    engine_checks(
-        &variant,
-        device,
-        (reqs, &want),
-        (base, "rope kernel"),
-        &[true],
-    )
+    [(false, "rope kernel"), (true, "layer kernels")]
+        .into_iter()
+        .flat_map(|(layer_kernels, label)| {
+            let base = EngineConfig {
+                attention,
+                rope_kernel: true,
+                layer_kernels,
+                ..EngineConfig::default()
+            };
+            engine_checks(&variant, device, (reqs, &want), (base, label), &[true])
+        })
+        .collect()
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -206,7 +201,8 @@ mod tests {
     /// The engine checks the GPU runs on the kernels, run here through the generic path (the
     /// CPU kernel has no bf16) on `dppo doctor --full`'s model and requests: their forked
     /// samples line up with the CPU's completions, the pool preempts, and bf16 agrees, with
-    /// and without the fused kernels, on the doctor's model and on the rope kernel's variant.
+    /// and without the fused kernels, on the doctor's model and on the rope and layer
+    /// kernels' variant.
     #[test]
     fn the_engine_checks_pass_through_the_generic_path() {
         let policy = model(true).unwrap();
@@ -227,13 +223,13 @@ mod tests {
             (base, "paged kernels"),
             &[false, true],
         );
-        checks.extend(rope_kernel_checks(
+        checks.extend(variant_checks(
             &policy,
             &Device::Cpu,
             &reqs,
             AttentionMode::Generic,
         ));
-        assert_eq!(checks.len(), 5);
+        assert_eq!(checks.len(), 7);
         for check in &checks {
             assert_eq!(check.status, Status::Ok, "{}: {}", check.name, check.detail);
         }

@@ -1,13 +1,15 @@
 //! The emulated kernels as the engine's attention backend on the CPU (its unit tests), as
 //! `launch.rs`'s `CudaPagedAttention` is on a GPU: the K/V writes in place on the pool's
-//! tensors, the attention and its merge as one op, and with `rope_kernel` the projection's
-//! bias and rotation as one op before them.
+//! tensors, the attention and its merge as one op, with `rope_kernel` the projection's
+//! bias and rotation as one op before them, and with `layer_kernels` the layer's add-and-norm
+//! and gated product.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, InplaceOp2, Layout, Result, Shape, Tensor};
-use dppo_model::{AttentionBackend, RopeAt};
+use dppo_model::{AttentionBackend, LayerKernels, RopeAt};
 
 use super::{attend, qkv_rope, write_slots, Stored};
+use crate::cuda_attn::layer_ops::LayerOps;
 use crate::cuda_attn::{attend_rotated, KernelPlan};
 use crate::generic_attn::TensorKvCache;
 
@@ -18,6 +20,8 @@ pub(in crate::cuda_attn) struct Backend<'a> {
     pub(in crate::cuda_attn) tables: &'a [u32],
     /// `engine.rope_kernel`.
     pub(in crate::cuda_attn) rope_kernel: bool,
+    /// `engine.layer_kernels`: the kernels, where on.
+    pub(in crate::cuda_attn) layer_ops: Option<LayerOps>,
     /// `qkv_rope` launches so far (the attention's counted ops).
     pub(in crate::cuda_attn) rotations: u64,
 }
@@ -53,6 +57,10 @@ impl AttentionBackend for Backend<'_> {
             plan.heads,
             (layer_idx, qkv, rope),
         )
+    }
+
+    fn layer_kernels(&self) -> Option<&dyn LayerKernels> {
+        self.layer_ops.as_ref().map(|k| k as &dyn LayerKernels)
     }
 }
 

@@ -5,7 +5,7 @@ use candle_core::{DType, Device, Result, Tensor};
 use dppo_model::presets::task_tokenizer;
 use dppo_model::{Arch, CausalLm, ModelConfig, Policy, Weights};
 
-use crate::cuda_attn::{Batch, CudaAttention};
+use crate::cuda_attn::{Batch, CudaAttention, Switches};
 use crate::generic_attn::TensorKvCache;
 use crate::paged_attn::{CacheShape, SeqAttnMeta};
 use crate::{AttentionMode, Engine, EngineConfig, GenerateRequest, IterationCost};
@@ -101,42 +101,55 @@ fn the_engine_on_the_emulated_kernels_generates_what_the_generic_path_does() {
     }
 }
 
-/// With `engine.rope_kernel` the engine on the emulated kernels generates exactly what it
-/// generates without, and every layer of every iteration ran `qkv_rope`: in f32 the kernel
-/// is the model's bias add, split and rotation bit for bit. A Qwen2-style model (q/k/v
-/// biases, no q/k norms) in f16, so that the f32 engine keeps weight buffers of its own and
-/// the fused kernels concatenate its projections (the path the kernel serves).
-#[test]
-fn the_rope_kernel_changes_no_token_or_logprob() {
+/// A Qwen2-style model (q/k/v biases, no q/k norms) in f16, so that the f32 engine keeps
+/// weight buffers of its own and the fused kernels concatenate its projections (the path the
+/// rope and layer kernels serve).
+fn qwen2_policy() -> Policy {
     let policy = policy_of(|c| {
         c.arch = Arch::Qwen2;
         c.qkv_bias = true;
         c.qk_norm = false;
     });
-    let policy = Policy {
+    Policy {
         weights: policy.weights.to_dtype(DType::F16).unwrap(),
         ..policy
+    }
+}
+
+/// [`qwen2_policy`]'s greedy completions of [`requests`] by the f32 engine on the emulated
+/// kernels with `rope_kernel` and `layer_kernels`: the completions, the attention's and the
+/// layer kernels' counted launches, and the iterations.
+fn run_qwen2(
+    policy: &Policy,
+    (rope_kernel, layer_kernels): (bool, bool),
+) -> (Vec<Vec<crate::Completion>>, (u64, u64), usize) {
+    let cfg = EngineConfig {
+        block_size: 4,
+        kv_cache_tokens: Some(192),
+        max_num_seqs: 12,
+        max_batched_tokens: 24,
+        attention: AttentionMode::Cuda,
+        dtype: Some(DType::F32),
+        fused_kernels: crate::FusedKernels::On,
+        rope_kernel,
+        layer_kernels,
+        ..EngineConfig::default()
     };
-    let reqs = requests(policy.config.vocab_size);
-    let run = |rope_kernel| {
-        let cfg = EngineConfig {
-            block_size: 4,
-            kv_cache_tokens: Some(192),
-            max_num_seqs: 12,
-            max_batched_tokens: 24,
-            attention: AttentionMode::Cuda,
-            dtype: Some(DType::F32),
-            fused_kernels: crate::FusedKernels::On,
-            rope_kernel,
-            ..EngineConfig::default()
-        };
-        let engine = Engine::new(&policy, cfg, Device::Cpu).unwrap();
-        let out = engine.generate(reqs.clone()).unwrap();
-        let stats = engine.stats();
-        (out, stats.cost.attention_ops, stats.num_iterations)
-    };
-    let (want, plain_ops, iterations) = run(false);
-    let (got, ops, _) = run(true);
+    let engine = Engine::new(policy, cfg, Device::Cpu).unwrap();
+    let out = engine.generate(requests(policy.config.vocab_size)).unwrap();
+    let stats = engine.stats();
+    let ops = (stats.cost.attention_ops, stats.cost.layer_ops);
+    (out, ops, stats.num_iterations)
+}
+
+/// With `engine.rope_kernel` the engine on the emulated kernels generates exactly what it
+/// generates without, and every layer of every iteration ran `qkv_rope`: in f32 the kernel
+/// is the model's bias add, split and rotation bit for bit.
+#[test]
+fn the_rope_kernel_changes_no_token_or_logprob() {
+    let policy = qwen2_policy();
+    let (want, (plain_ops, _), iterations) = run_qwen2(&policy, (false, false));
+    let (got, (ops, _), _) = run_qwen2(&policy, (true, false));
     let layers = policy.config.num_hidden_layers as u64;
     assert_eq!(
         ops - plain_ops,
@@ -149,6 +162,35 @@ fn the_rope_kernel_changes_no_token_or_logprob() {
             assert_eq!(g.logprobs, w.logprobs, "request {r} sample {s}");
         }
     }
+}
+
+/// With `engine.layer_kernels` (and the rope kernel) the engine on the emulated kernels
+/// generates the tokens it generates without, logprobs within 1e-4 (in f32 the kernels round
+/// as the model's ops do, the RMSNorm's sum of squares taken in another order), and each
+/// layer of each iteration launched three (two add-and-norms, a gated product), the final
+/// norm one more.
+#[test]
+fn the_layer_kernels_keep_every_token() {
+    let policy = qwen2_policy();
+    let (want, (_, none), _) = run_qwen2(&policy, (true, false));
+    let (got, (_, launches), iterations) = run_qwen2(&policy, (true, true));
+    let layers = policy.config.num_hidden_layers;
+    assert_eq!(none, 0);
+    assert_eq!(launches, ((3 * layers + 1) * iterations) as u64);
+    let mut tokens = 0;
+    for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+        for (s, (g, w)) in g.iter().zip(w).enumerate() {
+            assert_eq!(g.token_ids, w.token_ids, "request {r} sample {s}");
+            for (t, (a, b)) in g.logprobs.iter().zip(&w.logprobs).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-4,
+                    "request {r} sample {s} token {t}: {a} vs {b}"
+                );
+            }
+            tokens += g.token_ids.len();
+        }
+    }
+    assert!(tokens > 100, "{tokens} tokens compared");
 }
 
 /// One iteration of `seqs` ((sequence, cached tokens, new tokens, block table)) through
@@ -208,7 +250,7 @@ fn a_failed_iteration_leaves_no_table_entry_stale() {
     let fresh = || {
         let cache = TensorKvCache::new(shape, DType::F32, &Device::Cpu).unwrap();
         (
-            CudaAttention::new(&model, &Device::Cpu, (false, false)).unwrap(),
+            CudaAttention::new(&model, &Device::Cpu, Switches::default()).unwrap(),
             cache,
         )
     };

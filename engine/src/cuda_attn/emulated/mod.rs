@@ -18,6 +18,7 @@ use crate::kernel_emu::{Args, Emulator};
 mod backend;
 #[cfg(not(feature = "cuda"))]
 mod engine;
+pub(super) mod layer;
 mod rope;
 mod tests;
 
@@ -28,7 +29,15 @@ pub(super) use backend::Backend;
 pub(super) const MULTIPROCESSORS: usize = 132;
 
 static KERNELS: LazyLock<Emulator> = LazyLock::new(|| {
-    let names: Vec<String> = ["qkv_rope", "write_slots", "paged_attention", "paged_reduce"]
+    let kernels = [
+        "add_rms_norm",
+        "silu_mul",
+        "qkv_rope",
+        "write_slots",
+        "paged_attention",
+        "paged_reduce",
+    ];
+    let names: Vec<String> = kernels
         .iter()
         .flat_map(|k| ["f32", "bf16", "f16"].map(|t| format!("{k}_{t}")))
         .chain(["write_table_entries".to_string()])

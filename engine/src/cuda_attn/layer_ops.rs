@@ -1,0 +1,263 @@
+//! The layer's elementwise steps by kernels/paged_attention.cu's `add_rms_norm` and
+//! `silu_mul` (`engine.layer_kernels`): the residual sum with the RMSNorm that reads it, and
+//! the gated MLP's product straight from the concatenated gate/up projection, one launch
+//! each where candle takes two or three ops (two of them over strided halves). On a GPU they
+//! launch on candle's stream; in the engine's unit tests the CPU runs the same source
+//! (`super::emulated`).
+
+use std::cell::Cell;
+
+use candle_core::{bail, CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Tensor};
+
+/// The kernels, as the backends hand them to the model, counting their launches.
+#[derive(Debug, Default)]
+pub struct LayerOps {
+    pub launches: Cell<u64>,
+}
+
+impl dppo_model::LayerKernels for LayerOps {
+    fn add_rms_norm(
+        &self,
+        x: &Tensor,
+        residual: Option<&Tensor>,
+        weight: &Tensor,
+        eps: f64,
+    ) -> Result<(Tensor, Tensor)> {
+        let x = x.contiguous()?;
+        let op = AddNorm {
+            has_residual: residual.is_some(),
+            eps: eps as f32,
+        };
+        let r = match residual {
+            Some(r) => r.contiguous()?,
+            None => x.clone(),
+        };
+        let out = x.apply_op3_no_bwd(&r, &weight.contiguous()?, &op)?;
+        self.launches.set(self.launches.get() + 1);
+        let (sum, normed) = (out.get(0)?, out.get(1)?);
+        Ok((if residual.is_some() { sum } else { x }, normed))
+    }
+
+    fn silu_mul_halves(&self, gate_up: &Tensor) -> Result<Tensor> {
+        let out = gate_up.contiguous()?.apply_op1_no_bwd(&SiluMul)?;
+        self.launches.set(self.launches.get() + 1);
+        Ok(out)
+    }
+}
+
+/// `add_rms_norm` of x, the residual (x itself when `!has_residual`) and the norm's weight:
+/// out (2, rows, width), the sum then the normed rows.
+pub(super) struct AddNorm {
+    pub(super) has_residual: bool,
+    pub(super) eps: f32,
+}
+
+impl AddNorm {
+    /// Rows and width of `x` (rows, width), checked against the residual and the weight.
+    fn dims(&self, (xl, rl, wl): (&Layout, &Layout, &Layout)) -> Result<(usize, usize)> {
+        let (rows, width) = xl.shape().dims2()?;
+        if rl.shape() != xl.shape() || wl.shape().elem_count() != width {
+            bail!(
+                "add_rms_norm: x {:?}, residual {:?} and weight {:?} do not agree",
+                xl.shape(),
+                rl.shape(),
+                wl.shape()
+            );
+        }
+        Ok((rows, width))
+    }
+}
+
+impl CustomOp3 for AddNorm {
+    fn name(&self) -> &'static str {
+        "dppo-add-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        xl: &Layout,
+        r: &CpuStorage,
+        rl: &Layout,
+        w: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (rows, width) = self.dims((xl, rl, wl))?;
+        #[cfg(all(test, target_os = "linux"))]
+        {
+            let out = super::emulated::layer::add_rms_norm(self, (x, xl), (r, rl), (w, wl))?;
+            Ok((out, Shape::from((2, rows, width))))
+        }
+        #[cfg(not(all(test, target_os = "linux")))]
+        {
+            let _ = (x, r, w, rows, width);
+            bail!("add_rms_norm runs on a GPU only")
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        xl: &Layout,
+        r: &candle_core::CudaStorage,
+        rl: &Layout,
+        w: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (rows, width) = self.dims((xl, rl, wl))?;
+        let out = on_gpu::add_rms_norm(self, (x, xl), (r, rl), (w, wl), rows)?;
+        Ok((out, Shape::from((2, rows, width))))
+    }
+}
+
+/// `silu_mul` of the (rows, 2 * width) projection: out (rows, width).
+pub(super) struct SiluMul;
+
+impl SiluMul {
+    /// Rows and the output's width of a (rows, 2 * width) projection.
+    fn dims(layout: &Layout) -> Result<(usize, usize)> {
+        let (rows, both) = layout.shape().dims2()?;
+        if both % 2 != 0 {
+            bail!("silu_mul: a projection of odd width {both}");
+        }
+        Ok((rows, both / 2))
+    }
+}
+
+impl CustomOp1 for SiluMul {
+    fn name(&self) -> &'static str {
+        "dppo-silu-mul"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (rows, width) = Self::dims(l)?;
+        #[cfg(all(test, target_os = "linux"))]
+        {
+            let out = super::emulated::layer::silu_mul((s, l), width)?;
+            Ok((out, Shape::from((rows, width))))
+        }
+        #[cfg(not(all(test, target_os = "linux")))]
+        {
+            let _ = (s, rows, width);
+            bail!("silu_mul runs on a GPU only")
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (rows, width) = Self::dims(l)?;
+        let out = on_gpu::silu_mul((s, l), rows, width)?;
+        Ok((out, Shape::from((rows, width))))
+    }
+}
+
+/// The launches on candle's stream.
+#[cfg(feature = "cuda")]
+mod on_gpu {
+    use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
+    use candle_core::cuda_backend::{CudaDType, CudaStorage, WrapErr};
+    use candle_core::{bail, DType, Layout, Result};
+
+    use super::AddNorm;
+    use crate::cuda_attn::launch::{config, elements, function};
+    use crate::cuda_attn::params;
+    use crate::cuda_attn::{norm_geometry, silu_geometry};
+
+    /// `add_rms_norm` of `rows` rows: (2, rows, width) out.
+    pub(super) fn add_rms_norm(
+        op: &AddNorm,
+        x: (&CudaStorage, &Layout),
+        r: (&CudaStorage, &Layout),
+        w: (&CudaStorage, &Layout),
+        rows: usize,
+    ) -> Result<CudaStorage> {
+        match x.0.dtype() {
+            DType::F32 => norm::<f32>(op, x, r, w, rows),
+            DType::BF16 => norm::<half::bf16>(op, x, r, w, rows),
+            DType::F16 => norm::<half::f16>(op, x, r, w, rows),
+            other => bail!("add_rms_norm: no kernel for {other:?}"),
+        }
+    }
+
+    fn norm<T: CudaDType + DeviceRepr>(
+        op: &AddNorm,
+        (x, xl): (&CudaStorage, &Layout),
+        (r, rl): (&CudaStorage, &Layout),
+        (w, wl): (&CudaStorage, &Layout),
+        rows: usize,
+    ) -> Result<CudaStorage> {
+        let width = wl.shape().elem_count();
+        let device = &x.device;
+        let (xs, rs, ws) = (
+            elements::<T>(x, xl, "add_rms_norm's x")?,
+            elements::<T>(r, rl, "add_rms_norm's residual")?,
+            elements::<T>(w, wl, "add_rms_norm's weight")?,
+        );
+        // SAFETY: the kernel writes every element: each row's sum and normed values.
+        let mut out = unsafe { device.alloc::<T>(2 * rows * width) }?;
+        let (width_arg, has_residual) = (width as u32, u32::from(op.has_residual));
+        let stream = device.cuda_stream();
+        let func = function(device, "add_rms_norm", Some(x.dtype()))?;
+        let mut launch = stream.launch_builder(&func);
+        params::AddRmsNorm {
+            x: &xs,
+            r: &rs,
+            weight: &ws,
+            out: &mut out,
+            width: &width_arg,
+            has_residual: &has_residual,
+            eps: &op.eps,
+        }
+        .push_to(&mut launch);
+        // SAFETY: the arguments are `add_rms_norm`'s list in kernels/paged_attention.cu; x,
+        // the residual and the output hold `rows` rows of `width`, the weight `width`.
+        unsafe { launch.launch(config(norm_geometry(rows))) }.w()?;
+        Ok(T::wrap_cuda_slice(out, device.clone()))
+    }
+
+    /// `silu_mul` of a (rows, 2 * width) projection: (rows, width) out.
+    pub(super) fn silu_mul(
+        s: (&CudaStorage, &Layout),
+        rows: usize,
+        width: usize,
+    ) -> Result<CudaStorage> {
+        match s.0.dtype() {
+            DType::F32 => gated::<f32>(s, rows, width),
+            DType::BF16 => gated::<half::bf16>(s, rows, width),
+            DType::F16 => gated::<half::f16>(s, rows, width),
+            other => bail!("silu_mul: no kernel for {other:?}"),
+        }
+    }
+
+    fn gated<T: CudaDType + DeviceRepr>(
+        (s, l): (&CudaStorage, &Layout),
+        rows: usize,
+        width: usize,
+    ) -> Result<CudaStorage> {
+        let device = &s.device;
+        let gate_up = elements::<T>(s, l, "silu_mul's projection")?;
+        let total = rows * width;
+        // SAFETY: the kernel writes every element (its threads stride over all of them).
+        let mut out = unsafe { device.alloc::<T>(total) }?;
+        let (width_arg, total_arg) = (width as u32, total as u32);
+        let stream = device.cuda_stream();
+        let func = function(device, "silu_mul", Some(s.dtype()))?;
+        let mut launch = stream.launch_builder(&func);
+        params::SiluMul {
+            gate_up: &gate_up,
+            out: &mut out,
+            width: &width_arg,
+            total: &total_arg,
+        }
+        .push_to(&mut launch);
+        // SAFETY: the arguments are `silu_mul`'s list in kernels/paged_attention.cu; the
+        // projection holds `rows` rows of 2 * width, the output `total` values.
+        unsafe { launch.launch(config(silu_geometry(total))) }.w()?;
+        Ok(T::wrap_cuda_slice(out, device.clone()))
+    }
+}
