@@ -120,6 +120,7 @@ fn one_case(case: &Case, dtype: DType, device: &Device, min_blocks: usize) -> Re
         index: &index,
         tables: &tables,
         rope_kernel: false,
+        layer_ops: None,
         rotations: 0,
     }
     .attend(0, &q, &k, &v)?;

@@ -159,6 +159,7 @@ impl CustomOp1 for SiluMul {
 /// The launches on candle's stream.
 #[cfg(feature = "cuda")]
 mod on_gpu {
+    use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
     use candle_core::cuda_backend::{CudaDType, CudaStorage, WrapErr};
     use candle_core::{bail, DType, Layout, Result};
