@@ -63,7 +63,7 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
         "rollout-qwen2.5-0.5b-cuda-attn",
         "rollout-qwen2.5-0.5b-untracked",
         "rollout-qwen2.5-0.5b-no-rope-kernel",
-        "rollout-qwen2.5-0.5b-layer-kernels",
+        "rollout-qwen2.5-0.5b-no-layer-kernels",
         "rollout-qwen2.5-0.5b-full",
         "rollout-qwen2.5-0.5b-full-cuda-attn",
         "rollout-qwen2.5-0.5b-timed",
@@ -164,10 +164,10 @@ fn gpu_check_profile_dry_run_runs_the_rollouts_and_skips_the_profiles() {
             ("doctor", "ok"),
             (&*format!("{main}-cuda-attn"), "ok"),
             (&*format!("{main}-full-cuda-attn"), "ok"),
-            (&*format!("{main}-cuda-attn-layer-kernels"), "ok"),
-            (&*format!("{main}-full-cuda-attn-layer-kernels"), "ok"),
+            (&*format!("{main}-cuda-attn-no-layer-kernels"), "ok"),
+            (&*format!("{main}-full-cuda-attn-no-layer-kernels"), "ok"),
             ("profile-qwen2.5-0.5b-b256", "skipped"),
-            ("profile-qwen2.5-0.5b-b256-layer-kernels", "skipped"),
+            ("profile-qwen2.5-0.5b-b256-no-layer-kernels", "skipped"),
         ],
         "{text}"
     );

@@ -56,8 +56,8 @@ pub struct EngineConfig {
     /// passed `dppo doctor` on an H200; the other backends ignore it).
     pub rope_kernel: bool,
     /// With the paged CUDA kernels, the residual add with the RMSNorm after it, and the gated
-    /// MLP's SiLU product, by kernels of their own (`engine.layer_kernels`; off until
-    /// `dppo doctor` has passed them on a GPU).
+    /// MLP's SiLU product, by kernels of their own (`engine.layer_kernels`; on by default: they
+    /// passed `dppo doctor` on an H200; the other backends ignore it).
     pub layer_kernels: bool,
     /// Synchronise the device around each layer's attention and after the forward pass, so
     /// that the iteration costs split the device's time between attention, the rest of the
@@ -88,7 +88,7 @@ impl Default for EngineConfig {
             sampling: SamplingPlace::Auto,
             fused_kernels: FusedKernels::Auto,
             rope_kernel: true,
-            layer_kernels: false,
+            layer_kernels: true,
             time_device: false,
         }
     }

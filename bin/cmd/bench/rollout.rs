@@ -59,8 +59,10 @@ pub struct RolloutArgs {
           action = clap::ArgAction::Set)]
     rope_kernel: bool,
     /// The residual add with its RMSNorm and the gated MLP's product by kernels of dppo's
-    /// own, as `engine.layer_kernels` (the paged CUDA kernels' path only).
-    #[arg(long)]
+    /// own, as `engine.layer_kernels`: true (the default; the paged CUDA kernels' path only)
+    /// or false; the flag alone means true.
+    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true",
+          action = clap::ArgAction::Set)]
     layer_kernels: bool,
     /// The attention backend, as `engine.attention`: auto, cpu, generic or cuda.
     #[arg(long, default_value = "auto", value_parser = parse_attention)]

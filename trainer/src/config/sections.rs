@@ -317,7 +317,7 @@ pub struct EngineSettings {
     /// kernel of dppo's own (on; checked on an H200).
     pub rope_kernel: bool,
     /// With the paged CUDA kernels, the residual add with its RMSNorm and the gated MLP's
-    /// product by kernels of dppo's own (off until checked on a GPU).
+    /// product by kernels of dppo's own (on; checked on an H200).
     pub layer_kernels: bool,
 }
 
@@ -330,7 +330,7 @@ impl Default for EngineSettings {
             sampling: SamplingPlace::Auto,
             fused_kernels: FusedKernels::Auto,
             rope_kernel: true,
-            layer_kernels: false,
+            layer_kernels: true,
         }
     }
 }
