@@ -230,7 +230,8 @@ def targets(steps):
 
 
 # Nsight Compute's time units (`--print-units base` gives nanoseconds; others are scaled).
-UNITS_NS = {"nsecond": 1.0, "usecond": 1e3, "msecond": 1e6, "second": 1e9}
+UNITS_NS = {"nsecond": 1.0, "usecond": 1e3, "msecond": 1e6, "second": 1e9,
+            "ns": 1.0, "us": 1e3, "ms": 1e6, "s": 1e9}
 # The engine's sampling kernel ends every iteration that samples.
 STEP_END = "gumbel_sample"
 
@@ -244,29 +245,40 @@ def kernel_times(path):
     if header is None:
         raise ValueError(f"{path}: no 'Kernel Name' column (not an ncu raw-page CSV export)")
     name_col = header.index("Kernel Name")
+    id_col = header.index("ID") if "ID" in header else 0
     time_col = next((i for i, c in enumerate(header) if c.startswith("gpu__time_duration")), None)
     if time_col is None:
         raise ValueError(f"{path}: no gpu__time_duration column")
     scale, out = 1.0, []
-    for row in rows[rows.index(header) + 1:]:
-        if len(row) <= max(name_col, time_col):
+    for line, row in enumerate(rows[rows.index(header) + 1:], rows.index(header) + 2):
+        if len(row) <= max(name_col, time_col, id_col):
             continue
-        if not row[0].strip().isdigit():
-            scale = UNITS_NS.get(row[time_col].strip(), scale)
+        if not row[id_col].strip().isdigit():
+            unit = row[time_col].strip()
+            if unit not in UNITS_NS:
+                raise ValueError(f"{path}:{line}: unknown time unit {unit!r}")
+            scale = UNITS_NS[unit]
             continue
         value = row[time_col].replace(",", "").strip()
-        if value:
+        try:
             out.append((row[name_col], float(value) * scale))
+        except ValueError:
+            # A launch without its time would merge two iterations' averages silently.
+            raise ValueError(f"{path}:{line}: {row[name_col]!r} has no time ({value!r})")
     return out
 
 
 def kind_of(name):
-    """The group a kernel counts in: cuBLAS's GEMMs, the paged kernels, candle's ops."""
+    """The group a kernel counts in: cuBLAS's GEMMs (and their split-K reductions), dppo's
+    paged and layer kernels, sampling, candle's ops."""
     low = name.lower()
-    if any(k in low for k in ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "sm80_")):
+    if any(k in low for k in ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "sm80_",
+                              "splitkreduce")):
         return "gemm"
     if low.startswith(("paged_", "write_slots", "write_table", "qkv_rope")):
         return "paged kernels"
+    if low.startswith(("add_rms_norm", "silu_mul")):
+        return "layer kernels"
     if low.startswith(STEP_END):
         return "sampling"
     return "other"

@@ -28,6 +28,31 @@ struct Compiled {
     /// Only a successful compile is kept: an error (a stale one cudarc reports from an
     /// earlier call, say) is tried again at the next launch.
     ptx: Option<Arc<str>>,
+    /// The functions looked up so far, by name.
+    functions: Vec<(String, CudaFunction)>,
+}
+
+/// The entry of `device`'s GPU in `compiled`, added (with its architecture) on first use.
+fn entry_for<'a>(compiled: &'a mut Vec<Compiled>, device: &CudaDevice) -> Result<&'a mut Compiled> {
+    let context = device.cuda_stream().context().clone();
+    let ordinal = context.ordinal();
+    let at = match compiled.iter().position(|c| c.ordinal == ordinal) {
+        Some(at) => at,
+        None => {
+            let cap = |a| context.attribute(a).map_err(candle_core::Error::wrap);
+            let major = cap(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+            let minor = cap(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+            let arch = format!("compute_{major}{minor}").into_boxed_str();
+            compiled.push(Compiled {
+                ordinal,
+                arch: Box::leak(arch),
+                ptx: None,
+                functions: Vec::new(),
+            });
+            compiled.len() - 1
+        }
+    };
+    Ok(&mut compiled[at])
 }
 
 impl Module {
@@ -40,33 +65,24 @@ impl Module {
         }
     }
 
-    /// Kernel `function` of this module on `device`, compiling the module on first use.
+    /// Kernel `function` of this module on `device`, compiling the module on first use and
+    /// looking the function up once (a launch then costs no driver call to find it).
     pub(crate) fn function(&self, device: &CudaDevice, function: &str) -> Result<CudaFunction> {
-        let func = device.get_or_load_custom_func(function, self.name, &self.ptx(device)?)?;
-        Ok(func.into_cuda_function())
+        let mut compiled = self.compiled.lock().unwrap_or_else(|e| e.into_inner());
+        let entry = entry_for(&mut compiled, device)?;
+        if let Some((_, func)) = entry.functions.iter().find(|(name, _)| name == function) {
+            return Ok(func.clone());
+        }
+        let ptx = self.ptx(entry)?;
+        let func = device
+            .get_or_load_custom_func(function, self.name, &ptx)?
+            .into_cuda_function();
+        entry.functions.push((function.to_string(), func.clone()));
+        Ok(func)
     }
 
-    /// The module's PTX for `device`'s compute capability, compiled once per GPU.
-    fn ptx(&self, device: &CudaDevice) -> Result<Arc<str>> {
-        let context = device.cuda_stream().context().clone();
-        let ordinal = context.ordinal();
-        let mut compiled = self.compiled.lock().unwrap_or_else(|e| e.into_inner());
-        let at = match compiled.iter().position(|c| c.ordinal == ordinal) {
-            Some(at) => at,
-            None => {
-                let cap = |a| context.attribute(a).map_err(candle_core::Error::wrap);
-                let major = cap(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
-                let minor = cap(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
-                let arch = format!("compute_{major}{minor}").into_boxed_str();
-                compiled.push(Compiled {
-                    ordinal,
-                    arch: Box::leak(arch),
-                    ptx: None,
-                });
-                compiled.len() - 1
-            }
-        };
-        let entry = &mut compiled[at];
+    /// The module's PTX for `entry`'s GPU, compiled once.
+    fn ptx(&self, entry: &mut Compiled) -> Result<Arc<str>> {
         if let Some(ptx) = &entry.ptx {
             return Ok(ptx.clone());
         }

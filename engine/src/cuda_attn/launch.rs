@@ -1,13 +1,12 @@
 //! Queues kernels/paged_attention.cu on candle's CUDA stream: the K/V writes as in-place ops
 //! on the pool's tensors, the attention and the merge of its splits as one custom op whose
 //! output is a new tensor, and with `engine.rope_kernel` the projection's bias and rotation as
-//! one custom op before them. The plan's tiles and slots go to the device once per iteration;
-//! the block tables stay there ([`DeviceTables`]), changed entry by entry.
+//! one custom op before them (`engine.layer_kernels`' ops are `super::layer_ops`). The plan's
+//! tiles and slots go to the device once per iteration; the block tables stay there
+//! ([`DeviceTables`]), changed entry by entry.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaSlice, DeviceRepr, LaunchConfig,
-};
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr};
 use candle_core::cuda_backend::{CudaDType, CudaStorage, WrapErr};
 use candle_core::{
     bail, CpuStorage, CudaDevice, CustomOp3, DType, Device, InplaceOp2, Layout, Result, Shape,
@@ -15,15 +14,12 @@ use candle_core::{
 };
 use dppo_model::{AttentionBackend, LayerKernels, RopeAt};
 
+use super::gpu::{config, elements, function};
 use super::layer_ops::LayerOps;
 use super::params::{self, Scalars};
 use super::tables::TableCopy;
-use super::{attend_rotated, table_write_geometry, Geometry, KernelPlan, SOURCE};
+use super::{attend_rotated, table_write_geometry, KernelPlan};
 use crate::generic_attn::TensorKvCache;
-
-/// kernels/paged_attention.cu as the GPU loads it.
-static MODULE: crate::nvrtc::Module =
-    crate::nvrtc::Module::new("dppo_paged_attention", "kernels/paged_attention.cu", SOURCE);
 
 /// A plan and its tiles and slots on the device, for one iteration.
 pub struct CudaIndex {
@@ -81,15 +77,6 @@ impl TableCopy for DeviceTables {
         // the mirror of this table, so it lies inside it.
         unsafe { launch.launch(cfg) }.w()?;
         Ok(())
-    }
-}
-
-/// `g` as cudarc takes it.
-pub(super) fn config(g: Geometry) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: g.grid,
-        block_dim: g.block,
-        shared_mem_bytes: g.shared_bytes,
     }
 }
 
@@ -204,18 +191,6 @@ impl CustomOp3 for Rotate<'_> {
     }
 }
 
-/// `storage`'s contiguous elements of type `T` (`what` names the input in errors).
-pub(super) fn elements<'a, T: CudaDType>(
-    storage: &'a CudaStorage,
-    layout: &Layout,
-    what: &str,
-) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
-    let Some((start, end)) = layout.contiguous_offsets() else {
-        bail!("{what} is not contiguous");
-    };
-    Ok(storage.as_cuda_slice::<T>()?.slice(start..end))
-}
-
 fn rotate<T: CudaDType + DeviceRepr>(
     op: &Rotate<'_>,
     (qkv, l): (&CudaStorage, &Layout),
@@ -274,30 +249,6 @@ fn rotate<T: CudaDType + DeviceRepr>(
     // of the projection, the bias, the angles and the output were checked against the plan.
     unsafe { launch.launch(config(plan.rope_geometry())) }.w()?;
     Ok(T::wrap_cuda_slice(out, device.clone()))
-}
-
-/// The kernels' suffix for `dtype`.
-fn suffix(dtype: DType) -> Result<&'static str> {
-    Ok(match dtype {
-        DType::F32 => "f32",
-        DType::BF16 => "bf16",
-        DType::F16 => "f16",
-        other => bail!("cuda attention: no kernels for {other:?}"),
-    })
-}
-
-/// Loads `name` (for `dtype`, where it has a version per dtype) from the module, compiling
-/// it (once per process) on first use.
-pub(super) fn function(
-    device: &CudaDevice,
-    name: &str,
-    dtype: Option<DType>,
-) -> Result<CudaFunction> {
-    let name = match dtype {
-        Some(dtype) => format!("{name}_{}", suffix(dtype)?),
-        None => name.to_string(),
-    };
-    MODULE.function(device, &name)
 }
 
 /// Writes the batch's K (or V) rows into their slots of one layer's pool tensor.

@@ -56,6 +56,9 @@ impl AddNorm {
     /// Rows and width of `x` (rows, width), checked against the residual and the weight.
     fn dims(&self, (xl, rl, wl): (&Layout, &Layout, &Layout)) -> Result<(usize, usize)> {
         let (rows, width) = xl.shape().dims2()?;
+        if 2 * rows * width > u32::MAX as usize {
+            bail!("add_rms_norm: {rows} rows of {width} is more than the kernel indexes");
+        }
         if rl.shape() != xl.shape() || wl.shape().elem_count() != width {
             bail!(
                 "add_rms_norm: x {:?}, residual {:?} and weight {:?} do not agree",
@@ -85,7 +88,8 @@ impl CustomOp3 for AddNorm {
         let (rows, width) = self.dims((xl, rl, wl))?;
         #[cfg(all(test, target_os = "linux"))]
         {
-            let out = super::emulated::layer::add_rms_norm(self, (x, xl), (r, rl), (w, wl))?;
+            let op = (self.has_residual, self.eps);
+            let out = super::emulated::layer::add_rms_norm(op, (x, xl), (r, rl), (w, wl))?;
             Ok((out, Shape::from((2, rows, width))))
         }
         #[cfg(not(all(test, target_os = "linux")))]
@@ -120,6 +124,10 @@ impl SiluMul {
         let (rows, both) = layout.shape().dims2()?;
         if both % 2 != 0 {
             bail!("silu_mul: a projection of odd width {both}");
+        }
+        // The kernel's grid-stride index must not wrap.
+        if rows * both > (u32::MAX / 2) as usize {
+            bail!("silu_mul: {rows} rows of {both} is more than the kernel indexes");
         }
         Ok((rows, both / 2))
     }
@@ -165,7 +173,7 @@ mod on_gpu {
     use candle_core::{bail, DType, Layout, Result};
 
     use super::AddNorm;
-    use crate::cuda_attn::launch::{config, elements, function};
+    use crate::cuda_attn::gpu::{config, elements, function};
     use crate::cuda_attn::params;
     use crate::cuda_attn::{norm_geometry, silu_geometry};
 
@@ -260,5 +268,100 @@ mod on_gpu {
         // projection holds `rows` rows of 2 * width, the output `total` values.
         unsafe { launch.launch(config(silu_geometry(total))) }.w()?;
         Ok(T::wrap_cuda_slice(out, device.clone()))
+    }
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use candle_core::{DType, Device, Tensor};
+    use dppo_model::LayerKernels;
+
+    use super::LayerOps;
+
+    /// Largest difference between `a` and `b` relative to `b`'s magnitude (at least 1).
+    fn worst(a: &Tensor, b: &Tensor) -> f32 {
+        let f = |t: &Tensor| {
+            let t = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+            t.to_vec1::<f32>().unwrap()
+        };
+        f(a).iter()
+            .zip(f(b))
+            .map(|(x, y)| (x - y).abs() / y.abs().max(1.0))
+            .fold(
+                0f32,
+                |m, d| if d.is_nan() { f32::INFINITY } else { m.max(d) },
+            )
+    }
+
+    /// The kernels compute what the model's ops compute: the residual sum exactly, its
+    /// RMSNorm within two of the dtype's rounding steps of candle-nn's (which also rounds
+    /// once), without a residual too; silu(gate) * up from the projection's halves within one
+    /// step of silu computed in f32 and rounded, times up, rounded. Widths that leave threads idle, and one projection
+    /// larger than the silu kernel's grid, so that its threads stride.
+    #[test]
+    fn the_layer_kernels_compute_the_models_ops() {
+        let dev = Device::Cpu;
+        // A dtype's rounding step, relative: f32's reduction order is another matter, 1e-6.
+        let dtypes = [
+            (DType::F32, 1e-6),
+            (DType::BF16, 7.9e-3),
+            (DType::F16, 9.8e-4),
+        ];
+        for (rows, width) in [(5, 96), (3, 896), (130, 40), (520, 2048)] {
+            let x = Tensor::randn(0f32, 1.0, (rows, width), &dev).unwrap();
+            let r = Tensor::randn(0f32, 1.0, (rows, width), &dev).unwrap();
+            let w = Tensor::randn(1f32, 0.2, width, &dev).unwrap();
+            let gate_up = Tensor::randn(0f32, 2.0, (rows, 2 * width), &dev).unwrap();
+            // The largest case is for the silu kernel's stride, in f32 only.
+            let dtypes = if rows > 256 {
+                &dtypes[..1]
+            } else {
+                &dtypes[..]
+            };
+            for &(dtype, tol) in dtypes {
+                let c = |t: &Tensor| t.to_dtype(dtype).unwrap();
+                for residual in [None, Some(c(&r))] {
+                    let (sum, normed) = LayerOps::default()
+                        .add_rms_norm(&c(&x), residual.as_ref(), &c(&w), 1e-6)
+                        .unwrap();
+                    let want_sum = match &residual {
+                        Some(r) => {
+                            let want = (c(&x) + r).unwrap();
+                            // Rounded as candle's add rounds it.
+                            assert_eq!(worst(&sum, &want), 0.0, "{dtype:?} sum");
+                            want
+                        }
+                        None => c(&x),
+                    };
+                    let want = candle_nn::ops::rms_norm(&want_sum, &c(&w), 1e-6).unwrap();
+                    let d = worst(&normed, &want);
+                    assert!(d <= 2.0 * tol, "{dtype:?} {rows}x{width} norm: {d}");
+                }
+                let got = LayerOps::default().silu_mul_halves(&c(&gate_up)).unwrap();
+                let (gate, up) = (
+                    c(&gate_up).narrow(1, 0, width).unwrap(),
+                    c(&gate_up).narrow(1, width, width).unwrap(),
+                );
+                // silu in f32 from the stored inputs, rounded to the dtype, then the product
+                // rounded: the kernel's two roundings.
+                let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+                let silu = c(&dppo_model::ops::silu(&f(&gate)).unwrap());
+                let want = c(&(f(&silu) * f(&up)).unwrap());
+                let d = worst(&got, &want);
+                assert!(d <= tol, "{dtype:?} {rows}x{width} silu_mul: {d}");
+            }
+        }
+    }
+
+    /// Each call counts its launch.
+    #[test]
+    fn each_kernel_call_counts_a_launch() {
+        let ops = LayerOps::default();
+        let x = Tensor::ones((2, 64), DType::F32, &Device::Cpu).unwrap();
+        let w = Tensor::ones(64, DType::F32, &Device::Cpu).unwrap();
+        ops.add_rms_norm(&x, None, &w, 1e-6).unwrap();
+        ops.add_rms_norm(&x, Some(&x), &w, 1e-6).unwrap();
+        ops.silu_mul_halves(&x).unwrap();
+        assert_eq!(ops.launches.get(), 3);
     }
 }

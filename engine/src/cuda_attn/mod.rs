@@ -3,15 +3,18 @@
 //! instead of gathering, padding and expanding them. This module holds what the host decides
 //! for an iteration (the [`KernelPlan`]: tiles of query rows and splits of the context),
 //! built once and shared by every layer, and the block tables kept on the device between
-//! iterations ([`tables`]); `launch` (CUDA builds) queues the kernels. Without a GPU, a CPU
-//! twin of the kernels (tests) checks the plan and the algorithm against [`reference`], and
-//! `emulated` (tests) runs the kernel source itself on the CPU against the twin.
+//! iterations ([`tables`]); `launch` (CUDA builds) queues the kernels, `layer_ops` the same
+//! source's kernels for the layer's other steps (`engine.layer_kernels`). Without a GPU, a
+//! CPU twin of the kernels (tests) checks the plan and the algorithm against [`reference`],
+//! and `emulated` (tests) runs the kernel source itself on the CPU against the twin.
 
 pub mod case;
 #[cfg(feature = "cuda")]
 pub mod device_check;
 #[cfg(all(test, target_os = "linux"))]
 mod emulated;
+#[cfg(feature = "cuda")]
+mod gpu;
 #[cfg(feature = "cuda")]
 mod launch;
 #[cfg(any(all(test, target_os = "linux"), feature = "cuda"))]

@@ -73,8 +73,11 @@ fn on_gpu(
         detail,
         BUG_FIX,
     )];
+    // The attention kernels alone here; the rope and layer kernels have checks of their own.
     let base = EngineConfig {
         attention: AttentionMode::Cuda,
+        rope_kernel: false,
+        layer_kernels: false,
         ..EngineConfig::default()
     };
     checks.extend(engine_checks(

@@ -1,0 +1,57 @@
+//! kernels/paged_attention.cu on a GPU: its module, the functions looked up in it, and what
+//! every launch of its kernels needs (the launch configuration, its inputs' device slices).
+
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaView, LaunchConfig};
+use candle_core::cuda_backend::{CudaDType, CudaStorage};
+use candle_core::{bail, CudaDevice, DType, Layout, Result};
+
+use super::{Geometry, SOURCE};
+
+/// kernels/paged_attention.cu as the GPU loads it.
+static MODULE: crate::nvrtc::Module =
+    crate::nvrtc::Module::new("dppo_paged_attention", "kernels/paged_attention.cu", SOURCE);
+
+/// `g` as cudarc takes it.
+pub(super) fn config(g: Geometry) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: g.grid,
+        block_dim: g.block,
+        shared_mem_bytes: g.shared_bytes,
+    }
+}
+
+/// `storage`'s contiguous elements of type `T` (`what` names the input in errors).
+pub(super) fn elements<'a, T: CudaDType>(
+    storage: &'a CudaStorage,
+    layout: &Layout,
+    what: &str,
+) -> Result<CudaView<'a, T>> {
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        bail!("{what} is not contiguous");
+    };
+    Ok(storage.as_cuda_slice::<T>()?.slice(start..end))
+}
+
+/// The kernels' suffix for `dtype`.
+fn suffix(dtype: DType) -> Result<&'static str> {
+    Ok(match dtype {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        other => bail!("cuda attention: no kernels for {other:?}"),
+    })
+}
+
+/// Loads `name` (for `dtype`, where it has a version per dtype) from the module, compiling
+/// it (once per process) on first use.
+pub(super) fn function(
+    device: &CudaDevice,
+    name: &str,
+    dtype: Option<DType>,
+) -> Result<CudaFunction> {
+    let name = match dtype {
+        Some(dtype) => format!("{name}_{}", suffix(dtype)?),
+        None => name.to_string(),
+    };
+    MODULE.function(device, &name)
+}
