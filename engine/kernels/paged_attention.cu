@@ -101,28 +101,24 @@ __device__ void qkv_rope(const T *qkv, const T *bias, const T *cos, const T *sin
 #define NORM_THREADS 256
 
 // The residual sum and the RMSNorm after it (`engine.layer_kernels`): one block per row.
-// `out` is (2, rows, width): first x + r rounded to T, as a separate add rounds it (left
-// unwritten where !has_residual: the sum is x), then that sum's RMSNorm times `weight`, in
-// f32 and rounded once.
+// `out` is (2, rows, width): first x + r rounded to T, as a separate add rounds it (x itself
+// where !has_residual), then that sum's RMSNorm times `weight`, in f32 and rounded once.
 template <typename T>
 __device__ void add_rms_norm(const T *x, const T *r, const T *weight, T *out, unsigned int width,
                              unsigned int has_residual, float eps) {
-    // A warp's sum each, for any block of up to 1,024 threads.
-    __shared__ float warp_sums[1024 / WARP];
+    // A warp's sum each (a test holds norm_geometry's block to NORM_THREADS).
+    __shared__ float warp_sums[NORM_THREADS / WARP];
     const unsigned int row = blockIdx.x, rows = gridDim.x;
     const T *xs = x + (size_t)row * width;
     const T *rs = r + (size_t)row * width;
     T *sum = out + (size_t)row * width;
     T *normed = out + ((size_t)rows + row) * width;
-    // Without a residual the sum is x: read it back from there.
-    const T *sums = has_residual ? sum : xs;
     float squares = 0.0f;
     for (unsigned int i = threadIdx.x; i < width; i += blockDim.x) {
-        float v = to_f32(xs[i]);
-        if (has_residual) {
-            from_f32(sum[i], __fadd_rn(v, to_f32(rs[i])));
-            v = to_f32(sum[i]);
-        }
+        T s;
+        from_f32(s, has_residual ? __fadd_rn(to_f32(xs[i]), to_f32(rs[i])) : to_f32(xs[i]));
+        sum[i] = s;
+        const float v = to_f32(s);
         squares = __fadd_rn(squares, __fmul_rn(v, v));
     }
     for (unsigned int off = WARP / 2; off > 0; off /= 2)
@@ -134,7 +130,7 @@ __device__ void add_rms_norm(const T *x, const T *r, const T *weight, T *out, un
     const float scale = __fdiv_rn(1.0f, sqrtf(__fadd_rn(__fdiv_rn(total, (float)width), eps)));
     // Each thread reads back the sums it wrote itself.
     for (unsigned int i = threadIdx.x; i < width; i += blockDim.x)
-        from_f32(normed[i], __fmul_rn(__fmul_rn(to_f32(sums[i]), scale), to_f32(weight[i])));
+        from_f32(normed[i], __fmul_rn(__fmul_rn(to_f32(sum[i]), scale), to_f32(weight[i])));
 }
 
 // The gated MLP's product (`engine.layer_kernels`): `out` (rows, width) is silu(gate) * up, gate

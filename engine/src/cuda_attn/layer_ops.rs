@@ -353,6 +353,36 @@ mod tests {
         }
     }
 
+    /// Without a residual the op's first half is x itself, written in full (the model is
+    /// handed x, but the kernel writes every element it allocates).
+    #[test]
+    fn without_a_residual_the_sum_is_x() {
+        let x = Tensor::randn(0f32, 1.0, (7, 40), &Device::Cpu).unwrap();
+        let w = Tensor::randn(1f32, 0.2, 40, &Device::Cpu).unwrap();
+        let op = super::AddNorm {
+            has_residual: false,
+            eps: 1e-6,
+        };
+        for dtype in [DType::F32, DType::BF16] {
+            let x = x.to_dtype(dtype).unwrap();
+            let out = x
+                .apply_op3_no_bwd(&x, &w.to_dtype(dtype).unwrap(), &op)
+                .unwrap();
+            assert_eq!(worst(&out.get(0).unwrap(), &x), 0.0, "{dtype:?}");
+        }
+    }
+
+    /// The launch's block is the kernel's `NORM_THREADS`, which sizes its warp sums.
+    #[test]
+    fn the_norm_block_is_the_kernels() {
+        let define = crate::cuda_attn::SOURCE
+            .lines()
+            .find_map(|l| l.strip_prefix("#define NORM_THREADS "))
+            .expect("NORM_THREADS in the kernel source");
+        let threads: u32 = define.trim().parse().unwrap();
+        assert_eq!(crate::cuda_attn::norm_geometry(3).block, (threads, 1, 1));
+    }
+
     /// Each call counts its launch.
     #[test]
     fn each_kernel_call_counts_a_launch() {
