@@ -5,7 +5,7 @@
     gpu_check.py agree DPPO DEVICE OUTDIR --shapes A,B --max-tokens N --budget SECONDS
     gpu_check.py prompt-len FILE     the mean prompt length of a `bench rollout --json` output
     gpu_check.py summary OUTDIR
-    gpu_check.py profile NCU DPPO OUTDIR NAME [--launch-count N] -- ARGS...
+    gpu_check.py profile NCU DPPO OUTDIR NAME [--launch-skip N] [--launch-count N] -- ARGS...
                                      `dppo bench rollout ARGS` under Nsight Compute: the last
                                      decode steps' device time by kernel, as JSON
     gpu_check.py profile-summary CSV the same from an exported `ncu --csv --page raw`
@@ -318,7 +318,8 @@ def profile(args):
     one JSON object."""
     report = os.path.join(args.outdir, args.name)
     capture = [args.ncu, "--clock-control", "none", "--cache-control", "none", "--metrics",
-               "gpu__time_duration.sum", "--launch-count", str(args.launch_count), "-f", "-o",
+               "gpu__time_duration.sum", "--launch-skip", str(args.launch_skip),
+               "--launch-count", str(args.launch_count), "-f", "-o",
                report, "--", args.dppo, "bench", "rollout", "--json"] + args.rest
     print("capture:", " ".join(capture), file=sys.stderr, flush=True)
     run = subprocess.run(capture, stdout=sys.stderr, stderr=sys.stderr)
@@ -403,13 +404,17 @@ def main():
     r.add_argument("dppo")
     r.add_argument("outdir")
     r.add_argument("name")
+    r.add_argument("--launch-skip", type=int, default=0)
     r.add_argument("--launch-count", type=int, default=8000)
-    r.add_argument("rest", nargs=argparse.REMAINDER)
     c = sub.add_parser("profile-summary")
     c.add_argument("csv")
-    args = parser.parse_args()
-    if args.command == "profile" and args.rest[:1] == ["--"]:
-        args.rest = args.rest[1:]
+    # `profile`'s rollout arguments follow `--`, kept from argparse whole.
+    argv, rest = sys.argv[1:], []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, rest = argv[:cut], argv[cut + 1:]
+    args = parser.parse_args(argv)
+    args.rest = rest
     commands = {"agree": agree, "prompt-len": prompt_len, "summary": summary,
                 "profile": profile, "profile-summary": profile_summary}
     sys.exit(commands[args.command](args))

@@ -168,6 +168,7 @@ fn gpu_check_profile_dry_run_runs_the_rollouts_and_skips_the_profiles() {
             (&*format!("{main}-full-cuda-attn-no-layer-kernels"), "ok"),
             ("profile-qwen2.5-0.5b-b256", "skipped"),
             ("profile-qwen2.5-0.5b-b256-no-layer-kernels", "skipped"),
+            ("profile-qwen2.5-0.5b-b1024", "skipped"),
         ],
         "{text}"
     );
@@ -290,6 +291,7 @@ fn gpu_check_profile_averages_the_last_steps_by_kernel() {
             dir.path().to_str().unwrap(),
             "p",
         ])
+        .args(["--launch-skip", "5", "--launch-count", "100"])
         .args(["--", "--skip-naive", "--prompts", "1", "--samples", "1"])
         .args(["--new-tokens", "2", "--warmup-runs", "0"])
         .output()
