@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Result, Tensor};
 
 use super::case::{checked_cases, table_entries, tolerance, Case};
 use super::tables::TableCopy;
-use super::{multiprocessors, CudaIndex, CudaPagedAttention, DeviceTables};
+use super::{multiprocessors, CudaIndex, CudaPagedAttention, DeviceTables, Extras};
 use crate::diff::worst;
 use crate::generic_attn::{BatchIndex, GenericPagedAttention, TensorKvCache};
 use dppo_model::AttentionBackend;
@@ -119,9 +119,7 @@ fn one_case(case: &Case, dtype: DType, device: &Device, min_blocks: usize) -> Re
         cache: &mut cuda_cache,
         index: &index,
         tables: &tables,
-        rope_kernel: false,
-        layer_ops: None,
-        rotations: 0,
+        extras: Extras::default(),
     }
     .attend(0, &q, &k, &v)?;
 

@@ -15,10 +15,9 @@ use candle_core::{
 use dppo_model::{AttentionBackend, LayerKernels, RopeAt};
 
 use super::gpu::{config, elements, function};
-use super::layer_ops::LayerOps;
 use super::params::{self, Scalars};
 use super::tables::TableCopy;
-use super::{attend_rotated, table_write_geometry, KernelPlan};
+use super::{attend_rotated, table_write_geometry, Extras, KernelPlan};
 use crate::generic_attn::TensorKvCache;
 
 /// A plan and its tiles and slots on the device, for one iteration.
@@ -103,12 +102,8 @@ pub struct CudaPagedAttention<'a> {
     pub cache: &'a mut TensorKvCache,
     pub index: &'a CudaIndex,
     pub tables: &'a DeviceTables,
-    /// `engine.rope_kernel`.
-    pub rope_kernel: bool,
-    /// `engine.layer_kernels`: the kernels, where on.
-    pub layer_ops: Option<LayerOps>,
-    /// `qkv_rope` launches so far (the attention's counted ops).
-    pub rotations: u64,
+    /// The rope and layer kernels.
+    pub(crate) extras: Extras,
 }
 
 impl AttentionBackend for CudaPagedAttention<'_> {
@@ -124,7 +119,7 @@ impl AttentionBackend for CudaPagedAttention<'_> {
     }
 
     fn takes_projection(&self) -> bool {
-        self.rope_kernel
+        self.extras.rope_kernel
     }
 
     fn attend_projected(
@@ -135,7 +130,7 @@ impl AttentionBackend for CudaPagedAttention<'_> {
         rope: &RopeAt,
     ) -> Result<Tensor> {
         let plan = &self.index.plan;
-        self.rotations += 1;
+        self.extras.rotations += 1;
         attend_rotated(
             self,
             &Rotate { plan, bias },
@@ -145,7 +140,7 @@ impl AttentionBackend for CudaPagedAttention<'_> {
     }
 
     fn layer_kernels(&self) -> Option<&dyn LayerKernels> {
-        self.layer_ops.as_ref().map(|k| k as &dyn LayerKernels)
+        self.extras.layer_kernels()
     }
 }
 

@@ -64,6 +64,43 @@ const NORM_THREADS: u32 = 256;
 const SILU_THREADS: u32 = 256;
 const SILU_MAX_BLOCKS: u32 = 4096;
 
+/// What a launcher's backend runs besides the attention, as [`Switches`] say: `qkv_rope`
+/// (`engine.rope_kernel`) and the layer kernels (`engine.layer_kernels`), launches counted.
+#[cfg(any(all(test, target_os = "linux"), feature = "cuda"))]
+#[derive(Debug, Default)]
+pub(crate) struct Extras {
+    /// `engine.rope_kernel`.
+    pub rope_kernel: bool,
+    /// `qkv_rope` launches so far.
+    pub rotations: u64,
+    /// `engine.layer_kernels`: the kernels, where on.
+    pub layer_ops: Option<layer_ops::LayerOps>,
+}
+
+#[cfg(any(all(test, target_os = "linux"), feature = "cuda"))]
+impl Extras {
+    pub(crate) fn of(switches: Switches) -> Self {
+        Self {
+            rope_kernel: switches.rope_kernel,
+            rotations: 0,
+            layer_ops: switches.layer_kernels.then(layer_ops::LayerOps::default),
+        }
+    }
+
+    /// The backend's [`AttentionBackend::layer_kernels`].
+    pub(crate) fn layer_kernels(&self) -> Option<&dyn dppo_model::LayerKernels> {
+        self.layer_ops
+            .as_ref()
+            .map(|k| k as &dyn dppo_model::LayerKernels)
+    }
+
+    /// Adds the launches to `cost`, `qkv_rope`'s to the attention's ops.
+    pub(crate) fn count(self, cost: &mut crate::cost::IterationCost) {
+        cost.attention_ops += self.rotations;
+        cost.layer_ops += self.layer_ops.map_or(0, |k| k.launches.get());
+    }
+}
+
 /// `attend_projected` of both launchers: `rotate` (their `qkv_rope` op) turns the projection
 /// `qkv` and the angles of `rope` into q, k and v as three contiguous segments of one flat
 /// tensor, (tokens, heads, head_dim) then (tokens, kv_heads, head_dim) twice, which

@@ -4,9 +4,9 @@
 use candle_core::{Device, Result, Tensor};
 use dppo_model::CausalLm;
 
-#[cfg(any(all(test, target_os = "linux"), feature = "cuda"))]
-use super::layer_ops::LayerOps;
 use super::tables::{TableMirror, TableUpload};
+#[cfg(any(all(test, target_os = "linux"), feature = "cuda"))]
+use super::Extras;
 use super::{Heads, KernelPlan, LAUNCHES_PER_LAYER};
 use crate::cost::IterationCost;
 #[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
@@ -150,15 +150,12 @@ impl CudaAttention {
             cache,
             index: &index,
             tables,
-            rope_kernel: self.switches.rope_kernel,
-            layer_ops: self.switches.layer_kernels.then(LayerOps::default),
-            rotations: 0,
+            extras: Extras::of(self.switches),
         };
         let inputs = (batch.input_ids, batch.positions);
         let time = self.switches.time_device;
         let out = device_timing::forward(model, inputs, &mut backend, time, cost);
-        cost.attention_ops += backend.rotations;
-        cost.layer_ops += backend.layer_ops.map_or(0, |k| k.launches.get());
+        backend.extras.count(cost);
         out
     }
 
@@ -180,15 +177,12 @@ impl CudaAttention {
                 cache,
                 plan: &plan,
                 tables,
-                rope_kernel: self.switches.rope_kernel,
-                layer_ops: self.switches.layer_kernels.then(LayerOps::default),
-                rotations: 0,
+                extras: Extras::of(self.switches),
             };
             let inputs = (batch.input_ids, batch.positions);
             let time = self.switches.time_device;
             let out = device_timing::forward(model, inputs, &mut backend, time, cost);
-            cost.attention_ops += backend.rotations;
-            cost.layer_ops += backend.layer_ops.map_or(0, |k| k.launches.get());
+            backend.extras.count(cost);
             out
         }
         #[cfg(not(all(test, target_os = "linux")))]

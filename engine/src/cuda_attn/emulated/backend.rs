@@ -9,8 +9,7 @@ use candle_core::{bail, CpuStorage, CustomOp3, DType, InplaceOp2, Layout, Result
 use dppo_model::{AttentionBackend, LayerKernels, RopeAt};
 
 use super::{attend, qkv_rope, write_slots, Stored};
-use crate::cuda_attn::layer_ops::LayerOps;
-use crate::cuda_attn::{attend_rotated, KernelPlan};
+use crate::cuda_attn::{attend_rotated, Extras, KernelPlan};
 use crate::generic_attn::TensorKvCache;
 
 /// One iteration's backend (`tables`: the emulation's copy of the block tables).
@@ -18,12 +17,8 @@ pub(in crate::cuda_attn) struct Backend<'a> {
     pub(in crate::cuda_attn) cache: &'a mut TensorKvCache,
     pub(in crate::cuda_attn) plan: &'a KernelPlan,
     pub(in crate::cuda_attn) tables: &'a [u32],
-    /// `engine.rope_kernel`.
-    pub(in crate::cuda_attn) rope_kernel: bool,
-    /// `engine.layer_kernels`: the kernels, where on.
-    pub(in crate::cuda_attn) layer_ops: Option<LayerOps>,
-    /// `qkv_rope` launches so far (the attention's counted ops).
-    pub(in crate::cuda_attn) rotations: u64,
+    /// The rope and layer kernels.
+    pub(in crate::cuda_attn) extras: Extras,
 }
 
 impl AttentionBackend for Backend<'_> {
@@ -39,7 +34,7 @@ impl AttentionBackend for Backend<'_> {
     }
 
     fn takes_projection(&self) -> bool {
-        self.rope_kernel
+        self.extras.rope_kernel
     }
 
     fn attend_projected(
@@ -50,7 +45,7 @@ impl AttentionBackend for Backend<'_> {
         rope: &RopeAt,
     ) -> Result<Tensor> {
         let plan = self.plan;
-        self.rotations += 1;
+        self.extras.rotations += 1;
         attend_rotated(
             self,
             &Rotate { plan, bias },
@@ -60,7 +55,7 @@ impl AttentionBackend for Backend<'_> {
     }
 
     fn layer_kernels(&self) -> Option<&dyn LayerKernels> {
-        self.layer_ops.as_ref().map(|k| k as &dyn LayerKernels)
+        self.extras.layer_kernels()
     }
 }
 
