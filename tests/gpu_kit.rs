@@ -145,8 +145,8 @@ fn gpu_check_targets_dry_run_measures_each_target() {
     }
 }
 
-/// `--profile` runs the doctor and the main shape's rollouts with and without the layer
-/// kernels; on the CPU the Nsight Compute steps are skipped, saying why.
+/// `--profile` runs the doctor and dppo's side of the targets' protocol; on the CPU the Nsight
+/// Compute steps are skipped, saying why.
 #[test]
 fn gpu_check_profile_dry_run_runs_the_rollouts_and_skips_the_profiles() {
     let dir = tempfile::tempdir().unwrap();
@@ -157,18 +157,14 @@ fn gpu_check_profile_dry_run_runs_the_rollouts_and_skips_the_profiles() {
         .iter()
         .map(|s| (s["name"].as_str().unwrap(), s["status"].as_str().unwrap()))
         .collect();
-    let main = "rollout-qwen2.5-0.5b";
     assert_eq!(
         got,
         [
             ("doctor", "ok"),
-            (&*format!("{main}-cuda-attn"), "ok"),
-            (&*format!("{main}-full-cuda-attn"), "ok"),
-            (&*format!("{main}-cuda-attn-no-layer-kernels"), "ok"),
-            (&*format!("{main}-full-cuda-attn-no-layer-kernels"), "ok"),
-            ("profile-qwen2.5-0.5b-b256", "skipped"),
-            ("profile-qwen2.5-0.5b-b256-no-layer-kernels", "skipped"),
+            ("target-floor-smollm2-135m", "ok"),
+            ("target-rollout-smollm2-135m", "ok"),
             ("profile-qwen2.5-0.5b-b1024", "skipped"),
+            ("profile-qwen2.5-0.5b-b256", "skipped"),
         ],
         "{text}"
     );

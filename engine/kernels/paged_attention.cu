@@ -9,9 +9,9 @@
 //   query rows of one sequence (one row when decoding); the block serves every query head of
 //   its KV head for those rows (a "pair" is a row and a query head), over one split of the
 //   context, in chunks of CHUNK keys with an online softmax. It writes each pair's partial
-//   output (unnormalised), maximum and sum: FlashDecoding's split-K. Each key's K row is read
-//   once for all of the block's pairs, and each V element once for VALUE_PAIRS of them, with
-//   several loads in flight per thread, so that the latency of single loads does not bound it.
+//   output (unnormalised), maximum and sum: FlashDecoding's split-K. Each K row and each V
+//   element is read once for all of the block's pairs, a chunk's loads in flight at once, so
+//   that the latency of single loads does not bound it.
 // - paged_reduce: merges a pair's splits (one block per row and query head).
 // The block tables stay on the device between iterations; write_table_entries applies an
 // iteration's changed entries. With `engine.rope_kernel`, qkv_rope prepares the layer's q, k
@@ -155,33 +155,44 @@ __device__ void write_slots(const T *src, T *cache, const unsigned int *slots, u
     for (unsigned int i = threadIdx.x; i < row; i += blockDim.x) cache[to + i] = src[from + i];
 }
 
-// Up to 16 bytes of a K row as floats: one vector load on a GPU (rows are 16-byte aligned:
-// head_dim is a multiple of 32 and the pools start at their allocation), a copy on the host.
-template <typename T> struct Pack {
-    static constexpr unsigned int N = 16 / sizeof(T);
-    struct alignas(16) Raw { unsigned int w[4]; };
+// BYTES of a K or V row as floats: one vector load on a GPU (rows are 16-byte aligned: head_dim
+// is a multiple of 32 and the pools start at their allocation; the value pass loads two
+// elements at an even offset), a copy on the host.
+template <typename T, unsigned int BYTES = 16> struct Pack {
+    static constexpr unsigned int N = BYTES / sizeof(T);
+    struct alignas(BYTES) Raw { unsigned int w[BYTES / 4]; };
     union { Raw raw; T e[N]; };
+    Pack() = default;
     __device__ __forceinline__ explicit Pack(const T *p) {
 #ifdef __CUDA_ARCH__
         raw = *reinterpret_cast<const Raw *>(p);
 #else
-        memcpy(&raw, p, 16);
+        memcpy(&raw, p, BYTES);
 #endif
     }
     __device__ __forceinline__ float operator[](unsigned int i) const { return to_f32(e[i]); }
 };
+// Two adjacent elements of a V row, a lane's share of a slice.
+template <typename T> using Two = Pack<T, 2 * sizeof(T)>;
 
-// Pairs whose scores a thread computes from one read of a key's K row.
+// Pairs whose scores a thread computes from one read of a key's K row, and the 16-byte loads
+// of that row it has in flight at once.
 #define SCORE_PAIRS 8
-// Pairs and keys a thread accumulates together in the value pass: VALUE_KEYS loads of V in
-// flight at once, each used for VALUE_PAIRS pairs.
-#define VALUE_PAIRS 4
-#define VALUE_KEYS 8
+#define SCORE_LOADS 8
+// The value pass: a warp sums the keys KEYS_PER_WARP of a chunk, a lane two dimensions of a
+// SLICE, for VALUE_PAIRS pairs at a time; the warps' partial sums meet in shared memory.
+#define KEYS_PER_WARP (CHUNK / NWARPS)
+#define SLICE (2 * WARP)
+#define VALUE_PAIRS 8
+// Attention blocks a multiprocessor holds at once: caps the registers at 128 a thread, which
+// the value pass's 32 loads in flight and 16 sums fit without spilling (ptxas, sm_90).
+#define ATTENTION_BLOCKS 4
 
 // tiles: 4 words per tile (sequence, first row, rows, position of the first row); a row at
-// position p sees keys 0..=p. block_tables: (rows, table_width), a row per sequence. Shared memory, floats:
-// q (pairs * head_dim, pre-scaled), acc (pairs * head_dim), scores (pairs * CHUNK), the
-// chunk's slots (CHUNK words), then per pair its running max, sum and rescale factor.
+// position p sees keys 0..=p. block_tables: (rows, table_width), a row per sequence. Shared
+// memory, floats: q (pairs * head_dim, pre-scaled), acc (pairs * head_dim), scores (pairs *
+// CHUNK), the chunk's slots (CHUNK words), per pair its running max, sum and rescale factor,
+// then the value pass's partial sums ((NWARPS - 1) * VALUE_PAIRS * SLICE).
 template <typename T>
 __device__ void paged_attention(
     const T *q, const T *k_cache, const T *v_cache, const unsigned int *tiles,
@@ -203,6 +214,7 @@ __device__ void paged_attention(
     float *m_s = (float *)(slot_s + CHUNK);
     float *l_s = m_s + pairs;
     float *a_s = l_s + pairs;
+    float *part_s = a_s + pairs;
 
     for (unsigned int i = tid; i < pairs * d; i += THREADS) {
         const unsigned int p = i / d, e = i % d;
@@ -220,8 +232,8 @@ __device__ void paged_attention(
     const unsigned int value_items = (pairs + VALUE_PAIRS - 1) / VALUE_PAIRS * d;
     for (unsigned int c0 = start; c0 < end; c0 += CHUNK) {
         const unsigned int n = min(CHUNK, end - c0);
-        // 1. Scores: a thread per key reads the key's K row in 16-byte loads and scores it
-        // for SCORE_PAIRS pairs at a time, each dot product in dimension order.
+        // 1. Scores: a thread per key reads the key's K row, SCORE_LOADS 16-byte loads at once,
+        // and scores it for SCORE_PAIRS pairs at a time, each dot product in dimension order.
         for (unsigned int jj = tid; jj < n; jj += THREADS) {
             const unsigned int j = c0 + jj;
             const unsigned int slot = table[j / block_size] * block_size + j % block_size;
@@ -230,15 +242,23 @@ __device__ void paged_attention(
                 float dot[SCORE_PAIRS];
 #pragma unroll
                 for (unsigned int b = 0; b < SCORE_PAIRS; ++b) dot[b] = 0.0f;
-                for (unsigned int e0 = 0; e0 < d; e0 += Pack<T>::N) {
-                    const Pack<T> kv(k + e0);
+                for (unsigned int e00 = 0; e00 < d; e00 += SCORE_LOADS * Pack<T>::N) {
+                    Pack<T> kv[SCORE_LOADS];
 #pragma unroll
-                    for (unsigned int b = 0; b < SCORE_PAIRS; ++b) {
-                        if (p0 + b < pairs) {
-                            const float *qp = q_s + (p0 + b) * d + e0;
+                    for (unsigned int c = 0; c < SCORE_LOADS; ++c)
+                        if (e00 + c * Pack<T>::N < d) kv[c] = Pack<T>(k + e00 + c * Pack<T>::N);
 #pragma unroll
-                            for (unsigned int i = 0; i < Pack<T>::N; ++i)
-                                dot[b] = fmaf(qp[i], kv[i], dot[b]);
+                    for (unsigned int c = 0; c < SCORE_LOADS; ++c) {
+                        const unsigned int e0 = e00 + c * Pack<T>::N;
+                        if (e0 >= d) break;
+#pragma unroll
+                        for (unsigned int b = 0; b < SCORE_PAIRS; ++b) {
+                            if (p0 + b < pairs) {
+                                const float *qp = q_s + (p0 + b) * d + e0;
+#pragma unroll
+                                for (unsigned int i = 0; i < Pack<T>::N; ++i)
+                                    dot[b] = fmaf(qp[i], kv[c][i], dot[b]);
+                            }
                         }
                     }
                 }
@@ -279,35 +299,65 @@ __device__ void paged_attention(
             if (lane == 0) { m_s[p] = m_new; l_s[p] = l; a_s[p] = alpha; }
         }
         __syncthreads();
-        // 3. Values: a thread per (dimension, VALUE_PAIRS pairs), VALUE_KEYS keys' V loads
-        // at once; each pair's sum in key order.
-        for (unsigned int i = tid; i < value_items; i += THREADS) {
-            const unsigned int e = i % d, p0 = i / d * VALUE_PAIRS;
-            float a[VALUE_PAIRS];
+        // 3. Values: warp w sums keys w * KEYS_PER_WARP.. of the chunk, each lane two adjacent
+        // dimensions of a SLICE (a warp's load is a whole 64-element slice of a V row), for
+        // VALUE_PAIRS pairs at a time, all its keys' loads in flight at once. Each pair's
+        // partial sum is in key order. Warp 0 adds its partials to the rescaled output, then
+        // the other warps' partials, met in part_s, are added in warp order.
+        const unsigned int k0 = warp * KEYS_PER_WARP;
+        const unsigned int kn = n > k0 ? min(KEYS_PER_WARP, n - k0) : 0;
+        for (unsigned int e0 = 0; e0 < d; e0 += SLICE) {
+            const unsigned int e = e0 + 2 * lane;
+            for (unsigned int p0 = 0; p0 < pairs; p0 += VALUE_PAIRS) {
+                float a[VALUE_PAIRS][2];
 #pragma unroll
-            for (unsigned int b = 0; b < VALUE_PAIRS; ++b)
-                a[b] = p0 + b < pairs ? acc_s[(p0 + b) * d + e] * a_s[p0 + b] : 0.0f;
-            const T *v_col = v_cache + kh * d + e;
-            for (unsigned int j0 = 0; j0 < n; j0 += VALUE_KEYS) {
-                float v[VALUE_KEYS];
+                for (unsigned int b = 0; b < VALUE_PAIRS; ++b) a[b][0] = a[b][1] = 0.0f;
+                Two<T> v[KEYS_PER_WARP];
 #pragma unroll
-                for (unsigned int u = 0; u < VALUE_KEYS; ++u)
-                    v[u] = j0 + u < n ? to_f32(v_col[(size_t)slot_s[j0 + u] * row_len]) : 0.0f;
+                for (unsigned int u = 0; u < KEYS_PER_WARP; ++u)
+                    if (u < kn && e < d)
+                        v[u] = Two<T>(v_cache + (size_t)slot_s[k0 + u] * row_len + kh * d + e);
 #pragma unroll
-                for (unsigned int u = 0; u < VALUE_KEYS; ++u) {
-                    if (j0 + u < n) {
+                for (unsigned int u = 0; u < KEYS_PER_WARP; ++u) {
+                    if (u < kn && e < d) {
 #pragma unroll
-                        for (unsigned int b = 0; b < VALUE_PAIRS; ++b)
-                            if (p0 + b < pairs)
-                                a[b] = fmaf(s_s[(p0 + b) * CHUNK + j0 + u], v[u], a[b]);
+                        for (unsigned int b = 0; b < VALUE_PAIRS; ++b) {
+                            if (p0 + b < pairs) {
+                                const float s = s_s[(p0 + b) * CHUNK + k0 + u];
+                                a[b][0] = fmaf(s, v[u][0], a[b][0]);
+                                a[b][1] = fmaf(s, v[u][1], a[b][1]);
+                            }
+                        }
                     }
                 }
-            }
 #pragma unroll
-            for (unsigned int b = 0; b < VALUE_PAIRS; ++b)
-                if (p0 + b < pairs) acc_s[(p0 + b) * d + e] = a[b];
+                for (unsigned int b = 0; b < VALUE_PAIRS; ++b) {
+                    const unsigned int p = p0 + b;
+                    if (p < pairs && e < d) {
+#pragma unroll
+                        for (unsigned int c = 0; c < 2; ++c) {
+                            if (warp == 0) {
+                                float *o = acc_s + p * d + e + c;
+                                *o = fmaf(*o, a_s[p], a[b][c]);
+                            } else {
+                                part_s[((warp - 1) * VALUE_PAIRS + b) * SLICE + 2 * lane + c] = a[b][c];
+                            }
+                        }
+                    }
+                }
+                __syncthreads();
+                for (unsigned int i = tid; i < VALUE_PAIRS * SLICE; i += THREADS) {
+                    const unsigned int b = i / SLICE, p = p0 + b, ee = e0 + i % SLICE;
+                    if (p < pairs && ee < d) {
+                        float x = acc_s[p * d + ee];
+                        for (unsigned int w = 1; w < NWARPS; ++w)
+                            x = __fadd_rn(x, part_s[(w - 1) * VALUE_PAIRS * SLICE + i]);
+                        acc_s[p * d + ee] = x;
+                    }
+                }
+                __syncthreads();
+            }
         }
-        __syncthreads();
     }
     for (unsigned int i = tid; i < pairs * d; i += THREADS) {
         const unsigned int p = i / d, e = i % d;
@@ -374,7 +424,7 @@ extern "C" __global__ void write_table_entries(unsigned int *table, const unsign
                                                   const unsigned int *slots, unsigned int row) { \
         write_slots<T>(src, cache, slots, row);                                                 \
     }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(THREADS) paged_attention_##NAME(              \
+    extern "C" __global__ void __launch_bounds__(THREADS, ATTENTION_BLOCKS) paged_attention_##NAME( \
         const T *q, const T *k_cache, const T *v_cache, const unsigned int *tiles,             \
         const unsigned int *block_tables, unsigned int heads, unsigned int kv_heads,           \
         unsigned int head_dim, unsigned int block_size, unsigned int table_width,               \

@@ -139,3 +139,26 @@ fn the_widest_heads_fit_their_shared_memory() {
     check_cases::<f32>(&f32_cases);
     check_cases::<half::bf16>(&cases(DType::BF16));
 }
+
+/// Head dims that end in half a slice of the value pass (32 and 96: the last slice's upper
+/// sixteen lanes hold no dimension).
+#[test]
+fn head_dims_of_half_a_slice_are_summed_whole() {
+    let lens = [(150, 1), (0, 12), (40, 3)];
+    let cases = |dtype| -> Vec<Case> {
+        let mut rng = StdRng::seed_from_u64(31);
+        [(3, 32), (4, 96)]
+            .into_iter()
+            .map(|(group, head_dim)| {
+                let heads = Heads {
+                    num_heads: 2 * group,
+                    num_kv_heads: 2,
+                    head_dim,
+                };
+                Case::new(&mut rng, heads, &lens, false, |x| round_to(x, dtype))
+            })
+            .collect()
+    };
+    check_cases::<f32>(&cases(DType::F32));
+    check_cases::<half::bf16>(&cases(DType::BF16));
+}
