@@ -249,15 +249,15 @@ fn gpu_check_profile_averages_the_last_steps_by_kernel() {
     // A prefill iteration, then three decode steps: the last three iterations are averaged.
     let launches = [
         ("ucopy_bf16", "9"),
-        ("gumbel_sample", "1"),
+        ("gumbel_sample_bf16", "1"),
         ("nvjet_tst_128x64", "3"),
         ("paged_attention_bf16", "2"),
-        ("gumbel_sample", "1"),
+        ("gumbel_sample_bf16", "1"),
         ("nvjet_tst_128x64", "5"),
         ("paged_attention_bf16", "4"),
-        ("gumbel_sample", "1"),
+        ("gumbel_sample_bf16", "1"),
         ("nvjet_tst_128x64", "1,000"),
-        ("gumbel_sample", "1"),
+        ("gumbel_sample_bf16", "1"),
     ];
     for (id, (name, t)) in launches.iter().enumerate() {
         text += &row(id, name, t);

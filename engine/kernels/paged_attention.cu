@@ -4,7 +4,8 @@
 //
 // The pool of a layer is one (slots, kv_heads * head_dim) array per K and V; slot = block *
 // block_size + offset. Three kernels per layer:
-// - write_slots: a token's K (or V) row into its slot (one block per token).
+// - write_slots: a token's K (or V) row into its slot (one block per token); copy_slots, the
+//   copies of copy-on-write, one block per copied slot.
 // - paged_attention: one block per (tile, KV head, split). A tile is up to a few consecutive
 //   query rows of one sequence (one row when decoding); the block serves every query head of
 //   its KV head for those rows (a "pair" is a row and a query head), over one split of the
@@ -12,7 +13,8 @@
 //   output (unnormalised), maximum and sum: FlashDecoding's split-K. Each K row and each V
 //   element is read once for all of the block's pairs, a chunk's loads in flight at once, so
 //   that the latency of single loads does not bound it.
-// - paged_reduce: merges a pair's splits (one block per row and query head).
+// - paged_reduce: merges a pair's splits (one block per row and query head). Where the
+//   context has one split the attention writes the output itself and no merge is launched.
 // The block tables stay on the device between iterations; write_table_entries applies an
 // iteration's changed entries. With `engine.rope_kernel`, qkv_rope prepares the layer's q, k
 // and v from its projection first. With `engine.layer_kernels`, add_rms_norm and silu_mul take
@@ -155,6 +157,15 @@ __device__ void write_slots(const T *src, T *cache, const unsigned int *slots, u
     for (unsigned int i = threadIdx.x; i < row; i += blockDim.x) cache[to + i] = src[from + i];
 }
 
+// Copy-on-write: slot pairs[2b] of the pool copied to slot pairs[2b + 1], one block per copied
+// slot. A destination is a fresh block's, never another copy's source, so blocks need no order.
+template <typename T>
+__device__ void copy_slots(T *cache, const unsigned int *pairs, unsigned int row) {
+    const size_t from = (size_t)pairs[2 * blockIdx.x] * row;
+    const size_t to = (size_t)pairs[2 * blockIdx.x + 1] * row;
+    for (unsigned int i = threadIdx.x; i < row; i += blockDim.x) cache[to + i] = cache[from + i];
+}
+
 // BYTES of a K or V row as floats: one vector load on a GPU (rows are 16-byte aligned: head_dim
 // is a multiple of 32 and the pools start at their allocation; the value pass loads two
 // elements at an even offset), a copy on the host.
@@ -198,7 +209,8 @@ __device__ void paged_attention(
     const T *q, const T *k_cache, const T *v_cache, const unsigned int *tiles,
     const unsigned int *block_tables, unsigned int heads, unsigned int kv_heads,
     unsigned int head_dim, unsigned int block_size, unsigned int table_width,
-    unsigned int split_len, float scale, float *part_acc, float *part_max, float *part_sum) {
+    unsigned int split_len, float scale, float *part_acc, float *part_max, float *part_sum,
+    T *out) {
     extern __shared__ float smem[];
     const unsigned int tile = blockIdx.x, kh = blockIdx.y, split = blockIdx.z;
     const unsigned int splits = gridDim.z;
@@ -359,6 +371,18 @@ __device__ void paged_attention(
             }
         }
     }
+    if (splits == 1) {
+        // The merge of one split, done here: the output normalised and rounded to T as
+        // paged_reduce would round it (the + 0 is its fmaf(acc, 1, 0), -0 made +0).
+        for (unsigned int i = tid; i < pairs * d; i += THREADS) {
+            const unsigned int p = i / d, e = i % d;
+            const unsigned int row = first_row + p / group, h = kh * group + p % group;
+            const float l = l_s[p];
+            from_f32(out[((size_t)row * heads + h) * d + e],
+                     l > 0.0f ? __fadd_rn(acc_s[i], 0.0f) / l : 0.0f);
+        }
+        return;
+    }
     for (unsigned int i = tid; i < pairs * d; i += THREADS) {
         const unsigned int p = i / d, e = i % d;
         const unsigned int row = first_row + p / group, h = kh * group + p % group;
@@ -424,15 +448,19 @@ extern "C" __global__ void write_table_entries(unsigned int *table, const unsign
                                                   const unsigned int *slots, unsigned int row) { \
         write_slots<T>(src, cache, slots, row);                                                 \
     }                                                                                           \
+    extern "C" __global__ void copy_slots_##NAME(T *cache, const unsigned int *pairs,          \
+                                                 unsigned int row) {                           \
+        copy_slots<T>(cache, pairs, row);                                                       \
+    }                                                                                           \
     extern "C" __global__ void __launch_bounds__(THREADS, ATTENTION_BLOCKS) paged_attention_##NAME( \
         const T *q, const T *k_cache, const T *v_cache, const unsigned int *tiles,             \
         const unsigned int *block_tables, unsigned int heads, unsigned int kv_heads,           \
         unsigned int head_dim, unsigned int block_size, unsigned int table_width,               \
         unsigned int split_len, float scale, float *part_acc, float *part_max,                 \
-        float *part_sum) {                                                                      \
+        float *part_sum, T *out) {                                                              \
         paged_attention<T>(q, k_cache, v_cache, tiles, block_tables, heads, kv_heads, head_dim, \
                            block_size, table_width, split_len, scale, part_acc, part_max,       \
-                           part_sum);                                                           \
+                           part_sum, out);                                                      \
     }                                                                                           \
     extern "C" __global__ void paged_reduce_##NAME(                                            \
         const float *part_acc, const float *part_max, const float *part_sum,                   \

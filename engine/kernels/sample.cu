@@ -1,7 +1,8 @@
 // Gumbel-max sampling of many rows at once: one block per draw, each thread a strided share
-// of the vocabulary in groups of four (one Philox call each), then block reductions. Top-k and
-// top-p are a threshold on the tempered scores found by bisection over the floats' order (a
-// block-wide count or mass per step, no sort); the top logprobs are found one block argmax
+// of the vocabulary in groups of four (one Philox call each), then block reductions; a draw
+// that truncates nothing reads its row once. Top-k and top-p are a threshold on the tempered
+// scores found by bisection over the floats' order (a block-wide count or mass per step, no
+// sort); the top logprobs are found one block argmax
 // each. The reference is engine/src/gumbel.rs and engine/src/truncation.rs; compiled at run
 // time by NVRTC.
 
@@ -56,7 +57,14 @@ __device__ __forceinline__ unsigned int order_key(float x) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
+// The logits in f32, or as the model computed them in bf16 (no cast before the kernel).
+struct bf16 { unsigned short x; };
+
+// A logit as f32, NaN read as -inf.
 __device__ __forceinline__ float clean(float l) { return l != l ? NEG_INF : l; }
+__device__ __forceinline__ float clean(bf16 l) {
+    return clean(__uint_as_float(((unsigned int)l.x) << 16));
+}
 
 __device__ __forceinline__ float shfl_down(float v, int o) {
     return __shfl_down_sync(FULL_MASK, v, o);
@@ -108,7 +116,8 @@ __device__ T block_reduce(T v, Op op) {
 // key of smax + ln(min_p) (0: none), then, among the scores left, the largest with
 // mass(key >= cut) >= top_p * mass(key >= that cut), the mass being the scores' exp relative
 // to their max. Bisection over the keys: 32 passes at most each.
-__device__ unsigned int truncation_cut(const float *row, unsigned int vocab, float scale,
+template <typename T>
+__device__ unsigned int truncation_cut(const T *row, unsigned int vocab, float scale,
                                        float smax, unsigned int top_k, float top_p,
                                        float min_p) {
     unsigned int cut = 0;
@@ -147,39 +156,49 @@ __device__ unsigned int truncation_cut(const float *row, unsigned int vocab, flo
     return cut;
 }
 
-// logits: (rows, vocab) f32. Per draw d: rows[d], keys[2d..2d+2] (low word first),
+// logits: (rows, vocab) f32 or bf16. Per draw d: rows[d], keys[2d..2d+2] (low word first),
 // counters[2d..2d+2] = (position, sample index), inv_temps[d] (0 for greedy), top_ks[d] (0:
 // off), top_ps[d] (1: off), min_ps[d] (0: off), n_tops[d] (top logprobs wanted, <= MAX_TOP). Out per draw: the
 // token, its logprob under the tempered, truncated and renormalised distribution (untempered
 // when greedy), its untempered logprob, and the n_tops[d] most likely untempered tokens with
 // their logprobs (top_ids and top_logprobs, MAX_TOP slots a draw).
-extern "C" __global__ void __launch_bounds__(THREADS) gumbel_sample(
-    const float *logits, unsigned int vocab, const unsigned int *rows,
+template <typename T>
+__device__ void gumbel_sample(
+    const T *logits, unsigned int vocab, const unsigned int *rows,
     const unsigned int *keys, const unsigned int *counters, const float *inv_temps,
     const unsigned int *top_ks, const float *top_ps, const float *min_ps,
     const unsigned int *n_tops,
     unsigned int *tokens, float *logprobs, float *model_logprobs, unsigned int *top_ids,
     float *top_logprobs) {
     const unsigned int d = blockIdx.x;
-    const float *row = logits + (size_t)rows[d] * vocab;
+    const T *row = logits + (size_t)rows[d] * vocab;
     const float inv_t = inv_temps[d];
     const bool greedy = inv_t == 0.0f;
     const float scale = greedy ? 1.0f : inv_t;
-    // 1. The untempered log-sum-exp and the largest score.
+    const unsigned int top_k = top_ks[d];
+    const float top_p = top_ps[d], min_p = min_ps[d];
+    const bool truncates =
+        !greedy && ((top_k > 0 && top_k < vocab) || min_p > 0.0f || top_p < 1.0f);
+    // 1. Where the draw truncates: the untempered log-sum-exp and the largest score first,
+    //    then (2.) top-k, min-p and top-p: the scores kept are those whose key reaches `cut`.
+    //    Otherwise every score is kept and the log-sum-exp is taken in the draw's own pass.
     Lse raw; raw.max = NEG_INF; raw.sum = 0.0f;
-    float smax = NEG_INF;
-    for (unsigned int i = threadIdx.x; i < vocab; i += THREADS) {
-        const float l = clean(row[i]);
-        lse_push(raw, l);
-        smax = fmaxf(smax, l * scale);
+    unsigned int cut = 0;
+    if (truncates) {
+        float smax = NEG_INF;
+        for (unsigned int i = threadIdx.x; i < vocab; i += THREADS) {
+            const float l = clean(row[i]);
+            lse_push(raw, l);
+            smax = fmaxf(smax, l * scale);
+        }
+        raw = block_reduce(raw, MergeLse());
+        Best top; top.score = smax; top.index = 0;
+        smax = block_reduce(top, MergeBest()).score;
+        cut = truncation_cut(row, vocab, scale, smax, top_k, top_p, min_p);
     }
-    raw = block_reduce(raw, MergeLse());
-    Best top; top.score = smax; top.index = 0;
-    smax = block_reduce(top, MergeBest()).score;
-    // 2. Top-k and top-p: the scores kept are those whose key reaches `cut`.
-    const unsigned int cut =
-        greedy ? 0u : truncation_cut(row, vocab, scale, smax, top_ks[d], top_ps[d], min_ps[d]);
-    // 3. The Gumbel-max draw and the log-sum-exp over the kept scores.
+    // 3. The Gumbel-max draw and the log-sum-exp over the kept scores (the same sum as the
+    //    untempered one where nothing is truncated and the temperature is 1 or greedy).
+    const bool kept_is_raw = !truncates && scale == 1.0f;
     Best best; best.score = NEG_INF; best.index = 0xFFFFFFFFu;
     Lse kept; kept.max = NEG_INF; kept.sum = 0.0f;
     const unsigned int groups = (vocab + 3) / 4;
@@ -192,7 +211,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) gumbel_sample(
             const float l = clean(row[i]);
             const float s = l * scale;
             if (order_key(s) < cut) continue;
-            lse_push(kept, s);
+            if (!truncates) lse_push(raw, l);
+            if (!kept_is_raw) lse_push(kept, s);
             float score = l;
             if (!greedy) {
                 const float u = ((float)(words[lane] >> 9) + 0.5f) * (1.0f / 8388608.0f);
@@ -203,7 +223,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) gumbel_sample(
         }
     }
     best = block_reduce(best, MergeBest());
-    kept = block_reduce(kept, MergeLse());
+    if (!truncates) raw = block_reduce(raw, MergeLse());
+    kept = kept_is_raw ? raw : block_reduce(kept, MergeLse());
     const float raw_lse = raw.max + logf(raw.sum);
     if (threadIdx.x == 0) {
         const unsigned int t = best.index < vocab ? best.index : 0u;
@@ -235,3 +256,18 @@ extern "C" __global__ void __launch_bounds__(THREADS) gumbel_sample(
         prev_i = b.index;
     }
 }
+
+#define INSTANTIATE(NAME, T)                                                                    \
+    extern "C" __global__ void __launch_bounds__(THREADS) gumbel_sample_##NAME(                \
+        const T *logits, unsigned int vocab, const unsigned int *rows,                         \
+        const unsigned int *keys, const unsigned int *counters, const float *inv_temps,        \
+        const unsigned int *top_ks, const float *top_ps, const float *min_ps,                  \
+        const unsigned int *n_tops, unsigned int *tokens, float *logprobs,                     \
+        float *model_logprobs, unsigned int *top_ids, float *top_logprobs) {                   \
+        gumbel_sample<T>(logits, vocab, rows, keys, counters, inv_temps, top_ks, top_ps,       \
+                         min_ps, n_tops, tokens, logprobs, model_logprobs, top_ids,            \
+                         top_logprobs);                                                        \
+    }
+
+INSTANTIATE(f32, float)
+INSTANTIATE(bf16, bf16)

@@ -192,10 +192,10 @@ impl Runner {
                 device_timing::forward(&self.model, inputs, &mut backend, time, cost)?
             }
             (Cache::Tensor(cache), Some(cuda)) => {
-                cache.copy_blocks(&plan.block_copies)?;
                 let seq_ids: Vec<SeqId> = plan.seqs.iter().map(|s| s.seq_id).collect();
                 let batch = Batch {
                     metas: &metas,
+                    block_copies: &plan.block_copies,
                     seq_ids: &seq_ids,
                     slot_mapping: &slot_mapping,
                     input_ids: &input_ids,
@@ -219,13 +219,18 @@ impl Runner {
             }
         };
         // Logits only where a token is sampled: the lm_head is a large share of the FLOPs.
-        // Only those rows come to the host, as f32 whatever the engine's dtype.
+        // Only those rows come to the host, as f32 whatever the engine's dtype; sampled on
+        // the device, they stay as computed (the kernel reads bf16 itself).
         let rows = if sample_rows.is_empty() {
             None
         } else {
             let idx = Tensor::new(sample_rows.as_slice(), &self.device)?;
             let logits = self.model.logits(&hidden.index_select(&idx, 0)?)?;
-            let logits = logits.to_dtype(DType::F32)?;
+            let logits = if on_device {
+                logits
+            } else {
+                logits.to_dtype(DType::F32)?
+            };
             if time {
                 self.device.synchronize()?;
             }
@@ -254,8 +259,8 @@ impl Runner {
     }
 }
 
-/// An iteration's logits: (rows, vocab) f32 on the host (on the device when sampled
-/// there), one row per sampling sequence, read in place (a copy of a batch's rows would be 25 MB a step for SmolLM2).
+/// An iteration's logits: (rows, vocab) f32 on the host (on the device in the model's dtype
+/// when sampled there), one row per sampling sequence, read in place (a copy of a batch's rows would be 25 MB a step for SmolLM2).
 pub struct Logits {
     rows: Option<Tensor>,
     /// For each sequence of the plan, its row (`None` where it samples nothing).
@@ -268,7 +273,8 @@ impl Logits {
         self.row_of[p].map(|r| r as u32)
     }
 
-    /// The rows as computed, (rows, vocab) f32, on the device when kept there.
+    /// The rows as computed: (rows, vocab) f32 on the host, or on the device in the model's
+    /// dtype when kept there.
     pub fn rows(&self) -> Option<&Tensor> {
         self.rows.as_ref()
     }

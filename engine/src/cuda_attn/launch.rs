@@ -5,36 +5,67 @@
 //! tiles and slots go to the device once per iteration; the block tables stay there
 //! ([`DeviceTables`]), changed entry by entry.
 
+use std::cell::RefCell;
+
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr};
 use candle_core::cuda_backend::{CudaDType, CudaStorage, WrapErr};
 use candle_core::{
-    bail, CpuStorage, CudaDevice, CustomOp3, DType, Device, InplaceOp2, Layout, Result, Shape,
-    Tensor,
+    bail, CpuStorage, CudaDevice, CustomOp3, DType, Device, InplaceOp1, InplaceOp2, Layout, Result,
+    Shape, Tensor,
 };
 use dppo_model::{AttentionBackend, LayerKernels, RopeAt};
 
+use super::copies::{self, SlotCopies};
 use super::gpu::{config, elements, function};
 use super::params::{self, Scalars};
 use super::tables::TableCopy;
 use super::{attend_rotated, table_write_geometry, Extras, KernelPlan};
 use crate::generic_attn::TensorKvCache;
 
-/// A plan and its tiles and slots on the device, for one iteration.
+/// A plan and its tiles and slots on the device, for one iteration, and the attention's
+/// partial outputs, which every layer's attention and merge reuse in stream order.
 pub struct CudaIndex {
     plan: KernelPlan,
     tiles: CudaSlice<u32>,
     slots: CudaSlice<u32>,
+    partials: RefCell<Partials>,
+}
+
+/// Each (row, head, split)'s partial output, maximum and sum; a float each where the plan has
+/// one split and the kernel writes the output itself.
+struct Partials {
+    acc: CudaSlice<f32>,
+    max: CudaSlice<f32>,
+    sum: CudaSlice<f32>,
 }
 
 impl CudaIndex {
-    /// Uploads `plan`'s tiles and slots to `device`.
+    /// Uploads `plan`'s tiles and slots to `device` and allocates its partials.
     pub fn new(plan: KernelPlan, device: &Device) -> Result<Self> {
-        let stream = cuda(device)?.cuda_stream();
+        let device = cuda(device)?;
+        let stream = device.cuda_stream();
+        let split = plan.splits > 1;
+        let pairs = if split {
+            plan.partial_len() / plan.heads.head_dim
+        } else {
+            1
+        };
+        let acc_len = if split { plan.partial_len() } else { 1 };
+        // SAFETY (all three): the attention kernel writes each (row, head, split) before the
+        // merge reads it.
+        let partials = unsafe {
+            Partials {
+                acc: device.alloc::<f32>(acc_len)?,
+                max: device.alloc::<f32>(pairs)?,
+                sum: device.alloc::<f32>(pairs)?,
+            }
+        };
         Ok(Self {
             tiles: stream.clone_htod(&plan.tile_words()).w()?,
             slots: stream.clone_htod(&plan.slots).w()?,
             plan,
+            partials: RefCell::new(partials),
         })
     }
 }
@@ -246,6 +277,74 @@ fn rotate<T: CudaDType + DeviceRepr>(
     Ok(T::wrap_cuda_slice(out, device.clone()))
 }
 
+/// Copy-on-write: `copies` in every layer's pool, one upload and a launch per pool tensor.
+pub fn copy_slots(cache: &TensorKvCache, copies: &SlotCopies, plan: &KernelPlan) -> Result<()> {
+    if copies.is_empty() {
+        return Ok(());
+    }
+    let device = cuda(cache.layer(0).0.device())?;
+    let op = CopySlots {
+        pairs: device.cuda_stream().clone_htod(&copies.pairs).w()?,
+        geometry: copies.geometry(),
+        scalars: Scalars::of(plan),
+    };
+    copies::in_every_layer(cache, &op)
+}
+
+/// `copy_slots` on one layer's K (or V) pool tensor.
+struct CopySlots {
+    pairs: CudaSlice<u32>,
+    geometry: super::Geometry,
+    scalars: Scalars,
+}
+
+impl InplaceOp1 for CopySlots {
+    fn name(&self) -> &'static str {
+        "paged-copy-slots"
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> Result<()> {
+        bail!("paged-copy-slots runs on a GPU only")
+    }
+
+    fn cuda_fwd(&self, cache: &mut CudaStorage, layout: &Layout) -> Result<()> {
+        if layout.start_offset() != 0 {
+            bail!("paged-copy-slots: a pool that does not start its storage");
+        }
+        let dtype = cache.dtype();
+        let func = function(&cache.device, "copy_slots", Some(dtype))?;
+        match dtype {
+            DType::F32 => self.copy::<f32>(&func, cache),
+            DType::BF16 => self.copy::<half::bf16>(&func, cache),
+            DType::F16 => self.copy::<half::f16>(&func, cache),
+            other => bail!("cuda attention: no kernels for {other:?}"),
+        }
+    }
+}
+
+impl CopySlots {
+    fn copy<T: CudaDType + DeviceRepr>(
+        &self,
+        func: &CudaFunction,
+        cache: &mut CudaStorage,
+    ) -> Result<()> {
+        let stream = cache.device.cuda_stream();
+        let cache = cache.as_cuda_slice_mut::<T>()?;
+        let mut launch = stream.launch_builder(func);
+        params::CopySlots {
+            cache,
+            pairs: &self.pairs,
+            scalars: &self.scalars,
+        }
+        .push_to(&mut launch);
+        // SAFETY: the arguments are `copy_slots`'s list in kernels/paged_attention.cu; every
+        // slot of a copy lies in the pool (the scheduler's blocks), and no destination is
+        // another copy's source.
+        unsafe { launch.launch(config(self.geometry)) }.w()?;
+        Ok(())
+    }
+}
+
 /// Writes the batch's K (or V) rows into their slots of one layer's pool tensor.
 struct WriteSlots<'a>(&'a CudaIndex);
 
@@ -383,12 +482,10 @@ fn attend<T: CudaDType + DeviceRepr>(
     let (k, v) = (k.as_cuda_slice::<T>()?, v.as_cuda_slice::<T>()?);
     let heads = plan.heads;
     let pair_rows = plan.rows * heads.num_heads;
-    // SAFETY (all three): every element is written by the kernels before it is read: each
-    // (row, head, split) by the attention block of its tile, each output by the merge.
-    let mut acc = unsafe { device.alloc::<f32>(plan.partial_len()) }?;
-    let mut max = unsafe { device.alloc::<f32>(pair_rows * plan.splits) }?;
-    let mut sum = unsafe { device.alloc::<f32>(pair_rows * plan.splits) }?;
+    // SAFETY: every element is written before it is read: by the attention block of its
+    // tile where the plan has one split, by the merge otherwise.
     let mut out = unsafe { device.alloc::<T>(pair_rows * heads.head_dim) }?;
+    let parts = &mut *index.partials.borrow_mut();
     let scalars = Scalars::of(plan);
     let stream = device.cuda_stream();
 
@@ -402,23 +499,28 @@ fn attend<T: CudaDType + DeviceRepr>(
         tiles: &index.tiles,
         tables: op.tables,
         scalars: &scalars,
-        acc: &mut acc,
-        max: &mut max,
-        sum: &mut sum,
+        acc: &mut parts.acc,
+        max: &mut parts.max,
+        sum: &mut parts.sum,
+        out: &mut out,
     }
     .push_to(&mut launch);
     // SAFETY: the arguments are `paged_attention`'s list in kernels/paged_attention.cu; the
-    // plan sized the partial buffers and the shared memory (at most 48 KiB, checked by
-    // `Heads::check`), and its tiles and block tables address only the pool's slots.
+    // plan sized the partial buffers (written only where it has several splits) and the
+    // shared memory (at most 48 KiB, checked by `Heads::check`), and its tiles and block
+    // tables address only the pool's slots.
     unsafe { launch.launch(cfg) }.w()?;
+    if plan.splits == 1 {
+        return Ok(T::wrap_cuda_slice(out, device.clone()));
+    }
 
     let func = function(device, "paged_reduce", Some(dtype))?;
     let cfg = config(plan.reduce_geometry());
     let mut launch = stream.launch_builder(&func);
     params::Reduce {
-        acc: &acc,
-        max: &max,
-        sum: &sum,
+        acc: &parts.acc,
+        max: &parts.max,
+        sum: &parts.sum,
         scalars: &scalars,
         out: &mut out,
     }

@@ -9,6 +9,7 @@
 //! and `emulated` (tests) runs the kernel source itself on the CPU against the twin.
 
 pub mod case;
+mod copies;
 #[cfg(feature = "cuda")]
 pub mod device_check;
 #[cfg(all(test, target_os = "linux"))]
@@ -57,10 +58,7 @@ pub const MAX_HEAD_DIM: usize = 256;
 const TARGET_PAIRS: usize = 16;
 /// Shared memory a block may use without opting in (48 KiB on every CUDA GPU).
 const MAX_SHARED_BYTES: usize = 48 * 1024;
-/// Launches per layer: the K and V writes, the attention and the merge of its splits (and
-/// `qkv_rope` before them with `engine.rope_kernel`).
-pub const LAUNCHES_PER_LAYER: u64 = 4;
-/// Threads of a block that writes K/V rows or block-table entries.
+/// Threads of a block that writes or copies K/V rows, or writes block-table entries.
 const WRITE_THREADS: u32 = 128;
 /// Threads of a `qkv_rope` block (a token's rotations and its V row).
 const ROPE_THREADS: u32 = 256;
@@ -341,6 +339,12 @@ impl KernelPlan {
     /// Bytes uploaded per iteration besides the block tables' changes: tiles and slots.
     pub fn upload_bytes(&self) -> u64 {
         4 * (4 * self.tiles.len() + self.slots.len()) as u64
+    }
+
+    /// Launches per layer: the K and V writes, the attention and, where the context is
+    /// split, the merge of its splits (and `qkv_rope` before them with `engine.rope_kernel`).
+    pub fn launches_per_layer(&self) -> u64 {
+        3 + u64::from(self.splits > 1)
     }
 
     /// Floats of the partial outputs (rows x heads x splits x head_dim).

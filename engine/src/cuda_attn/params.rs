@@ -73,9 +73,28 @@ impl<'s, S, C, U> WriteSlots<'s, S, C, U> {
     }
 }
 
+/// `copy_slots_<dtype>(cache, pairs, row)`: each (source, destination) slot pair's row copied.
+pub(crate) struct CopySlots<'s, C, U> {
+    pub cache: C,
+    pub pairs: U,
+    pub scalars: &'s Scalars,
+}
+
+impl<'s, C, U> CopySlots<'s, C, U> {
+    pub(crate) fn push_to<L>(self, list: &mut L)
+    where
+        L: ArgList<C> + ArgList<U> + ArgList<&'s u32>,
+    {
+        ArgList::push(list, self.cache);
+        ArgList::push(list, self.pairs);
+        ArgList::push(list, &self.scalars.kv_row);
+    }
+}
+
 /// `paged_attention_<dtype>(q, k, v, tiles, tables, num_heads, num_kv_heads, head_dim,
-/// block_size, table_width, split_len, scale, acc, max, sum)`: each split's partial output.
-pub(crate) struct Attention<'s, Q, P, U, O> {
+/// block_size, table_width, split_len, scale, acc, max, sum, out)`: each split's partial
+/// output, or with one split the output itself.
+pub(crate) struct Attention<'s, Q, P, U, O, R> {
     pub q: Q,
     pub k: P,
     pub v: P,
@@ -85,12 +104,14 @@ pub(crate) struct Attention<'s, Q, P, U, O> {
     pub acc: O,
     pub max: O,
     pub sum: O,
+    /// Written only where the plan has one split (the partials then are not).
+    pub out: R,
 }
 
-impl<'s, Q, P, U, O> Attention<'s, Q, P, U, O> {
+impl<'s, Q, P, U, O, R> Attention<'s, Q, P, U, O, R> {
     pub(crate) fn push_to<L>(self, list: &mut L)
     where
-        L: ArgList<Q> + ArgList<P> + ArgList<U> + ArgList<O> + ArgList<&'s u32>,
+        L: ArgList<Q> + ArgList<P> + ArgList<U> + ArgList<O> + ArgList<R> + ArgList<&'s u32>,
         L: ArgList<&'s f32>,
     {
         let s = self.scalars;
@@ -113,6 +134,7 @@ impl<'s, Q, P, U, O> Attention<'s, Q, P, U, O> {
         ArgList::push(list, self.acc);
         ArgList::push(list, self.max);
         ArgList::push(list, self.sum);
+        ArgList::push(list, self.out);
     }
 }
 

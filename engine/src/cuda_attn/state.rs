@@ -4,14 +4,16 @@
 use candle_core::{Device, Result, Tensor};
 use dppo_model::CausalLm;
 
+use super::copies::SlotCopies;
 use super::tables::{TableMirror, TableUpload};
 #[cfg(any(all(test, target_os = "linux"), feature = "cuda"))]
 use super::Extras;
-use super::{Heads, KernelPlan, LAUNCHES_PER_LAYER};
+use super::{Heads, KernelPlan};
 use crate::cost::IterationCost;
 #[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
 use crate::device_timing;
 use crate::generic_attn::TensorKvCache;
+use crate::kv_pool::BlockCopy;
 use crate::paged_attn::SeqAttnMeta;
 use crate::sequence::SeqId;
 use crate::EngineError;
@@ -19,6 +21,8 @@ use crate::EngineError;
 /// The iteration's batch as the backend needs it.
 pub struct Batch<'a> {
     pub metas: &'a [SeqAttnMeta],
+    /// The scheduler's copy-on-write orders, carried out before the forward pass.
+    pub block_copies: &'a [BlockCopy],
     /// The sequence of each meta.
     pub seq_ids: &'a [SeqId],
     pub slot_mapping: &'a [usize],
@@ -127,10 +131,14 @@ impl CudaAttention {
                 TableUpload::Whole => 4 * self.tables.host().len() as u64,
                 TableUpload::Entries(pairs) => 4 * pairs.len() as u64,
             };
-        // The kernels of every layer, and the table's scatter when entries changed.
-        cost.attention_ops += LAUNCHES_PER_LAYER * layers
-            + matches!(&upload, TableUpload::Entries(p) if !p.is_empty()) as u64;
-        self.launch(model, cache, batch, plan, (&upload, cost))
+        let copies = SlotCopies::of(batch.block_copies, cache.shape().block_size);
+        cost.h2d_bytes += 4 * copies.pairs.len() as u64;
+        // The kernels of every layer, the table's scatter when entries changed, and the
+        // copies in each layer's K and V pools.
+        cost.attention_ops += plan.launches_per_layer() * layers
+            + matches!(&upload, TableUpload::Entries(p) if !p.is_empty()) as u64
+            + 2 * layers * u64::from(!copies.is_empty());
+        self.launch(model, cache, batch, plan, (&upload, &copies, cost))
     }
 
     #[cfg(feature = "cuda")]
@@ -140,10 +148,11 @@ impl CudaAttention {
         cache: &mut TensorKvCache,
         batch: &Batch<'_>,
         plan: KernelPlan,
-        (upload, cost): (&TableUpload, &mut IterationCost),
+        (upload, copies, cost): (&TableUpload, &SlotCopies, &mut IterationCost),
     ) -> Result<Tensor> {
-        use super::launch::{CudaIndex, CudaPagedAttention};
+        use super::launch::{copy_slots, CudaIndex, CudaPagedAttention};
         let device = model.device();
+        copy_slots(cache, copies, &plan)?;
         let tables = upload.apply(&mut self.device_tables, self.tables.host(), device)?;
         let index = CudaIndex::new(plan, device)?;
         let mut backend = CudaPagedAttention {
@@ -166,11 +175,12 @@ impl CudaAttention {
         cache: &mut TensorKvCache,
         batch: &Batch<'_>,
         plan: KernelPlan,
-        (upload, cost): (&TableUpload, &mut IterationCost),
+        (upload, copies, cost): (&TableUpload, &SlotCopies, &mut IterationCost),
     ) -> Result<Tensor> {
         // In the engine's unit tests the CPU runs the kernels' source (`super::emulated`).
         #[cfg(all(test, target_os = "linux"))]
         {
+            super::emulated::copy_blocks(cache, copies, &plan)?;
             let host = self.tables.host();
             let tables = upload.apply(&mut self.emulated_tables, host, model.device())?;
             let mut backend = super::emulated::Backend {
@@ -187,7 +197,7 @@ impl CudaAttention {
         }
         #[cfg(not(all(test, target_os = "linux")))]
         {
-            let _ = (model, cache, batch, plan, upload, cost);
+            let _ = (model, cache, batch, plan, upload, copies, cost);
             let _ = self.switches;
             candle_core::bail!("cuda attention in a build without CUDA")
         }

@@ -12,9 +12,11 @@ use crate::kernel_emu::{Args, Emulator};
 use crate::sampler::MAX_TOP_LOGPROBS;
 
 /// `draws` from `rows` (each `vocab` long) by the emulated kernel, launched as
-/// [`super::sample`] launches it on a GPU.
-fn emulate(emu: &Emulator, rows: &[Vec<f32>], draws: &[DeviceDraw]) -> Vec<Drawn> {
+/// [`super::sample`] launches it on a GPU: on the rows in f32, or in bf16 (`bf16`, the rows
+/// then being bf16 values already).
+fn emulate(emu: &Emulator, rows: &[Vec<f32>], draws: &[DeviceDraw], bf16: bool) -> Vec<Drawn> {
     let logits: Vec<f32> = rows.concat();
+    let halves: Vec<half::bf16> = logits.iter().map(|&x| half::bf16::from_f32(x)).collect();
     let vocab = rows[0].len() as u32;
     let inputs = DrawInputs::of(draws);
     let n = draws.len();
@@ -27,8 +29,16 @@ fn emulate(emu: &Emulator, rows: &[Vec<f32>], draws: &[DeviceDraw]) -> Vec<Drawn
             vec![f32::NAN; n * MAX_TOP_LOGPROBS],
         ),
     };
-    let args = Args::filled(|list| push_args(list, logits.as_ptr(), &vocab, &inputs, &mut out));
-    emu.launch("gumbel_sample", (n as u32, 1, 1), (THREADS, 1, 1), 0, &args)
+    let (kernel, args) = if bf16 {
+        let ptr = halves.as_ptr();
+        let args = Args::filled(|list| push_args(list, ptr, &vocab, &inputs, &mut out));
+        ("gumbel_sample_bf16", args)
+    } else {
+        let ptr = logits.as_ptr();
+        let args = Args::filled(|list| push_args(list, ptr, &vocab, &inputs, &mut out));
+        ("gumbel_sample_f32", args)
+    };
+    emu.launch(kernel, (n as u32, 1, 1), (THREADS, 1, 1), 0, &args)
         .unwrap();
     out.drawn(&inputs.n_tops)
 }
@@ -49,25 +59,35 @@ fn logits(rng: &mut StdRng, rows: usize, vocab: usize) -> Vec<Vec<f32>> {
 
 #[test]
 fn the_kernel_draws_what_its_host_reference_draws() {
-    let emu = Emulator::build("kernels/sample.cu", SOURCE, &["gumbel_sample"]).unwrap();
+    let kernels = ["gumbel_sample_f32", "gumbel_sample_bf16"];
+    let emu = Emulator::build("kernels/sample.cu", SOURCE, &kernels).unwrap();
     let mut rng = StdRng::seed_from_u64(23);
     // Qwen's vocabulary, as the doctor checks it, and one that is no multiple of the groups
-    // of four or of the block's threads, with a NaN and an infinity among the logits.
-    for (rows, vocab) in [(16, 151_936), (6, 32_003)] {
-        let mut logits = logits(&mut rng, rows, vocab);
-        logits[1][7] = f32::NAN;
-        logits[2][vocab - 1] = f32::NEG_INFINITY;
-        let draws = checked_draws(rows);
-        let got = emulate(&emu, &logits, &draws);
-        // The doctor allows a near-tie to part a draw on a GPU; here the host's own libm
-        // computes both sides, so every draw agrees.
-        let agreement = Agreement::of(&logits, &draws, &got);
-        assert!(agreement.passed(), "vocabulary {vocab}: {agreement:?}");
-        assert_eq!(agreement.agreed, draws.len(), "vocabulary {vocab}");
-        assert_eq!(got.len(), draws.len());
-        for (d, g) in draws.iter().zip(&got) {
-            assert!((g.token as usize) < vocab, "{d:?}: {g:?}");
-            assert_eq!(g.top_logprobs.len(), d.params.top_logprobs as usize);
+    // of four or of the block's threads, with a NaN and an infinity among the logits; in f32,
+    // and in bf16 as the model computes them (the reference reads their f32 values).
+    for bf16 in [false, true] {
+        for (rows, vocab) in [(16, 151_936), (6, 32_003)] {
+            let mut logits = logits(&mut rng, rows, vocab);
+            logits[1][7] = f32::NAN;
+            logits[2][vocab - 1] = f32::NEG_INFINITY;
+            if bf16 {
+                for x in logits.iter_mut().flatten() {
+                    *x = half::bf16::from_f32(*x).to_f32();
+                }
+            }
+            let draws = checked_draws(rows);
+            let got = emulate(&emu, &logits, &draws, bf16);
+            // The doctor allows a near-tie to part a draw on a GPU; here the host's own libm
+            // computes both sides, so every draw agrees.
+            let what = format!("vocabulary {vocab}, bf16 {bf16}");
+            let agreement = Agreement::of(&logits, &draws, &got);
+            assert!(agreement.passed(), "{what}: {agreement:?}");
+            assert_eq!(agreement.agreed, draws.len(), "{what}");
+            assert_eq!(got.len(), draws.len());
+            for (d, g) in draws.iter().zip(&got) {
+                assert!((g.token as usize) < vocab, "{what}: {d:?}: {g:?}");
+                assert_eq!(g.top_logprobs.len(), d.params.top_logprobs as usize);
+            }
         }
     }
 }

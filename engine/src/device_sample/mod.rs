@@ -1,5 +1,5 @@
 //! Sampling on the GPU (`engine.sampling = "device"`, or `auto` on a GPU): the iteration's
-//! f32 logits stay on the device and one kernel launch (kernels/sample.cu, compiled once per
+//! logits stay on the device (read as the model computed them, f32 or bf16) and one kernel launch (kernels/sample.cu, compiled once per
 //! process by NVRTC) draws every sample by the Gumbel-max trick, top-k and top-p applied as
 //! a threshold and top logprobs found on the device; 12 bytes per draw come back (plus 160
 //! per draw when some draw asks for top logprobs) instead of a vocabulary-sized row.
@@ -151,7 +151,8 @@ impl Agreement {
     }
 }
 
-/// Draws `draws` from `logits` ((rows, vocab) f32). On a GPU by the kernel; on the CPU by
+/// Draws `draws` from `logits` ((rows, vocab); on a GPU f32 or bf16 as they are, another
+/// dtype cast to f32). On a GPU by the kernel; on the CPU by
 /// its reference, [`crate::gumbel::draw`], so that the CPU tests run every other step of
 /// this path.
 pub fn sample(logits: &Tensor, draws: &[DeviceDraw]) -> Result<Vec<Drawn>> {
@@ -171,24 +172,50 @@ pub fn sample(logits: &Tensor, draws: &[DeviceDraw]) -> Result<Vec<Drawn>> {
 /// [`sample`] by the kernel.
 #[cfg(feature = "cuda")]
 fn on_gpu(logits: &Tensor, draws: &[DeviceDraw]) -> Result<Vec<Drawn>> {
-    use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
     use candle_core::{bail, DType, Storage};
 
     let candle_core::Device::Cuda(device) = logits.device() else {
         bail!("device sampling: the logits are on neither the CPU nor a GPU");
     };
-    if logits.dtype() != DType::F32 || logits.rank() != 2 {
-        bail!("device sampling: expected (rows, vocab) f32 logits");
+    if logits.rank() != 2 {
+        bail!("device sampling: expected (rows, vocab) logits");
     }
-    let logits = logits.contiguous()?;
+    // The kernel reads f32 and bf16 as they are; another dtype is cast to f32 first.
+    let logits = match logits.dtype() {
+        DType::F32 | DType::BF16 => logits.contiguous()?,
+        _ => logits.to_dtype(DType::F32)?,
+    };
     let vocab = logits.dim(1)? as u32;
     let (storage, layout) = logits.storage_and_layout();
     let (Storage::Cuda(storage), Some((start, end))) = (&*storage, layout.contiguous_offsets())
     else {
         bail!("device sampling: the logits are not contiguous on a GPU");
     };
-    let slice = storage.as_cuda_slice::<f32>()?.slice(start..end);
-    let func = MODULE.function(device, "gumbel_sample")?;
+    match logits.dtype() {
+        DType::BF16 => {
+            let slice = storage.as_cuda_slice::<half::bf16>()?.slice(start..end);
+            launch(device, "gumbel_sample_bf16", &slice, vocab, draws)
+        }
+        _ => {
+            let slice = storage.as_cuda_slice::<f32>()?.slice(start..end);
+            launch(device, "gumbel_sample_f32", &slice, vocab, draws)
+        }
+    }
+}
+
+/// `kernel` over `logits` (rows of `vocab`) for `draws`: uploads their inputs, launches a block
+/// a draw and brings the results back.
+#[cfg(feature = "cuda")]
+fn launch<T: DeviceRepr>(
+    device: &candle_core::CudaDevice,
+    kernel: &str,
+    logits: &candle_core::cuda_backend::cudarc::driver::CudaView<'_, T>,
+    vocab: u32,
+    draws: &[DeviceDraw],
+) -> Result<Vec<Drawn>> {
+    use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
+
+    let func = MODULE.function(device, kernel)?;
     let stream = device.cuda_stream();
     let w = candle_core::Error::wrap;
     let inputs = DrawInputs::of(draws);
@@ -218,7 +245,7 @@ fn on_gpu(logits: &Tensor, draws: &[DeviceDraw]) -> Result<Vec<Drawn>> {
         shared_mem_bytes: 0,
     };
     let mut launch = stream.launch_builder(&func);
-    push_args(&mut launch, &slice, &vocab, &on_device, &mut out);
+    push_args(&mut launch, logits, &vocab, &on_device, &mut out);
     // SAFETY: the arguments are the kernel's list in kernels/sample.cu; every buffer holds
     // `n` draws (rows: `rows * vocab` floats; top logprobs MAX_TOP_LOGPROBS slots each, the
     // kernel's MAX_TOP), and each block writes only its own draw's outputs.

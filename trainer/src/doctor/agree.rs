@@ -112,7 +112,7 @@ fn run_checks(
     checks.push(super::handoff::hand_offs(
         &on_device, device, &reqs, &batch,
     )?);
-    checks.push(super::sampling::device_sampling(device)?);
+    checks.extend(super::sampling::device_sampling(device)?);
     checks.extend(super::paged::paged_attention(
         &on_device, device, &reqs, &want,
     )?);

@@ -14,17 +14,26 @@ const ROWS: usize = 16;
 const VOCAB: usize = 151_936;
 
 /// Draws 8 samples per row on `device` against the host (see
-/// [`device_sample::checked_draws`]).
-pub(super) fn device_sampling(device: &Device) -> Result<Check, TrainError> {
+/// [`device_sample::checked_draws`]), from f32 logits and from bf16 ones (the kernel reads
+/// the model's bf16 logits as they are).
+pub(super) fn device_sampling(device: &Device) -> Result<Vec<Check>, TrainError> {
     if device.is_cpu() {
-        return Ok(Check::skip(
+        return Ok(vec![Check::skip(
             "device sampling",
             "the CPU samples on the host; this checks the GPU kernel",
-        ));
+        )]);
     }
-    let host = Tensor::randn(0f32, 3.0, (ROWS, VOCAB), &Device::Cpu)?;
-    let logits = host.to_device(device)?.to_dtype(DType::F32)?;
-    let rows = host.to_vec2::<f32>()?;
+    [DType::F32, DType::BF16]
+        .into_iter()
+        .map(|dtype| draws_from(device, dtype))
+        .collect()
+}
+
+/// The check on logits in `dtype` (the host reference reads their f32 values).
+fn draws_from(device: &Device, dtype: DType) -> Result<Check, TrainError> {
+    let host = Tensor::randn(0f32, 3.0, (ROWS, VOCAB), &Device::Cpu)?.to_dtype(dtype)?;
+    let logits = host.to_device(device)?;
+    let rows = host.to_dtype(DType::F32)?.to_vec2::<f32>()?;
     let draws = checked_draws(ROWS);
     let got = device_sample::sample(&logits, &draws)?;
     let agreement = Agreement::of(&rows, &draws, &got);
@@ -48,7 +57,7 @@ pub(super) fn device_sampling(device: &Device) -> Result<Check, TrainError> {
     }
     Ok(Check::expect(
         agreement.passed(),
-        "device sampling",
+        format!("device sampling, {dtype:?} logits"),
         detail,
         BUG_FIX,
     ))

@@ -5,10 +5,13 @@
 //! and gated product.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp3, DType, InplaceOp2, Layout, Result, Shape, Tensor};
+use candle_core::{
+    bail, CpuStorage, CustomOp3, DType, InplaceOp1, InplaceOp2, Layout, Result, Shape, Tensor,
+};
 use dppo_model::{AttentionBackend, LayerKernels, RopeAt};
 
-use super::{attend, qkv_rope, write_slots, Stored};
+use super::{attend, copy_slots, qkv_rope, write_slots, Stored};
+use crate::cuda_attn::copies::{self, SlotCopies};
 use crate::cuda_attn::{attend_rotated, Extras, KernelPlan};
 use crate::generic_attn::TensorKvCache;
 
@@ -126,6 +129,45 @@ fn contiguous<'a, T>(data: &'a [T], layout: &Layout) -> Result<&'a [T]> {
         bail!("emulated kernels: a non-contiguous input");
     };
     Ok(&data[start..end])
+}
+
+/// Copy-on-write by the emulated `copy_slots`: `copies` in every layer's pool.
+pub(in crate::cuda_attn) fn copy_blocks(
+    cache: &TensorKvCache,
+    copies: &SlotCopies,
+    plan: &KernelPlan,
+) -> Result<()> {
+    if copies.is_empty() {
+        return Ok(());
+    }
+    copies::in_every_layer(cache, &CopySlots { plan, copies })
+}
+
+struct CopySlots<'a> {
+    plan: &'a KernelPlan,
+    copies: &'a SlotCopies,
+}
+
+impl InplaceOp1 for CopySlots<'_> {
+    fn name(&self) -> &'static str {
+        "emulated-copy-slots"
+    }
+
+    fn cpu_fwd(&self, c: &mut CpuStorage, cl: &Layout) -> Result<()> {
+        if cl.start_offset() != 0 {
+            bail!("copy_slots: a pool that does not start its storage");
+        }
+        let (plan, copies) = (self.plan, self.copies);
+        match c {
+            CpuStorage::F32(c) => copy_slots(plan, copies, c),
+            CpuStorage::BF16(c) => copy_slots(plan, copies, c),
+            CpuStorage::F16(c) => copy_slots(plan, copies, c),
+            c => bail!(
+                "copy_slots: a {:?} pool (kernels exist for f32, bf16 and f16)",
+                c.dtype()
+            ),
+        }
+    }
 }
 
 struct WriteSlots<'a>(&'a KernelPlan);

@@ -219,6 +219,7 @@ fn iteration(
     let seq_ids: Vec<u64> = seqs.iter().map(|s| s.0).collect();
     let batch = Batch {
         metas: &metas,
+        block_copies: &[],
         seq_ids: &seq_ids,
         slot_mapping: &slots,
         input_ids: &Tensor::from_vec(ids, n, &Device::Cpu)?,

@@ -9,7 +9,8 @@ use std::sync::LazyLock;
 
 use candle_core::{bail, Device, Result, WithDType};
 
-use super::params::{Attention, QkvRope, Reduce, Scalars, TableEntries, WriteSlots};
+use super::copies::SlotCopies;
+use super::params::{Attention, CopySlots, QkvRope, Reduce, Scalars, TableEntries, WriteSlots};
 use super::tables::TableCopy;
 use super::{table_write_geometry, Geometry, KernelPlan, SOURCE};
 use crate::kernel_emu::{Args, Emulator};
@@ -23,7 +24,7 @@ mod rope;
 mod tests;
 
 #[cfg(not(feature = "cuda"))]
-pub(super) use backend::Backend;
+pub(super) use backend::{copy_blocks, Backend};
 
 /// The multiprocessors the emulation's plans split contexts for: an H100 SXM's.
 pub(super) const MULTIPROCESSORS: usize = 132;
@@ -34,6 +35,7 @@ static KERNELS: LazyLock<Emulator> = LazyLock::new(|| {
         "silu_mul",
         "qkv_rope",
         "write_slots",
+        "copy_slots",
         "paged_attention",
         "paged_reduce",
     ];
@@ -156,8 +158,40 @@ pub(super) fn write_slots<T: Stored>(plan: &KernelPlan, src: &[T], cache: &mut [
     )
 }
 
-/// `paged_attention` then `paged_reduce`: the batch's (rows, heads, head_dim) output, the
-/// partial buffers poisoned with NaN first.
+/// `copy_slots`: each copied slot's row of `cache` into its destination slot.
+pub(super) fn copy_slots<T: Stored>(
+    plan: &KernelPlan,
+    copies: &SlotCopies,
+    cache: &mut [T],
+) -> Result<()> {
+    let row = plan.heads.num_kv_heads * plan.heads.head_dim;
+    // Outside the pool the emulation would touch the process's memory.
+    if let Some(slot) = copies
+        .pairs
+        .iter()
+        .find(|&&s| (s as usize + 1) * row > cache.len())
+    {
+        bail!(
+            "copy_slots: slot {slot} outside a pool of {}",
+            cache.len() / row
+        );
+    }
+    let scalars = Scalars::of(plan);
+    let copy = CopySlots {
+        cache: cache.as_mut_ptr(),
+        pairs: copies.pairs.as_ptr(),
+        scalars: &scalars,
+    };
+    let args = Args::filled(|list| copy.push_to(list));
+    launch(
+        &format!("copy_slots_{}", T::SUFFIX),
+        copies.geometry(),
+        &args,
+    )
+}
+
+/// `paged_attention`, then `paged_reduce` where the context is split: the batch's (rows,
+/// heads, head_dim) output, the partial buffers and the output poisoned with NaN first.
 pub(super) fn attend<T: Stored>(
     plan: &KernelPlan,
     q: &[T],
@@ -184,6 +218,7 @@ pub(super) fn attend<T: Stored>(
     let mut acc = vec![f32::NAN; plan.partial_len()];
     let mut max = vec![f32::NAN; pair_rows * plan.splits];
     let mut sum = vec![f32::NAN; pair_rows * plan.splits];
+    let mut out = vec![T::of(f32::NAN); pair_rows * heads.head_dim];
     let scalars = Scalars::of(plan);
     let attend = Attention {
         q: q.as_ptr(),
@@ -195,12 +230,14 @@ pub(super) fn attend<T: Stored>(
         acc: acc.as_mut_ptr(),
         max: max.as_mut_ptr(),
         sum: sum.as_mut_ptr(),
+        out: out.as_mut_ptr(),
     };
     let args = Args::filled(|list| attend.push_to(list));
     let attention = format!("paged_attention_{}", T::SUFFIX);
     launch(&attention, plan.attention_geometry(), &args)?;
-
-    let mut out = vec![T::of(f32::NAN); pair_rows * heads.head_dim];
+    if plan.splits == 1 {
+        return Ok(out);
+    }
     let reduce = Reduce {
         acc: acc.as_ptr(),
         max: max.as_ptr(),

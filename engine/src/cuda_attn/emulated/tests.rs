@@ -8,11 +8,13 @@ use candle_core::DType;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-use super::{attend, write_slots, Stored, MULTIPROCESSORS};
+use super::{attend, copy_slots, write_slots, Stored, MULTIPROCESSORS};
 use crate::cuda_attn::case::{checked_cases, round_to, table_entries, tolerance, Case};
+use crate::cuda_attn::copies::SlotCopies;
 use crate::cuda_attn::tables::TableCopy;
 use crate::cuda_attn::twin::{self, Caches};
 use crate::cuda_attn::{Heads, KernelPlan};
+use crate::kv_pool::BlockCopy;
 
 /// The engine's split target on the emulation's GPU.
 const MIN_BLOCKS: usize = 2 * MULTIPROCESSORS;
@@ -161,4 +163,52 @@ fn head_dims_of_half_a_slice_are_summed_whole() {
     };
     check_cases::<f32>(&cases(DType::F32));
     check_cases::<half::bf16>(&cases(DType::BF16));
+}
+
+/// `copy_slots` copies each order's tokens of its source block into its fresh block, row by
+/// row, and touches no other slot: copy-on-write of a shared prompt block.
+fn copies_rows_exactly<T: Stored>() {
+    let case = &checked_cases(T::DTYPE)[0];
+    let (plan, _) = case.plan(1).unwrap();
+    let row = case.heads.num_kv_heads * case.heads.head_dim;
+    let bs = plan.block_size;
+    // Every slot distinct, unlike a case's pool (zero past its cached tokens).
+    let slots = case.cached_pool().0.len() / row;
+    let pool: Vec<f32> = (0..slots * row)
+        .map(|i| (i * 7919 % 1000) as f32 / 64.0)
+        .collect();
+    let mut got = stored::<T>(&pool);
+    let orders = [
+        BlockCopy {
+            src: 2,
+            dst: 5,
+            num_tokens: bs - 1,
+        },
+        BlockCopy {
+            src: 0,
+            dst: 7,
+            num_tokens: 1,
+        },
+    ];
+    let copies = SlotCopies::of(&orders, bs);
+    assert_eq!(copies.len(), bs, "one pair a copied token");
+    let mut want = got.clone();
+    for o in &orders {
+        for i in 0..o.num_tokens {
+            let (from, to) = (o.src as usize * bs + i, o.dst as usize * bs + i);
+            want.copy_within(from * row..(from + 1) * row, to * row);
+        }
+    }
+    copy_slots(&plan, &copies, &mut got).unwrap();
+    assert!(bits(&got) == bits(&want), "{:?}", T::DTYPE);
+    assert!(
+        bits(&got) != bits(&stored::<T>(&pool)),
+        "the copies changed the pool"
+    );
+}
+
+#[test]
+fn copy_on_write_copies_each_token_of_its_block() {
+    copies_rows_exactly::<f32>();
+    copies_rows_exactly::<half::bf16>();
 }
