@@ -145,8 +145,8 @@ fn gpu_check_targets_dry_run_measures_each_target() {
     }
 }
 
-/// `--profile` runs the doctor and dppo's side of the targets' protocol; on the CPU the Nsight
-/// Compute steps are skipped, saying why.
+/// `--profile` runs the doctor, dppo's side of the targets' protocol and the attention
+/// kernel's other variants; on the CPU the Nsight Compute steps are skipped, saying why.
 #[test]
 fn gpu_check_profile_dry_run_runs_the_rollouts_and_skips_the_profiles() {
     let dir = tempfile::tempdir().unwrap();
@@ -157,17 +157,23 @@ fn gpu_check_profile_dry_run_runs_the_rollouts_and_skips_the_profiles() {
         .iter()
         .map(|s| (s["name"].as_str().unwrap(), s["status"].as_str().unwrap()))
         .collect();
-    assert_eq!(
-        got,
-        [
-            ("doctor", "ok"),
-            ("target-floor-smollm2-135m", "ok"),
-            ("target-rollout-smollm2-135m", "ok"),
-            ("profile-qwen2.5-0.5b-b1024", "skipped"),
-            ("profile-qwen2.5-0.5b-b256", "skipped"),
-        ],
-        "{text}"
-    );
+    // Every variant of the attention but the default, which the target rows run.
+    let variants: Vec<String> = dppo_engine::AttentionKernel::VARIANTS
+        .iter()
+        .skip(1)
+        .map(|v| format!("variant-smollm2-135m-{v}"))
+        .collect();
+    let mut want = vec![
+        ("doctor", "ok"),
+        ("target-floor-smollm2-135m", "ok"),
+        ("target-rollout-smollm2-135m", "ok"),
+    ];
+    want.extend(variants.iter().map(|v| (v.as_str(), "ok")));
+    want.extend([
+        ("profile-qwen2.5-0.5b-b1024", "skipped"),
+        ("profile-qwen2.5-0.5b-b256", "skipped"),
+    ]);
+    assert_eq!(got, want, "{text}");
 }
 
 #[test]

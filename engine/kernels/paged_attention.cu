@@ -10,9 +10,9 @@
 //   query rows of one sequence (one row when decoding); the block serves every query head of
 //   its KV head for those rows (a "pair" is a row and a query head), over one split of the
 //   context, in chunks of CHUNK keys with an online softmax. It writes each pair's partial
-//   output (unnormalised), maximum and sum: FlashDecoding's split-K. Each K row and each V
-//   element is read once for all of the block's pairs, a chunk's loads in flight at once, so
-//   that the latency of single loads does not bound it.
+//   output (unnormalised), maximum and sum: FlashDecoding's split-K. Each key's K row is read
+//   once for all of the block's pairs, and each V element once for VALUE_PAIRS of them, with
+//   several loads in flight per thread, so that the latency of single loads does not bound it.
 // - paged_reduce: merges a pair's splits (one block per row and query head). Where the
 //   context has one split the attention writes the output itself and no merge is launched.
 // The block tables stay on the device between iterations; write_table_entries applies an
@@ -166,45 +166,39 @@ __device__ void copy_slots(T *cache, const unsigned int *pairs, unsigned int row
     for (unsigned int i = threadIdx.x; i < row; i += blockDim.x) cache[to + i] = cache[from + i];
 }
 
-// BYTES of a K or V row as floats: one vector load on a GPU (rows are 16-byte aligned: head_dim
-// is a multiple of 32 and the pools start at their allocation; the value pass loads two
-// elements at an even offset), a copy on the host.
-template <typename T, unsigned int BYTES = 16> struct Pack {
-    static constexpr unsigned int N = BYTES / sizeof(T);
-    struct alignas(BYTES) Raw { unsigned int w[BYTES / 4]; };
+// Up to 16 bytes of a K row as floats: one vector load on a GPU (rows are 16-byte aligned:
+// head_dim is a multiple of 32 and the pools start at their allocation), a copy on the host.
+template <typename T> struct Pack {
+    static constexpr unsigned int N = 16 / sizeof(T);
+    struct alignas(16) Raw { unsigned int w[4]; };
     union { Raw raw; T e[N]; };
     Pack() = default;
     __device__ __forceinline__ explicit Pack(const T *p) {
 #ifdef __CUDA_ARCH__
         raw = *reinterpret_cast<const Raw *>(p);
 #else
-        memcpy(&raw, p, BYTES);
+        memcpy(&raw, p, 16);
 #endif
     }
     __device__ __forceinline__ float operator[](unsigned int i) const { return to_f32(e[i]); }
 };
-// Two adjacent elements of a V row, a lane's share of a slice.
-template <typename T> using Two = Pack<T, 2 * sizeof(T)>;
 
-// Pairs whose scores a thread computes from one read of a key's K row, and the 16-byte loads
-// of that row it has in flight at once.
+// Pairs whose scores a thread computes from one read of a key's K row.
 #define SCORE_PAIRS 8
-#define SCORE_LOADS 8
-// The value pass: a warp sums the keys KEYS_PER_WARP of a chunk, a lane two dimensions of a
-// SLICE, for VALUE_PAIRS pairs at a time; the warps' partial sums meet in shared memory.
-#define KEYS_PER_WARP (CHUNK / NWARPS)
-#define SLICE (2 * WARP)
-#define VALUE_PAIRS 8
-// Attention blocks a multiprocessor holds at once: caps the registers at 128 a thread, which
-// the value pass's 32 loads in flight and 16 sums fit without spilling (ptxas, sm_90).
-#define ATTENTION_BLOCKS 4
+// Pairs a thread accumulates together in the value pass, each V load used for all of them.
+#define VALUE_PAIRS 4
+// The attention's variants (`bench rollout --score-loads --value-keys`), a template each,
+// SCORE_LOADS 1 and VALUE_KEYS 8 the default (measured on GPUs; the others are not yet).
+// SCORE_LOADS 16-byte loads of a K row in flight at once in the scores, VALUE_KEYS keys' V
+// loads in the value pass. More loads in flight, fewer round trips to memory a chunk, for
+// more registers a thread (fewer blocks a multiprocessor). The same arithmetic in the same
+// order: the twin serves them all.
 
 // tiles: 4 words per tile (sequence, first row, rows, position of the first row); a row at
-// position p sees keys 0..=p. block_tables: (rows, table_width), a row per sequence. Shared
-// memory, floats: q (pairs * head_dim, pre-scaled), acc (pairs * head_dim), scores (pairs *
-// CHUNK), the chunk's slots (CHUNK words), per pair its running max, sum and rescale factor,
-// then the value pass's partial sums ((NWARPS - 1) * VALUE_PAIRS * SLICE).
-template <typename T>
+// position p sees keys 0..=p. block_tables: (rows, table_width), a row per sequence. Shared memory, floats:
+// q (pairs * head_dim, pre-scaled), acc (pairs * head_dim), scores (pairs * CHUNK), the
+// chunk's slots (CHUNK words), then per pair its running max, sum and rescale factor.
+template <typename T, unsigned int SCORE_LOADS, unsigned int VALUE_KEYS>
 __device__ void paged_attention(
     const T *q, const T *k_cache, const T *v_cache, const unsigned int *tiles,
     const unsigned int *block_tables, unsigned int heads, unsigned int kv_heads,
@@ -226,7 +220,6 @@ __device__ void paged_attention(
     float *m_s = (float *)(slot_s + CHUNK);
     float *l_s = m_s + pairs;
     float *a_s = l_s + pairs;
-    float *part_s = a_s + pairs;
 
     for (unsigned int i = tid; i < pairs * d; i += THREADS) {
         const unsigned int p = i / d, e = i % d;
@@ -244,8 +237,9 @@ __device__ void paged_attention(
     const unsigned int value_items = (pairs + VALUE_PAIRS - 1) / VALUE_PAIRS * d;
     for (unsigned int c0 = start; c0 < end; c0 += CHUNK) {
         const unsigned int n = min(CHUNK, end - c0);
-        // 1. Scores: a thread per key reads the key's K row, SCORE_LOADS 16-byte loads at once,
-        // and scores it for SCORE_PAIRS pairs at a time, each dot product in dimension order.
+        // 1. Scores: a thread per key reads the key's K row in 16-byte loads, SCORE_LOADS at
+        // once, and scores it for SCORE_PAIRS pairs at a time, each dot product in dimension
+        // order.
         for (unsigned int jj = tid; jj < n; jj += THREADS) {
             const unsigned int j = c0 + jj;
             const unsigned int slot = table[j / block_size] * block_size + j % block_size;
@@ -311,65 +305,35 @@ __device__ void paged_attention(
             if (lane == 0) { m_s[p] = m_new; l_s[p] = l; a_s[p] = alpha; }
         }
         __syncthreads();
-        // 3. Values: warp w sums keys w * KEYS_PER_WARP.. of the chunk, each lane two adjacent
-        // dimensions of a SLICE (a warp's load is a whole 64-element slice of a V row), for
-        // VALUE_PAIRS pairs at a time, all its keys' loads in flight at once. Each pair's
-        // partial sum is in key order. Warp 0 adds its partials to the rescaled output, then
-        // the other warps' partials, met in part_s, are added in warp order.
-        const unsigned int k0 = warp * KEYS_PER_WARP;
-        const unsigned int kn = n > k0 ? min(KEYS_PER_WARP, n - k0) : 0;
-        for (unsigned int e0 = 0; e0 < d; e0 += SLICE) {
-            const unsigned int e = e0 + 2 * lane;
-            for (unsigned int p0 = 0; p0 < pairs; p0 += VALUE_PAIRS) {
-                float a[VALUE_PAIRS][2];
+        // 3. Values: a thread per (dimension, VALUE_PAIRS pairs), VALUE_KEYS keys' V loads
+        // at once; each pair's sum in key order.
+        for (unsigned int i = tid; i < value_items; i += THREADS) {
+            const unsigned int e = i % d, p0 = i / d * VALUE_PAIRS;
+            float a[VALUE_PAIRS];
 #pragma unroll
-                for (unsigned int b = 0; b < VALUE_PAIRS; ++b) a[b][0] = a[b][1] = 0.0f;
-                Two<T> v[KEYS_PER_WARP];
+            for (unsigned int b = 0; b < VALUE_PAIRS; ++b)
+                a[b] = p0 + b < pairs ? acc_s[(p0 + b) * d + e] * a_s[p0 + b] : 0.0f;
+            const T *v_col = v_cache + kh * d + e;
+            for (unsigned int j0 = 0; j0 < n; j0 += VALUE_KEYS) {
+                float v[VALUE_KEYS];
 #pragma unroll
-                for (unsigned int u = 0; u < KEYS_PER_WARP; ++u)
-                    if (u < kn && e < d)
-                        v[u] = Two<T>(v_cache + (size_t)slot_s[k0 + u] * row_len + kh * d + e);
+                for (unsigned int u = 0; u < VALUE_KEYS; ++u)
+                    v[u] = j0 + u < n ? to_f32(v_col[(size_t)slot_s[j0 + u] * row_len]) : 0.0f;
 #pragma unroll
-                for (unsigned int u = 0; u < KEYS_PER_WARP; ++u) {
-                    if (u < kn && e < d) {
+                for (unsigned int u = 0; u < VALUE_KEYS; ++u) {
+                    if (j0 + u < n) {
 #pragma unroll
-                        for (unsigned int b = 0; b < VALUE_PAIRS; ++b) {
-                            if (p0 + b < pairs) {
-                                const float s = s_s[(p0 + b) * CHUNK + k0 + u];
-                                a[b][0] = fmaf(s, v[u][0], a[b][0]);
-                                a[b][1] = fmaf(s, v[u][1], a[b][1]);
-                            }
-                        }
+                        for (unsigned int b = 0; b < VALUE_PAIRS; ++b)
+                            if (p0 + b < pairs)
+                                a[b] = fmaf(s_s[(p0 + b) * CHUNK + j0 + u], v[u], a[b]);
                     }
                 }
-#pragma unroll
-                for (unsigned int b = 0; b < VALUE_PAIRS; ++b) {
-                    const unsigned int p = p0 + b;
-                    if (p < pairs && e < d) {
-#pragma unroll
-                        for (unsigned int c = 0; c < 2; ++c) {
-                            if (warp == 0) {
-                                float *o = acc_s + p * d + e + c;
-                                *o = fmaf(*o, a_s[p], a[b][c]);
-                            } else {
-                                part_s[((warp - 1) * VALUE_PAIRS + b) * SLICE + 2 * lane + c] = a[b][c];
-                            }
-                        }
-                    }
-                }
-                __syncthreads();
-                for (unsigned int i = tid; i < VALUE_PAIRS * SLICE; i += THREADS) {
-                    const unsigned int b = i / SLICE, p = p0 + b, ee = e0 + i % SLICE;
-                    if (p < pairs && ee < d) {
-                        float x = acc_s[p * d + ee];
-                        for (unsigned int w = 1; w < NWARPS; ++w)
-                            x = __fadd_rn(x, part_s[(w - 1) * VALUE_PAIRS * SLICE + i]);
-                        acc_s[p * d + ee] = x;
-                    }
-                }
-                __syncthreads();
             }
+#pragma unroll
+            for (unsigned int b = 0; b < VALUE_PAIRS; ++b)
+                if (p0 + b < pairs) acc_s[(p0 + b) * d + e] = a[b];
         }
+        __syncthreads();
     }
     if (splits == 1) {
         // The merge of one split, done here: the output normalised and rounded to T as
@@ -428,6 +392,19 @@ extern "C" __global__ void write_table_entries(unsigned int *table, const unsign
     if (i < n) table[pairs[2 * i]] = pairs[2 * i + 1];
 }
 
+// paged_attention_<dtype>_s<SCORE_LOADS>_v<VALUE_KEYS>: a variant of the attention.
+#define ATTENTION(NAME, T, S, V)                                                                \
+    extern "C" __global__ void __launch_bounds__(THREADS) paged_attention_##NAME##_s##S##_v##V( \
+        const T *q, const T *k_cache, const T *v_cache, const unsigned int *tiles,             \
+        const unsigned int *block_tables, unsigned int heads, unsigned int kv_heads,           \
+        unsigned int head_dim, unsigned int block_size, unsigned int table_width,               \
+        unsigned int split_len, float scale, float *part_acc, float *part_max,                 \
+        float *part_sum, T *out) {                                                              \
+        paged_attention<T, S, V>(q, k_cache, v_cache, tiles, block_tables, heads, kv_heads,    \
+                                 head_dim, block_size, table_width, split_len, scale,          \
+                                 part_acc, part_max, part_sum, out);                           \
+    }
+
 #define INSTANTIATE(NAME, T)                                                                    \
     extern "C" __global__ void __launch_bounds__(NORM_THREADS) add_rms_norm_##NAME(            \
         const T *x, const T *r, const T *weight, T *out, unsigned int width,                   \
@@ -452,16 +429,7 @@ extern "C" __global__ void write_table_entries(unsigned int *table, const unsign
                                                  unsigned int row) {                           \
         copy_slots<T>(cache, pairs, row);                                                       \
     }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(THREADS, ATTENTION_BLOCKS) paged_attention_##NAME( \
-        const T *q, const T *k_cache, const T *v_cache, const unsigned int *tiles,             \
-        const unsigned int *block_tables, unsigned int heads, unsigned int kv_heads,           \
-        unsigned int head_dim, unsigned int block_size, unsigned int table_width,               \
-        unsigned int split_len, float scale, float *part_acc, float *part_max,                 \
-        float *part_sum, T *out) {                                                              \
-        paged_attention<T>(q, k_cache, v_cache, tiles, block_tables, heads, kv_heads, head_dim, \
-                           block_size, table_width, split_len, scale, part_acc, part_max,       \
-                           part_sum, out);                                                      \
-    }                                                                                           \
+    ATTENTION(NAME, T, 1, 8)                                                                    \
     extern "C" __global__ void paged_reduce_##NAME(                                            \
         const float *part_acc, const float *part_max, const float *part_sum,                   \
         unsigned int heads, unsigned int head_dim, unsigned int splits, T *out) {               \
@@ -471,3 +439,17 @@ extern "C" __global__ void write_table_entries(unsigned int *table, const unsign
 INSTANTIATE(f32, float)
 INSTANTIATE(bf16, bf16)
 INSTANTIATE(f16, f16)
+
+// The other variants, compiled only into the module of that name (`-DATTENTION_VARIANTS`),
+// so that the default's start-up compile stays small.
+// check-kernels: -DATTENTION_VARIANTS
+#ifdef ATTENTION_VARIANTS
+#define VARIANTS(NAME, T)                                                                       \
+    ATTENTION(NAME, T, 1, 16)                                                                   \
+    ATTENTION(NAME, T, 1, 32)                                                                   \
+    ATTENTION(NAME, T, 8, 8)                                                                    \
+    ATTENTION(NAME, T, 8, 32)
+VARIANTS(f32, float)
+VARIANTS(bf16, bf16)
+VARIANTS(f16, f16)
+#endif

@@ -15,6 +15,7 @@ use dppo_model::fused::inference::FusedKernels;
 use dppo_model::{CausalLm, Policy, Weights};
 use parking_lot::Mutex;
 
+use crate::cuda_attn::AttentionKernel;
 use crate::cuda_attn::Switches;
 use crate::device_sample::SamplingPlace;
 use crate::kv_pool::KvPool;
@@ -59,6 +60,10 @@ pub struct EngineConfig {
     /// MLP's SiLU product, by kernels of their own (`engine.layer_kernels`; on by default: they
     /// passed `dppo doctor` on an H200; the other backends ignore it).
     pub layer_kernels: bool,
+    /// With the paged CUDA kernels, the attention kernel's variant: its loads in flight
+    /// (`bench rollout --score-loads --value-keys`, an experiment; the default is the one
+    /// measured on GPUs, and the only one a run uses).
+    pub attention_kernel: AttentionKernel,
     /// Synchronise the device around each layer's attention and after the forward pass, so
     /// that the iteration costs split the device's time between attention, the rest of the
     /// forward pass and sampling (`bench rollout --time-device`); slows the step.
@@ -89,6 +94,7 @@ impl Default for EngineConfig {
             fused_kernels: FusedKernels::Auto,
             rope_kernel: true,
             layer_kernels: true,
+            attention_kernel: AttentionKernel::default(),
             time_device: false,
         }
     }
@@ -206,6 +212,7 @@ impl Engine {
                 time_device: cfg.time_device,
                 rope_kernel: cfg.rope_kernel,
                 layer_kernels: cfg.layer_kernels,
+                attention_kernel: cfg.attention_kernel,
             },
             device.clone(),
         )?;

@@ -31,6 +31,7 @@ pub mod truncation;
 mod worker;
 
 pub use cost::IterationCost;
+pub use cuda_attn::AttentionKernel;
 pub use device_sample::SamplingPlace;
 pub use dppo_model::fused::inference::FusedKernels;
 pub use engine::{Engine, EngineConfig, RequestHandle};

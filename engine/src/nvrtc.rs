@@ -16,6 +16,8 @@ pub(crate) struct Module {
     /// Where the source lives, for messages.
     file: &'static str,
     source: &'static str,
+    /// NVRTC's options besides the architecture (`-D` defines).
+    options: &'static [&'static str],
     /// Per GPU of the process: its architecture and, once compiled, the PTX.
     compiled: Mutex<Vec<Compiled>>,
 }
@@ -57,10 +59,21 @@ fn entry_for<'a>(compiled: &'a mut Vec<Compiled>, device: &CudaDevice) -> Result
 
 impl Module {
     pub(crate) const fn new(name: &'static str, file: &'static str, source: &'static str) -> Self {
+        Self::with_options(name, file, source, &[])
+    }
+
+    /// The module of `source` compiled with `options` (defines that select what it holds).
+    pub(crate) const fn with_options(
+        name: &'static str,
+        file: &'static str,
+        source: &'static str,
+        options: &'static [&'static str],
+    ) -> Self {
         Self {
             name,
             file,
             source,
+            options,
             compiled: Mutex::new(Vec::new()),
         }
     }
@@ -88,6 +101,7 @@ impl Module {
         }
         let opts = CompileOptions {
             arch: Some(entry.arch),
+            options: self.options.iter().map(|o| o.to_string()).collect(),
             ..CompileOptions::default()
         };
         let ptx: Arc<str> = compile_ptx_with_opts(self.source, opts)

@@ -10,8 +10,8 @@ use candle_core::{DType, Device};
 use dppo_engine::cuda_attn::Heads;
 use dppo_engine::naive::generate_naive;
 use dppo_engine::{
-    AttentionMode, Engine, EngineConfig, EngineStats, FusedKernels, GenerateRequest, IterationCost,
-    SamplingParams, SamplingPlace,
+    AttentionKernel, AttentionMode, Engine, EngineConfig, EngineStats, FusedKernels,
+    GenerateRequest, IterationCost, SamplingParams, SamplingPlace,
 };
 use dppo_model::device::timed;
 use dppo_model::{ChatMessage, DeviceSpec, ModelConfig, Policy};
@@ -64,6 +64,14 @@ pub struct RolloutArgs {
     #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true",
           action = clap::ArgAction::Set)]
     layer_kernels: bool,
+    /// An experiment with the paged CUDA kernels (ignored elsewhere): the attention kernel's
+    /// 16-byte K loads a thread keeps in flight in its scores (1 or 8) and its V loads in the
+    /// value pass (8, 16 or 32). 1 and 8, the defaults, are the variant measured on GPUs.
+    #[arg(long, default_value_t = 1)]
+    score_loads: u32,
+    /// See `--score-loads`.
+    #[arg(long, default_value_t = 8)]
+    value_keys: u32,
     /// The attention backend, as `engine.attention`: auto, cpu, generic or cuda.
     #[arg(long, default_value = "auto", value_parser = parse_attention)]
     attention: AttentionMode,
@@ -138,6 +146,8 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
         })
         .collect();
     let num_tokens = args.prompts * args.samples * args.new_tokens;
+    let attention_kernel = AttentionKernel::new(args.score_loads, args.value_keys);
+    attention_kernel.check()?;
     let cfg = EngineConfig {
         block_size: args.block_size,
         kv_cache_tokens: args.kv_cache_tokens,
@@ -145,6 +155,7 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
         fused_kernels: args.fused_kernels,
         rope_kernel: args.rope_kernel,
         layer_kernels: args.layer_kernels,
+        attention_kernel,
         attention: args.attention,
         time_device: args.time_device,
         max_num_seqs: (args.prompts * args.samples).max(1),
@@ -231,6 +242,7 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
         "fused_kernels": args.fused_kernels.on(&device),
         "rope_kernel": args.rope_kernel,
         "layer_kernels": args.layer_kernels,
+        "attention_kernel": attention_kernel.to_string(),
         "attention": args.attention,
         "attention_resolved": attention_resolved,
         "sampling_on_device": args.sampling.on_device(&device),

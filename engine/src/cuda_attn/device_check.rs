@@ -8,7 +8,9 @@ use candle_core::{DType, Device, Result, Tensor};
 
 use super::case::{checked_cases, table_entries, tolerance, Case};
 use super::tables::TableCopy;
-use super::{multiprocessors, CudaIndex, CudaPagedAttention, DeviceTables, Extras};
+use super::{
+    multiprocessors, AttentionKernel, CudaIndex, CudaPagedAttention, DeviceTables, Extras,
+};
 use crate::diff::worst;
 use crate::generic_attn::{BatchIndex, GenericPagedAttention, TensorKvCache};
 use dppo_model::AttentionBackend;
@@ -48,8 +50,8 @@ struct CaseResult {
     splits: usize,
 }
 
-/// Runs every case in f32, bf16 and f16 on `device`.
-pub fn run(device: &Device) -> Result<Vec<DtypeReport>> {
+/// Runs every case in f32, bf16 and f16 on `device`, the attention by its `variant`.
+pub fn run(device: &Device, variant: AttentionKernel) -> Result<Vec<DtypeReport>> {
     let Device::Cuda(cuda) = device else {
         candle_core::bail!("the paged kernels' check needs a GPU");
     };
@@ -69,7 +71,8 @@ pub fn run(device: &Device) -> Result<Vec<DtypeReport>> {
             // Split as the engine would, and into as many splits as there are chunks.
             for blocks in [min_blocks, usize::MAX / 2] {
                 let what = || format!("{dtype:?} case {c} ({})", case.describe());
-                let r = one_case(case, dtype, device, blocks).map_err(|e| e.context(what()))?;
+                let r = one_case(case, (dtype, variant), device, blocks)
+                    .map_err(|e| e.context(what()))?;
                 report.vs_reference = report.vs_reference.max(r.vs_reference);
                 report.vs_generic = report.vs_generic.max(r.vs_generic);
                 report.pools_differing += r.pools_differing;
@@ -96,7 +99,12 @@ pub fn run(device: &Device) -> Result<Vec<DtypeReport>> {
     Ok(reports)
 }
 
-fn one_case(case: &Case, dtype: DType, device: &Device, min_blocks: usize) -> Result<CaseResult> {
+fn one_case(
+    case: &Case,
+    (dtype, variant): (DType, AttentionKernel),
+    device: &Device,
+    min_blocks: usize,
+) -> Result<CaseResult> {
     let heads = case.heads;
     let rows = case.metas.iter().map(|m| m.num_new_tokens).sum::<usize>();
     let upload = |x: &[f32], dims: (usize, usize, usize)| {
@@ -120,6 +128,7 @@ fn one_case(case: &Case, dtype: DType, device: &Device, min_blocks: usize) -> Re
         index: &index,
         tables: &tables,
         extras: Extras::default(),
+        variant,
     }
     .attend(0, &q, &k, &v)?;
 

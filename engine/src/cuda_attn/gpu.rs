@@ -5,11 +5,19 @@ use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaView, LaunchCo
 use candle_core::cuda_backend::{CudaDType, CudaStorage};
 use candle_core::{bail, CudaDevice, DType, Layout, Result};
 
-use super::{Geometry, SOURCE};
+use super::{AttentionKernel, Geometry, SOURCE};
 
 /// kernels/paged_attention.cu as the GPU loads it.
 static MODULE: crate::nvrtc::Module =
     crate::nvrtc::Module::new("dppo_paged_attention", "kernels/paged_attention.cu", SOURCE);
+
+/// The same source with the attention's other variants, compiled only when one is asked for.
+static VARIANTS: crate::nvrtc::Module = crate::nvrtc::Module::with_options(
+    "dppo_paged_attention_variants",
+    "kernels/paged_attention.cu",
+    SOURCE,
+    &["-DATTENTION_VARIANTS"],
+);
 
 /// `g` as cudarc takes it.
 pub(super) fn config(g: Geometry) -> LaunchConfig {
@@ -40,6 +48,19 @@ fn suffix(dtype: DType) -> Result<&'static str> {
         DType::F16 => "f16",
         other => bail!("cuda attention: no kernels for {other:?}"),
     })
+}
+
+/// The attention kernel `variant` for `dtype`, from the module that holds it.
+pub(super) fn attention_function(
+    device: &CudaDevice,
+    dtype: DType,
+    variant: AttentionKernel,
+) -> Result<CudaFunction> {
+    let name = variant.kernel_name(suffix(dtype)?);
+    match variant.is_default() {
+        true => MODULE.function(device, &name),
+        false => VARIANTS.function(device, &name),
+    }
 }
 
 /// Loads `name` (for `dtype`, where it has a version per dtype) from the module, compiling

@@ -17,10 +17,10 @@ use candle_core::{
 use dppo_model::{AttentionBackend, LayerKernels, RopeAt};
 
 use super::copies::{self, SlotCopies};
-use super::gpu::{config, elements, function};
+use super::gpu::{attention_function, config, elements, function};
 use super::params::{self, Scalars};
 use super::tables::TableCopy;
-use super::{attend_rotated, table_write_geometry, Extras, KernelPlan};
+use super::{attend_rotated, table_write_geometry, AttentionKernel, Extras, KernelPlan};
 use crate::generic_attn::TensorKvCache;
 
 /// A plan and its tiles and slots on the device, for one iteration, and the attention's
@@ -135,6 +135,8 @@ pub struct CudaPagedAttention<'a> {
     pub tables: &'a DeviceTables,
     /// The rope and layer kernels.
     pub(crate) extras: Extras,
+    /// The attention kernel's variant.
+    pub(crate) variant: AttentionKernel,
 }
 
 impl AttentionBackend for CudaPagedAttention<'_> {
@@ -145,6 +147,7 @@ impl AttentionBackend for CudaPagedAttention<'_> {
         let attend = Attend {
             index: self.index,
             tables: &self.tables.table,
+            variant: self.variant,
         };
         q.contiguous()?.apply_op3_no_bwd(kc, vc, &attend)
     }
@@ -419,6 +422,7 @@ fn write<T: CudaDType + DeviceRepr>(
 struct Attend<'a> {
     index: &'a CudaIndex,
     tables: &'a CudaSlice<u32>,
+    variant: AttentionKernel,
 }
 
 impl CustomOp3 for Attend<'_> {
@@ -489,7 +493,7 @@ fn attend<T: CudaDType + DeviceRepr>(
     let scalars = Scalars::of(plan);
     let stream = device.cuda_stream();
 
-    let func = function(device, "paged_attention", Some(dtype))?;
+    let func = attention_function(device, dtype, op.variant)?;
     let cfg = config(plan.attention_geometry());
     let mut launch = stream.launch_builder(&func);
     params::Attention {

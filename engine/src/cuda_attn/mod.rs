@@ -27,10 +27,12 @@ mod state;
 pub mod tables;
 #[cfg(test)]
 mod twin;
+mod variant;
 
 #[cfg(feature = "cuda")]
 pub use launch::{multiprocessors, CudaIndex, CudaPagedAttention, DeviceTables};
 pub use state::{Batch, CudaAttention, Switches};
+pub use variant::AttentionKernel;
 
 use candle_core::{CustomOp3, Tensor};
 use dppo_model::{AttentionBackend, ModelConfig, RopeAt};
@@ -46,12 +48,6 @@ pub const SOURCE: &str = include_str!("../../kernels/paged_attention.cu");
 pub const THREADS: usize = 128;
 /// Keys scored together in shared memory (the kernel's `CHUNK`).
 pub const CHUNK: usize = 128;
-/// Warps of an attention block; in the value pass each sums a quarter of a chunk's keys.
-pub const WARPS: usize = THREADS / 32;
-/// The value pass's partial sums in shared memory, floats: eight pairs by a 64-dimension slice
-/// for each warp but the first, which adds its own to the output (the kernel's
-/// `(NWARPS - 1) * VALUE_PAIRS * SLICE`).
-const VALUE_PARTIALS: usize = (WARPS - 1) * 8 * 64;
 /// head_dim is a multiple of 32 up to this (the widest heads' shared memory fits 48 KiB).
 pub const MAX_HEAD_DIM: usize = 256;
 /// Query rows and heads (pairs) a prefill tile aims at: enough to reuse each key read.
@@ -237,7 +233,7 @@ impl Heads {
 
 /// Dynamic shared memory of a block serving `pairs` pairs (the kernel's layout).
 pub fn shared_bytes(pairs: usize, head_dim: usize) -> usize {
-    4 * (2 * pairs * head_dim + pairs * CHUNK + CHUNK + 3 * pairs + VALUE_PARTIALS)
+    4 * (2 * pairs * head_dim + pairs * CHUNK + CHUNK + 3 * pairs)
 }
 
 /// One tile: consecutive query rows of one sequence.

@@ -39,6 +39,8 @@ pub struct Switches {
     pub rope_kernel: bool,
     /// `engine.layer_kernels`: the add-and-norm and the gated product by kernels of ours.
     pub layer_kernels: bool,
+    /// `EngineConfig::attention_kernel`: the attention kernel's variant.
+    pub attention_kernel: super::AttentionKernel,
 }
 
 /// What the CUDA backend keeps between iterations.
@@ -63,6 +65,7 @@ impl CudaAttention {
         switches: Switches,
     ) -> std::result::Result<Self, EngineError> {
         Heads::of(model.config()).check()?;
+        switches.attention_kernel.check()?;
         Ok(Self {
             tables: TableMirror::default(),
             min_blocks: 2 * multiprocessors(device)?,
@@ -160,6 +163,7 @@ impl CudaAttention {
             index: &index,
             tables,
             extras: Extras::of(self.switches),
+            variant: self.switches.attention_kernel,
         };
         let inputs = (batch.input_ids, batch.positions);
         let time = self.switches.time_device;
@@ -188,6 +192,7 @@ impl CudaAttention {
                 plan: &plan,
                 tables,
                 extras: Extras::of(self.switches),
+                variant: self.switches.attention_kernel,
             };
             let inputs = (batch.input_ids, batch.positions);
             let time = self.switches.time_device;

@@ -3,11 +3,9 @@
 //! of operations (`mul_add` where the kernel calls `fmaf`), run from the same [`KernelPlan`].
 //! Tested against [`super::reference`], so a GPU run checks only the translation to CUDA.
 
-use super::{KernelPlan, CHUNK, WARPS};
+use super::{KernelPlan, CHUNK};
 
 const WARP: usize = 32;
-/// Keys of a chunk each warp sums in the value pass.
-const KEYS_PER_WARP: usize = CHUNK / WARPS;
 
 /// The caches as the kernels see them, (slots, kv_heads * head_dim) each, and the block
 /// tables, (rows, plan.table_width).
@@ -118,17 +116,15 @@ fn block(
             }
             (m_s[p], l_s[p], a_s[p]) = (m_new, l, alpha);
         }
-        // 3. Values per (pair, dimension): each warp's keys summed in key order, the sums
-        // added to the rescaled output in warp order.
+        // 3. Values per (pair, dimension).
         for (i, acc) in acc_s.iter_mut().enumerate() {
             let (p, e) = (i / d, i % d);
-            let warp_sum = |w: usize| {
-                (w * KEYS_PER_WARP..n.min((w + 1) * KEYS_PER_WARP)).fold(0f32, |a, jj| {
-                    let v = caches.v[slot_s[jj] * row_len + kh * d + e];
-                    s_s[p * CHUNK + jj].mul_add(v, a)
-                })
-            };
-            *acc = (1..WARPS).fold(acc.mul_add(a_s[p], warp_sum(0)), |a, w| a + warp_sum(w));
+            let mut a = *acc * a_s[p];
+            for jj in 0..n {
+                let v = caches.v[slot_s[jj] * row_len + kh * d + e];
+                a = s_s[p * CHUNK + jj].mul_add(v, a);
+            }
+            *acc = a;
         }
     }
     for p in 0..pairs {

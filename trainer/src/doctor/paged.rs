@@ -1,5 +1,6 @@
 //! The paged attention kernels (`engine.attention = "cuda"`) on the GPU: the kernels alone
-//! against the generic path and the f64 reference, in f32, bf16 and f16; then the engine on
+//! against the generic path and the f64 reference, in f32, bf16 and f16 (the attention's
+//! default, then each of its variants); then the engine on
 //! them against the CPU, greedy, with forked samples, 4-token blocks and a pool that
 //! preempts (f32), in bf16 without and with candle-nn's fused kernels, and the same with
 //! `engine.rope_kernel`, then also `engine.layer_kernels`, on a model with q/k/v biases.
@@ -10,6 +11,8 @@ use dppo_model::Policy;
 
 #[cfg(any(test, feature = "cuda"))]
 use candle_core::DType;
+#[cfg(feature = "cuda")]
+use dppo_engine::AttentionKernel;
 #[cfg(any(test, feature = "cuda"))]
 use dppo_engine::{AttentionMode, EngineConfig};
 
@@ -54,25 +57,11 @@ fn on_gpu(
     reqs: &[GenerateRequest],
     want: &[Completion],
 ) -> Result<Vec<Check>, TrainError> {
-    let reports = dppo_engine::cuda_attn::device_check::run(device)?;
-    let detail = reports
-        .iter()
-        .map(|r| {
-            format!(
-                "{:?}: {} cases, max diff {:.1e} vs f64, {:.1e} vs generic (<= {:.0e}), {} \
-                 pools differ",
-                r.dtype, r.cases, r.vs_reference, r.vs_generic, r.tolerance, r.pools_differing
-            )
-        })
-        .chain(reports.iter().filter_map(|r| r.first_failure.clone()))
-        .collect::<Vec<_>>()
-        .join("; ");
-    let mut checks = vec![Check::expect(
-        reports.iter().all(|r| r.passed()),
-        NAME,
-        detail,
-        BUG_FIX,
-    )];
+    // The default attention kernel, then its variants (an experiment of `bench rollout`).
+    let mut checks = AttentionKernel::VARIANTS
+        .into_iter()
+        .map(|variant| kernels_alone(device, variant))
+        .collect::<Result<Vec<_>, _>>()?;
     // The attention kernels alone here; the rope and layer kernels have checks of their own.
     let base = EngineConfig {
         attention: AttentionMode::Cuda,
@@ -89,6 +78,35 @@ fn on_gpu(
     ));
     checks.extend(variant_checks(policy, device, reqs, AttentionMode::Cuda));
     Ok(checks)
+}
+
+/// The attention kernel `variant` alone on the checked batches, against the generic path and
+/// the f64 reference (its variants' checks named after them).
+#[cfg(feature = "cuda")]
+fn kernels_alone(device: &Device, variant: AttentionKernel) -> Result<Check, TrainError> {
+    let reports = dppo_engine::cuda_attn::device_check::run(device, variant)?;
+    let detail = reports
+        .iter()
+        .map(|r| {
+            format!(
+                "{:?}: {} cases, max diff {:.1e} vs f64, {:.1e} vs generic (<= {:.0e}), {} \
+                 pools differ",
+                r.dtype, r.cases, r.vs_reference, r.vs_generic, r.tolerance, r.pools_differing
+            )
+        })
+        .chain(reports.iter().filter_map(|r| r.first_failure.clone()))
+        .collect::<Vec<_>>()
+        .join("; ");
+    let name = match variant.is_default() {
+        true => NAME.to_string(),
+        false => format!("{NAME}, variant {variant}"),
+    };
+    Ok(Check::expect(
+        reports.iter().all(|r| r.passed()),
+        name,
+        detail,
+        BUG_FIX,
+    ))
 }
 
 /// The engine of `base` (its attention backend and switches) against the CPU's greedy

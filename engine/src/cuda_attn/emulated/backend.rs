@@ -12,7 +12,7 @@ use dppo_model::{AttentionBackend, LayerKernels, RopeAt};
 
 use super::{attend, copy_slots, qkv_rope, write_slots, Stored};
 use crate::cuda_attn::copies::{self, SlotCopies};
-use crate::cuda_attn::{attend_rotated, Extras, KernelPlan};
+use crate::cuda_attn::{attend_rotated, AttentionKernel, Extras, KernelPlan};
 use crate::generic_attn::TensorKvCache;
 
 /// One iteration's backend (`tables`: the emulation's copy of the block tables).
@@ -22,6 +22,8 @@ pub(in crate::cuda_attn) struct Backend<'a> {
     pub(in crate::cuda_attn) tables: &'a [u32],
     /// The rope and layer kernels.
     pub(in crate::cuda_attn) extras: Extras,
+    /// The attention kernel's variant.
+    pub(in crate::cuda_attn) variant: AttentionKernel,
 }
 
 impl AttentionBackend for Backend<'_> {
@@ -32,6 +34,7 @@ impl AttentionBackend for Backend<'_> {
         let op = Attend {
             plan: self.plan,
             tables: self.tables,
+            variant: self.variant,
         };
         q.contiguous()?.apply_op3_no_bwd(kc, vc, &op)
     }
@@ -199,6 +202,7 @@ impl InplaceOp2 for WriteSlots<'_> {
 struct Attend<'a> {
     plan: &'a KernelPlan,
     tables: &'a [u32],
+    variant: AttentionKernel,
 }
 
 impl Attend<'_> {
@@ -210,7 +214,7 @@ impl Attend<'_> {
     ) -> Result<CpuStorage> {
         let q = contiguous(T::cpu_storage_as_slice(q)?, ql)?;
         let (k, v) = (T::cpu_storage_as_slice(k)?, T::cpu_storage_as_slice(v)?);
-        let out = attend(self.plan, q, (k, v), self.tables)?;
+        let out = attend(self.plan, q, (k, v), self.tables, self.variant)?;
         Ok(T::to_cpu_storage_owned(out))
     }
 }

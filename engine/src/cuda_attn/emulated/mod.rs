@@ -12,7 +12,7 @@ use candle_core::{bail, Device, Result, WithDType};
 use super::copies::SlotCopies;
 use super::params::{Attention, CopySlots, QkvRope, Reduce, Scalars, TableEntries, WriteSlots};
 use super::tables::TableCopy;
-use super::{table_write_geometry, Geometry, KernelPlan, SOURCE};
+use super::{table_write_geometry, AttentionKernel, Geometry, KernelPlan, SOURCE};
 use crate::kernel_emu::{Args, Emulator};
 
 #[cfg(not(feature = "cuda"))]
@@ -29,6 +29,7 @@ pub(super) use backend::{copy_blocks, Backend};
 /// The multiprocessors the emulation's plans split contexts for: an H100 SXM's.
 pub(super) const MULTIPROCESSORS: usize = 132;
 
+/// The kernel source with every variant of the attention (`-DATTENTION_VARIANTS`).
 static KERNELS: LazyLock<Emulator> = LazyLock::new(|| {
     let kernels = [
         "add_rms_norm",
@@ -36,16 +37,22 @@ static KERNELS: LazyLock<Emulator> = LazyLock::new(|| {
         "qkv_rope",
         "write_slots",
         "copy_slots",
-        "paged_attention",
         "paged_reduce",
     ];
+    let dtypes = ["f32", "bf16", "f16"];
     let names: Vec<String> = kernels
         .iter()
-        .flat_map(|k| ["f32", "bf16", "f16"].map(|t| format!("{k}_{t}")))
+        .flat_map(|k| dtypes.map(|t| format!("{k}_{t}")))
+        .chain(
+            dtypes
+                .iter()
+                .flat_map(|t| AttentionKernel::VARIANTS.map(|v| v.kernel_name(t))),
+        )
         .chain(["write_table_entries".to_string()])
         .collect();
     let names: Vec<&str> = names.iter().map(String::as_str).collect();
-    Emulator::build("kernels/paged_attention.cu", SOURCE, &names).unwrap()
+    let source = format!("#define ATTENTION_VARIANTS\n#line 1\n{SOURCE}");
+    Emulator::build("kernels/paged_attention.cu", &source, &names).unwrap()
 });
 
 /// An element type of the kernels' buffers.
@@ -190,13 +197,15 @@ pub(super) fn copy_slots<T: Stored>(
     )
 }
 
-/// `paged_attention`, then `paged_reduce` where the context is split: the batch's (rows,
-/// heads, head_dim) output, the partial buffers and the output poisoned with NaN first.
+/// `paged_attention` (its `variant`), then `paged_reduce` where the context is split: the
+/// batch's (rows, heads, head_dim) output, the partial buffers and the output poisoned with
+/// NaN first.
 pub(super) fn attend<T: Stored>(
     plan: &KernelPlan,
     q: &[T],
     (k, v): (&[T], &[T]),
     tables: &[u32],
+    variant: AttentionKernel,
 ) -> Result<Vec<T>> {
     let heads = plan.heads;
     let pair_rows = plan.rows * heads.num_heads;
@@ -233,8 +242,11 @@ pub(super) fn attend<T: Stored>(
         out: out.as_mut_ptr(),
     };
     let args = Args::filled(|list| attend.push_to(list));
-    let attention = format!("paged_attention_{}", T::SUFFIX);
-    launch(&attention, plan.attention_geometry(), &args)?;
+    launch(
+        &variant.kernel_name(T::SUFFIX),
+        plan.attention_geometry(),
+        &args,
+    )?;
     if plan.splits == 1 {
         return Ok(out);
     }

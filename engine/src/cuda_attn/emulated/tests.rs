@@ -13,7 +13,7 @@ use crate::cuda_attn::case::{checked_cases, round_to, table_entries, tolerance, 
 use crate::cuda_attn::copies::SlotCopies;
 use crate::cuda_attn::tables::TableCopy;
 use crate::cuda_attn::twin::{self, Caches};
-use crate::cuda_attn::{Heads, KernelPlan};
+use crate::cuda_attn::{AttentionKernel, Heads, KernelPlan};
 use crate::kv_pool::BlockCopy;
 
 /// The engine's split target on the emulation's GPU.
@@ -36,8 +36,13 @@ struct Emulated<T> {
 }
 
 /// One batch through the kernels in `T`: the block tables written entry by entry from
-/// zero, the new K/V into their slots, the attention and its merge.
-fn emulate<T: Stored>(case: &Case, plan: &KernelPlan, host_tables: &[u32]) -> Emulated<T> {
+/// zero, the new K/V into their slots, the attention (`variant`) and its merge.
+fn emulate<T: Stored>(
+    case: &Case,
+    plan: &KernelPlan,
+    host_tables: &[u32],
+    variant: AttentionKernel,
+) -> Emulated<T> {
     let mut tables = vec![0u32; host_tables.len()];
     tables.write_entries(&table_entries(host_tables)).unwrap();
     let (pool_k, pool_v) = case.cached_pool();
@@ -45,24 +50,25 @@ fn emulate<T: Stored>(case: &Case, plan: &KernelPlan, host_tables: &[u32]) -> Em
     let (new_k, new_v) = case.new_kv();
     write_slots(plan, &stored::<T>(&new_k), &mut k).unwrap();
     write_slots(plan, &stored::<T>(&new_v), &mut v).unwrap();
-    let out = attend(plan, &stored::<T>(&case.q), (&k, &v), &tables).unwrap();
+    let out = attend(plan, &stored::<T>(&case.q), (&k, &v), &tables, variant).unwrap();
     Emulated { out, k, v, tables }
 }
 
-/// Every checked batch in `T`.
+/// Every checked batch in `T`, through the default attention.
 fn check<T: Stored>() {
-    check_cases::<T>(&checked_cases(T::DTYPE));
+    check_cases::<T>(&checked_cases(T::DTYPE), AttentionKernel::default());
 }
 
-/// `cases` in `T`, unsplit (many chunks a block), split as the engine would on an H100, and
-/// into one chunk per split: the emulated kernels against the twin and the reference.
-fn check_cases<T: Stored>(cases: &[Case]) {
+/// `cases` in `T` through `variant`, unsplit (many chunks a block), split as the engine would
+/// on an H100, and into one chunk per split: the emulated kernels against the twin and the
+/// reference.
+fn check_cases<T: Stored>(cases: &[Case], variant: AttentionKernel) {
     for (c, case) in cases.iter().enumerate() {
         for min_blocks in [1, MIN_BLOCKS, usize::MAX / 2] {
             let (plan, host_tables) = case.plan(min_blocks).unwrap();
-            let got = emulate::<T>(case, &plan, &host_tables);
+            let got = emulate::<T>(case, &plan, &host_tables, variant);
             let what = format!(
-                "{:?} case {c} ({}), {} splits of {}",
+                "{:?} {variant} case {c} ({}), {} splits of {}",
                 T::DTYPE,
                 case.describe(),
                 plan.splits,
@@ -138,14 +144,16 @@ fn the_widest_heads_fit_their_shared_memory() {
     let f32_cases = cases(DType::F32);
     let widest = f32_cases[1].plan(1).unwrap().0.shared_bytes();
     assert!(widest > 40 * 1024 && widest <= 48 * 1024, "{widest} bytes");
-    check_cases::<f32>(&f32_cases);
-    check_cases::<half::bf16>(&cases(DType::BF16));
+    for variant in AttentionKernel::VARIANTS {
+        check_cases::<f32>(&f32_cases, variant);
+        check_cases::<half::bf16>(&cases(DType::BF16), variant);
+    }
 }
 
-/// Head dims that end in half a slice of the value pass (32 and 96: the last slice's upper
-/// sixteen lanes hold no dimension).
+/// The head dims the kernels take besides the checked cases' 64, 128 and 256: 32 (a bf16 K row
+/// of four 16-byte loads) and 96 (an odd multiple of 32).
 #[test]
-fn head_dims_of_half_a_slice_are_summed_whole() {
+fn head_dims_of_32_and_96_are_attended_whole() {
     let lens = [(150, 1), (0, 12), (40, 3)];
     let cases = |dtype| -> Vec<Case> {
         let mut rng = StdRng::seed_from_u64(31);
@@ -161,8 +169,20 @@ fn head_dims_of_half_a_slice_are_summed_whole() {
             })
             .collect()
     };
-    check_cases::<f32>(&cases(DType::F32));
-    check_cases::<half::bf16>(&cases(DType::BF16));
+    for variant in AttentionKernel::VARIANTS {
+        check_cases::<f32>(&cases(DType::F32), variant);
+        check_cases::<half::bf16>(&cases(DType::BF16), variant);
+    }
+}
+
+/// Every variant of the attention computes what the default computes, bit for bit (their
+/// twin is the same), over the checked batches in bf16 and f16.
+#[test]
+fn every_attention_variant_computes_what_its_twin_computes_bit_for_bit() {
+    for variant in AttentionKernel::VARIANTS.into_iter().skip(1) {
+        check_cases::<half::bf16>(&checked_cases(DType::BF16), variant);
+        check_cases::<half::f16>(&checked_cases(DType::F16), variant);
+    }
 }
 
 /// `copy_slots` copies each order's tokens of its source block into its fresh block, row by
