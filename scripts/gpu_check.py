@@ -9,6 +9,8 @@
                                      `dppo bench rollout ARGS` under Nsight Compute: the last
                                      decode steps' device time by kernel, as JSON
     gpu_check.py profile-summary CSV the same from an exported `ncu --csv --page raw`
+    gpu_check.py fastest FILE...     `--score-loads N --value-keys N` of the fastest of the
+                                     rollouts whose JSON outputs are FILE...
 
 With `--targets`, the summary also sets issue #38's targets against what the steps measured:
 dppo's rollout tokens/s over HF `generate`'s on each shape (at least 5x), and the decode step
@@ -385,6 +387,25 @@ def summary(args):
     return 0 if report["passed"] else 1
 
 
+def fastest(args):
+    """Prints `--score-loads N --value-keys N` of the fastest of the rollouts in FILES (their
+    `bench rollout --json` outputs: the attention kernel's variant of the highest tokens/s);
+    nothing where none of them finished."""
+    best = None
+    for path in args.files:
+        try:
+            data = last_json(open(path, errors="replace").read()) or {}
+        except OSError:
+            continue
+        rate, variant = data.get("tokens_per_s"), data.get("attention_kernel")
+        if rate and variant and (best is None or rate > best[0]):
+            best = (rate, variant)
+    if best:
+        loads, keys = best[1].removeprefix("s").split("_v")
+        print(f"--score-loads {int(loads)} --value-keys {int(keys)}")
+    return 0
+
+
 def main():
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command", required=True)
@@ -408,6 +429,8 @@ def main():
     r.add_argument("--launch-count", type=int, default=8000)
     c = sub.add_parser("profile-summary")
     c.add_argument("csv")
+    f = sub.add_parser("fastest")
+    f.add_argument("files", nargs="+")
     # `profile`'s rollout arguments follow `--`, kept from argparse whole.
     argv, rest = sys.argv[1:], []
     if "--" in argv:
@@ -416,7 +439,7 @@ def main():
     args = parser.parse_args(argv)
     args.rest = rest
     commands = {"agree": agree, "prompt-len": prompt_len, "summary": summary,
-                "profile": profile, "profile-summary": profile_summary}
+                "profile": profile, "profile-summary": profile_summary, "fastest": fastest}
     sys.exit(commands[args.command](args))
 
 

@@ -171,6 +171,7 @@ fn gpu_check_profile_dry_run_runs_the_rollouts_and_skips_the_profiles() {
     want.extend(variants.iter().map(|v| (v.as_str(), "ok")));
     want.extend([
         ("profile-qwen2.5-0.5b-b1024", "skipped"),
+        ("profile-qwen2.5-0.5b-b1024-fastest", "skipped"),
         ("profile-qwen2.5-0.5b-b256", "skipped"),
     ]);
     assert_eq!(got, want, "{text}");
@@ -325,4 +326,37 @@ fn gpu_check_profile_averages_the_last_steps_by_kernel() {
     let first = &got["kernels"][0];
     assert_eq!(first["name"], "nvjet_tst_128x64", "{got}");
     assert_eq!(first["calls"], 1.0, "{got}");
+}
+
+/// `gpu_check.py fastest` names the variant of the highest tokens/s among the rollouts'
+/// outputs, skipping one that did not finish, and prints nothing when none did.
+#[test]
+fn gpu_check_fastest_picks_the_variant_of_the_highest_rate() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path.to_str().unwrap().to_string()
+    };
+    let rollout = |rate: f64, variant: &str| {
+        format!("log line\n{{\"tokens_per_s\": {rate}, \"attention_kernel\": \"{variant}\"}}\n")
+    };
+    let files = [
+        write("default.out", &rollout(70_000.0, "s1_v8")),
+        write("a.out", &rollout(91_000.0, "s8_v32")),
+        write("b.out", &rollout(80_000.0, "s1_v16")),
+        write("cut.out", "killed by its timeout\n"),
+    ];
+    let fastest = |files: &[String]| {
+        let out = std::process::Command::new("python3")
+            .arg(repo_root().join("scripts/gpu_check.py"))
+            .arg("fastest")
+            .args(files)
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        String::from_utf8(out.stdout).unwrap()
+    };
+    assert_eq!(fastest(&files), "--score-loads 8 --value-keys 32\n");
+    assert_eq!(fastest(&files[3..]), "");
 }
