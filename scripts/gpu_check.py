@@ -9,8 +9,8 @@
                                      `dppo bench rollout ARGS` under Nsight Compute: the last
                                      decode steps' device time by kernel, as JSON
     gpu_check.py profile-summary CSV the same from an exported `ncu --csv --page raw`
-    gpu_check.py fastest FILE...     `--score-loads N --value-keys N` of the fastest of the
-                                     rollouts whose JSON outputs are FILE...
+    gpu_check.py fastest FILE...     the bench flags of the attention variant of the fastest
+                                     of the rollouts whose JSON outputs are FILE...
 
 With `--targets`, the summary also sets issue #38's targets against what the steps measured:
 dppo's rollout tokens/s over HF `generate`'s on each shape (at least 5x), and the decode step
@@ -388,9 +388,9 @@ def summary(args):
 
 
 def fastest(args):
-    """Prints `--score-loads N --value-keys N` of the fastest of the rollouts in FILES (their
-    `bench rollout --json` outputs: the attention kernel's variant of the highest tokens/s);
-    nothing where none of them finished."""
+    """Prints `--score-loads N --value-keys N [--split-values]` of the fastest of the rollouts
+    in FILES (their `bench rollout --json` outputs: the attention kernel's variant of the
+    highest tokens/s); nothing where none of them finished."""
     best = None
     for path in args.files:
         try:
@@ -401,8 +401,10 @@ def fastest(args):
         if rate and variant and (best is None or rate > best[0]):
             best = (rate, variant)
     if best:
-        loads, keys = best[1].removeprefix("s").split("_v")
-        print(f"--score-loads {int(loads)} --value-keys {int(keys)}")
+        name = best[1].removesuffix("_split")
+        loads, keys = name.removeprefix("s").split("_v")
+        split = " --split-values" if name != best[1] else ""
+        print(f"--score-loads {int(loads)} --value-keys {int(keys)}{split}")
     return 0
 
 

@@ -166,18 +166,19 @@ __device__ void copy_slots(T *cache, const unsigned int *pairs, unsigned int row
     for (unsigned int i = threadIdx.x; i < row; i += blockDim.x) cache[to + i] = cache[from + i];
 }
 
-// Up to 16 bytes of a K row as floats: one vector load on a GPU (rows are 16-byte aligned:
-// head_dim is a multiple of 32 and the pools start at their allocation), a copy on the host.
-template <typename T> struct Pack {
-    static constexpr unsigned int N = 16 / sizeof(T);
-    struct alignas(16) Raw { unsigned int w[4]; };
+// BYTES of a K or V row as floats: one vector load on a GPU (rows are 16-byte aligned:
+// head_dim is a multiple of 32 and the pools start at their allocation; a load of fewer bytes
+// starts at a multiple of its size), a copy on the host.
+template <typename T, unsigned int BYTES = 16> struct Pack {
+    static constexpr unsigned int N = BYTES / sizeof(T);
+    struct alignas(BYTES) Raw { unsigned int w[BYTES / 4]; };
     union { Raw raw; T e[N]; };
     Pack() = default;
     __device__ __forceinline__ explicit Pack(const T *p) {
 #ifdef __CUDA_ARCH__
         raw = *reinterpret_cast<const Raw *>(p);
 #else
-        memcpy(&raw, p, 16);
+        memcpy(&raw, p, BYTES);
 #endif
     }
     __device__ __forceinline__ float operator[](unsigned int i) const { return to_f32(e[i]); }
@@ -194,11 +195,23 @@ template <typename T> struct Pack {
 // more registers a thread (fewer blocks a multiprocessor). The same arithmetic in the same
 // order: the twin serves them all.
 
+// SPLIT_VALUES: the value pass's other layout (variants `_split`). A thread owns SPLIT_DIMS
+// dimensions of SPLIT_PAIRS pairs (one vector load of V a key feeds all their FMAs, the pairs
+// padded to a multiple of SPLIT_PAIRS with zero scores) and sums a key group's share of each
+// chunk (keys g, g + G, ...; G = THREADS / its items) in registers across chunks; the groups
+// meet once, after the last chunk, added in group order. The scores are stored key-major so
+// that a key's eight are one read.
+#define SPLIT_DIMS 4
+#define SPLIT_PAIRS 8
+// Floats of the groups' partial sums when they meet: a thread's SPLIT_PAIRS x SPLIT_DIMS each.
+#define SPLIT_PARTIALS (THREADS * SPLIT_PAIRS * SPLIT_DIMS)
+
 // tiles: 4 words per tile (sequence, first row, rows, position of the first row); a row at
-// position p sees keys 0..=p. block_tables: (rows, table_width), a row per sequence. Shared memory, floats:
-// q (pairs * head_dim, pre-scaled), acc (pairs * head_dim), scores (pairs * CHUNK), the
-// chunk's slots (CHUNK words), then per pair its running max, sum and rescale factor.
-template <typename T, unsigned int SCORE_LOADS, unsigned int VALUE_KEYS>
+// position p sees keys 0..=p. block_tables: (rows, table_width), a row per sequence. Shared
+// memory, floats: q (pairs * head_dim, pre-scaled), acc (pairs * head_dim; with SPLIT_VALUES
+// SPLIT_PARTIALS), scores (pairs * CHUNK; with SPLIT_VALUES padded pairs * CHUNK), the
+// chunk's slots (CHUNK words), then per pair (padded) its running max, sum and rescale factor.
+template <typename T, unsigned int SCORE_LOADS, unsigned int VALUE_KEYS, bool SPLIT_VALUES>
 __device__ void paged_attention(
     const T *q, const T *k_cache, const T *v_cache, const unsigned int *tiles,
     const unsigned int *block_tables, unsigned int heads, unsigned int kv_heads,
@@ -213,21 +226,42 @@ __device__ void paged_attention(
     const unsigned int group = heads / kv_heads, pairs = rows * group;
     const unsigned int d = head_dim, row_len = kv_heads * head_dim;
     const unsigned int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
+    // Scores of pair p and chunk key jj at s_s[p * PS + jj * KS].
+    const unsigned int padded = SPLIT_VALUES ? (pairs + SPLIT_PAIRS - 1) / SPLIT_PAIRS * SPLIT_PAIRS
+                                             : pairs;
+    const unsigned int PS = SPLIT_VALUES ? 1 : CHUNK, KS = SPLIT_VALUES ? padded : 1;
     float *q_s = smem;
     float *acc_s = q_s + pairs * d;
-    float *s_s = acc_s + pairs * d;
-    unsigned int *slot_s = (unsigned int *)(s_s + pairs * CHUNK);
+    float *s_s = acc_s + (SPLIT_VALUES ? SPLIT_PARTIALS : pairs * d);
+    unsigned int *slot_s = (unsigned int *)(s_s + padded * CHUNK);
     float *m_s = (float *)(slot_s + CHUNK);
-    float *l_s = m_s + pairs;
-    float *a_s = l_s + pairs;
+    float *l_s = m_s + padded;
+    float *a_s = l_s + padded;
 
     for (unsigned int i = tid; i < pairs * d; i += THREADS) {
         const unsigned int p = i / d, e = i % d;
         const unsigned int row = first_row + p / group, h = kh * group + p % group;
         q_s[i] = to_f32(q[((size_t)row * heads + h) * d + e]) * scale;
-        acc_s[i] = 0.0f;
+        if (!SPLIT_VALUES) acc_s[i] = 0.0f;
     }
-    for (unsigned int p = tid; p < pairs; p += THREADS) { m_s[p] = NEG_INF; l_s[p] = 0.0f; }
+    // (Padded pairs: no max, sum or rescale; their zero scores add nothing.)
+    for (unsigned int p = tid; p < padded; p += THREADS) {
+        m_s[p] = NEG_INF;
+        l_s[p] = 0.0f;
+        if (SPLIT_VALUES) a_s[p] = 0.0f;
+    }
+    // With SPLIT_VALUES: this thread's item (SPLIT_DIMS dimensions from `e_own`, SPLIT_PAIRS
+    // pairs from `p_own`), its key group and the groups' count; its sums live in `acc`.
+    const unsigned int dgroups = d / SPLIT_DIMS;
+    const unsigned int items = SPLIT_VALUES ? dgroups * (padded / SPLIT_PAIRS) : 1;
+    const unsigned int groups = THREADS / items;
+    const unsigned int item = tid % items, key_group = tid / items;
+    const unsigned int e_own = item % dgroups * SPLIT_DIMS, p_own = item / dgroups * SPLIT_PAIRS;
+    float acc[SPLIT_PAIRS][SPLIT_DIMS];
+#pragma unroll
+    for (unsigned int b = 0; b < SPLIT_PAIRS; ++b)
+#pragma unroll
+        for (unsigned int c = 0; c < SPLIT_DIMS; ++c) acc[b][c] = 0.0f;
     __syncthreads();
 
     const unsigned int keys = first_pos + rows;  // the tile's last row sees keys < this
@@ -271,7 +305,8 @@ __device__ void paged_attention(
 #pragma unroll
                 for (unsigned int b = 0; b < SCORE_PAIRS; ++b) {
                     const unsigned int p = p0 + b;
-                    if (p < pairs) s_s[p * CHUNK + jj] = j <= first_pos + p / group ? dot[b] : NEG_INF;
+                    if (p < pairs) s_s[p * PS + jj * KS] = j <= first_pos + p / group ? dot[b] : NEG_INF;
+                    else if (SPLIT_VALUES && p < padded) s_s[p * PS + jj * KS] = 0.0f;
                 }
             }
             slot_s[jj] = slot;
@@ -280,21 +315,21 @@ __device__ void paged_attention(
         // 2. Online softmax: a warp per pair, lane i over keys i, i + 32, ..., then the
         // warp's butterfly max and sum.
         for (unsigned int p = warp; p < pairs; p += NWARPS) {
-            float *s = s_s + p * CHUNK;
+            float *s = s_s + p * PS;
             float mc = NEG_INF;
-            for (unsigned int jj = lane; jj < n; jj += WARP) mc = fmaxf(mc, s[jj]);
+            for (unsigned int jj = lane; jj < n; jj += WARP) mc = fmaxf(mc, s[jj * KS]);
             for (unsigned int off = WARP / 2; off > 0; off /= 2)
                 mc = fmaxf(mc, __shfl_xor_sync(FULL_MASK, mc, off));
             const float m_old = m_s[p], m_new = fmaxf(m_old, mc);
             float l = l_s[p], alpha = 0.0f;
             if (m_new == NEG_INF) {
-                for (unsigned int jj = lane; jj < n; jj += WARP) s[jj] = 0.0f;
+                for (unsigned int jj = lane; jj < n; jj += WARP) s[jj * KS] = 0.0f;
             } else {
                 alpha = expf(m_old - m_new);
                 float sum = 0.0f;
                 for (unsigned int jj = lane; jj < n; jj += WARP) {
-                    const float e = expf(s[jj] - m_new);
-                    s[jj] = e;
+                    const float e = expf(s[jj * KS] - m_new);
+                    s[jj * KS] = e;
                     sum += e;
                 }
                 for (unsigned int off = WARP / 2; off > 0; off /= 2)
@@ -305,8 +340,41 @@ __device__ void paged_attention(
             if (lane == 0) { m_s[p] = m_new; l_s[p] = l; a_s[p] = alpha; }
         }
         __syncthreads();
-        // 3. Values: a thread per (dimension, VALUE_PAIRS pairs), VALUE_KEYS keys' V loads
-        // at once; each pair's sum in key order.
+        // 3. Values. With SPLIT_VALUES: each thread its item's sums over its key group's
+        // keys, VALUE_KEYS V loads at once, each in key order after the chunk's rescale.
+        if constexpr (SPLIT_VALUES) {
+            if (key_group < groups) {
+#pragma unroll
+                for (unsigned int b = 0; b < SPLIT_PAIRS; ++b) {
+                    const float alpha = a_s[p_own + b];
+#pragma unroll
+                    for (unsigned int c = 0; c < SPLIT_DIMS; ++c) acc[b][c] *= alpha;
+                }
+                const T *v_own = v_cache + kh * d + e_own;
+                for (unsigned int j0 = key_group; j0 < n; j0 += VALUE_KEYS * groups) {
+                    Pack<T, SPLIT_DIMS * sizeof(T)> v[VALUE_KEYS];
+#pragma unroll
+                    for (unsigned int u = 0; u < VALUE_KEYS; ++u) {
+                        const unsigned int jj = j0 + u * groups;
+                        if (jj < n) v[u] = Pack<T, SPLIT_DIMS * sizeof(T)>(
+                                          v_own + (size_t)slot_s[jj] * row_len);
+                    }
+#pragma unroll
+                    for (unsigned int u = 0; u < VALUE_KEYS; ++u) {
+                        const unsigned int jj = j0 + u * groups;
+                        if (jj >= n) break;
+                        const float *s = s_s + jj * KS + p_own;
+#pragma unroll
+                        for (unsigned int b = 0; b < SPLIT_PAIRS; ++b)
+#pragma unroll
+                            for (unsigned int c = 0; c < SPLIT_DIMS; ++c)
+                                acc[b][c] = fmaf(s[b], v[u][c], acc[b][c]);
+                    }
+                }
+            }
+        } else {
+        // Otherwise a thread per (dimension, VALUE_PAIRS pairs), VALUE_KEYS keys' V loads at
+        // once; each pair's sum in key order.
         for (unsigned int i = tid; i < value_items; i += THREADS) {
             const unsigned int e = i % d, p0 = i / d * VALUE_PAIRS;
             float a[VALUE_PAIRS];
@@ -325,7 +393,7 @@ __device__ void paged_attention(
 #pragma unroll
                         for (unsigned int b = 0; b < VALUE_PAIRS; ++b)
                             if (p0 + b < pairs)
-                                a[b] = fmaf(s_s[(p0 + b) * CHUNK + j0 + u], v[u], a[b]);
+                                a[b] = fmaf(s_s[(p0 + b) * PS + (j0 + u) * KS], v[u], a[b]);
                     }
                 }
             }
@@ -333,7 +401,32 @@ __device__ void paged_attention(
             for (unsigned int b = 0; b < VALUE_PAIRS; ++b)
                 if (p0 + b < pairs) acc_s[(p0 + b) * d + e] = a[b];
         }
+        }
         __syncthreads();
+    }
+    if constexpr (SPLIT_VALUES) {
+        // The key groups' sums meet in acc_s and are added in group order into q_s, which the
+        // chunks no longer read, as the output the epilogue writes.
+        if (key_group < groups) {
+#pragma unroll
+            for (unsigned int b = 0; b < SPLIT_PAIRS; ++b)
+#pragma unroll
+                for (unsigned int c = 0; c < SPLIT_DIMS; ++c)
+                    acc_s[(key_group * items + item) * SPLIT_PAIRS * SPLIT_DIMS + b * SPLIT_DIMS + c] =
+                        acc[b][c];
+        }
+        __syncthreads();
+        for (unsigned int i = tid; i < pairs * d; i += THREADS) {
+            const unsigned int p = i / d, e = i % d;
+            const unsigned int at = (p / SPLIT_PAIRS * dgroups + e / SPLIT_DIMS) * SPLIT_PAIRS *
+                                        SPLIT_DIMS + p % SPLIT_PAIRS * SPLIT_DIMS + e % SPLIT_DIMS;
+            float x = acc_s[at];
+            for (unsigned int g = 1; g < groups; ++g)
+                x = __fadd_rn(x, acc_s[g * items * SPLIT_PAIRS * SPLIT_DIMS + at]);
+            q_s[i] = x;
+        }
+        __syncthreads();
+        acc_s = q_s;
     }
     if (splits == 1) {
         // The merge of one split, done here: the output normalised and rounded to T as
@@ -392,17 +485,19 @@ extern "C" __global__ void write_table_entries(unsigned int *table, const unsign
     if (i < n) table[pairs[2 * i]] = pairs[2 * i + 1];
 }
 
-// paged_attention_<dtype>_s<SCORE_LOADS>_v<VALUE_KEYS>: a variant of the attention.
-#define ATTENTION(NAME, T, S, V)                                                                \
-    extern "C" __global__ void __launch_bounds__(THREADS) paged_attention_##NAME##_s##S##_v##V( \
+// paged_attention_<dtype>_s<SCORE_LOADS>_v<VALUE_KEYS>[_split]: a variant of the attention.
+#define ATTENTION(NAME, T, S, V) ATTENTION_AS(NAME##_s##S##_v##V, T, S, V, false)
+#define ATTENTION_SPLIT(NAME, T, S, V) ATTENTION_AS(NAME##_s##S##_v##V##_split, T, S, V, true)
+#define ATTENTION_AS(KERNEL, T, S, V, SPLIT)                                                    \
+    extern "C" __global__ void __launch_bounds__(THREADS) paged_attention_##KERNEL(            \
         const T *q, const T *k_cache, const T *v_cache, const unsigned int *tiles,             \
         const unsigned int *block_tables, unsigned int heads, unsigned int kv_heads,           \
         unsigned int head_dim, unsigned int block_size, unsigned int table_width,               \
         unsigned int split_len, float scale, float *part_acc, float *part_max,                 \
         float *part_sum, T *out) {                                                              \
-        paged_attention<T, S, V>(q, k_cache, v_cache, tiles, block_tables, heads, kv_heads,    \
-                                 head_dim, block_size, table_width, split_len, scale,          \
-                                 part_acc, part_max, part_sum, out);                           \
+        paged_attention<T, S, V, SPLIT>(q, k_cache, v_cache, tiles, block_tables, heads,        \
+                                        kv_heads, head_dim, block_size, table_width,            \
+                                        split_len, scale, part_acc, part_max, part_sum, out);   \
     }
 
 #define INSTANTIATE(NAME, T)                                                                    \
@@ -448,7 +543,8 @@ INSTANTIATE(f16, f16)
     ATTENTION(NAME, T, 1, 16)                                                                   \
     ATTENTION(NAME, T, 1, 32)                                                                   \
     ATTENTION(NAME, T, 8, 8)                                                                    \
-    ATTENTION(NAME, T, 8, 32)
+    ATTENTION(NAME, T, 8, 32)                                                                   \
+    ATTENTION_SPLIT(NAME, T, 8, 4)
 VARIANTS(f32, float)
 VARIANTS(bf16, bf16)
 VARIANTS(f16, f16)

@@ -66,12 +66,18 @@ pub struct RolloutArgs {
     layer_kernels: bool,
     /// An experiment with the paged CUDA kernels (ignored elsewhere): the attention kernel's
     /// 16-byte K loads a thread keeps in flight in its scores (1 or 8) and its V loads in the
-    /// value pass (8, 16 or 32). 1 and 8, the defaults, are the variant measured on GPUs.
+    /// value pass (8, 16 or 32; 4 with `--split-values`). 1 and 8, the defaults, are the
+    /// variant measured on GPUs.
     #[arg(long, default_value_t = 1)]
     score_loads: u32,
     /// See `--score-loads`.
     #[arg(long, default_value_t = 8)]
     value_keys: u32,
+    /// With `--score-loads 8 --value-keys 4`: the attention's split value pass (a thread's
+    /// sums for four dimensions of eight query heads over a group of each chunk's keys,
+    /// kept in registers; docs/gpu.md), not yet measured on a GPU.
+    #[arg(long)]
+    split_values: bool,
     /// The attention backend, as `engine.attention`: auto, cpu, generic or cuda.
     #[arg(long, default_value = "auto", value_parser = parse_attention)]
     attention: AttentionMode,
@@ -146,7 +152,10 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
         })
         .collect();
     let num_tokens = args.prompts * args.samples * args.new_tokens;
-    let attention_kernel = AttentionKernel::new(args.score_loads, args.value_keys);
+    let attention_kernel = AttentionKernel {
+        split_values: args.split_values,
+        ..AttentionKernel::new(args.score_loads, args.value_keys)
+    };
     attention_kernel.check()?;
     let cfg = EngineConfig {
         block_size: args.block_size,

@@ -494,7 +494,7 @@ fn attend<T: CudaDType + DeviceRepr>(
     let stream = device.cuda_stream();
 
     let func = attention_function(device, dtype, op.variant)?;
-    let cfg = config(plan.attention_geometry());
+    let cfg = config(plan.attention_geometry(op.variant));
     let mut launch = stream.launch_builder(&func);
     params::Attention {
         q: &q,

@@ -214,7 +214,7 @@ impl Heads {
                 self.num_heads, self.num_kv_heads
             ));
         }
-        if shared_bytes(self.group(), self.head_dim) > MAX_SHARED_BYTES {
+        if AttentionKernel::default().shared_bytes(self.group(), self.head_dim) > MAX_SHARED_BYTES {
             return refuse(format!(
                 "{} query heads per KV head at head_dim {} need more than 48 KiB of shared \
                  memory a block",
@@ -229,11 +229,11 @@ impl Heads {
     fn rows_per_tile(&self) -> usize {
         (TARGET_PAIRS / self.group()).max(1)
     }
-}
 
-/// Dynamic shared memory of a block serving `pairs` pairs (the kernel's layout).
-pub fn shared_bytes(pairs: usize, head_dim: usize) -> usize {
-    4 * (2 * pairs * head_dim + pairs * CHUNK + CHUNK + 3 * pairs)
+    /// The most pairs (query rows x query heads) a tile holds.
+    pub fn max_tile_pairs(&self) -> usize {
+        self.rows_per_tile() * self.group()
+    }
 }
 
 /// One tile: consecutive query rows of one sequence.
@@ -348,9 +348,9 @@ impl KernelPlan {
         self.rows * self.heads.num_heads * self.splits * self.heads.head_dim
     }
 
-    /// The attention kernel's shared memory per block.
-    pub fn shared_bytes(&self) -> usize {
-        shared_bytes(self.max_pairs, self.heads.head_dim)
+    /// The attention kernel's (`variant`'s) shared memory per block.
+    pub fn shared_bytes(&self, variant: AttentionKernel) -> usize {
+        variant.shared_bytes(self.max_pairs, self.heads.head_dim)
     }
 
     /// `write_slots`: a block per batch row.
@@ -370,8 +370,8 @@ impl KernelPlan {
         }
     }
 
-    /// `paged_attention`: a block per (tile, KV head, split).
-    pub fn attention_geometry(&self) -> Geometry {
+    /// `paged_attention` (`variant`): a block per (tile, KV head, split).
+    pub fn attention_geometry(&self, variant: AttentionKernel) -> Geometry {
         Geometry {
             grid: (
                 self.tiles.len() as u32,
@@ -379,7 +379,7 @@ impl KernelPlan {
                 self.splits as u32,
             ),
             block: (THREADS as u32, 1, 1),
-            shared_bytes: self.shared_bytes() as u32,
+            shared_bytes: self.shared_bytes(variant) as u32,
         }
     }
 

@@ -64,8 +64,10 @@ impl CudaAttention {
         device: &Device,
         switches: Switches,
     ) -> std::result::Result<Self, EngineError> {
-        Heads::of(model.config()).check()?;
+        let heads = Heads::of(model.config());
+        heads.check()?;
         switches.attention_kernel.check()?;
+        switches.attention_kernel.check_heads(heads)?;
         Ok(Self {
             tables: TableMirror::default(),
             min_blocks: 2 * multiprocessors(device)?,

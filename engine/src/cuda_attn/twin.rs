@@ -1,9 +1,11 @@
 //! The CPU twin of kernels/paged_attention.cu: the same grid of blocks, the same chunks,
 //! dot products, lanes, butterfly sums, online softmax and merge of splits, in the same order
 //! of operations (`mul_add` where the kernel calls `fmaf`), run from the same [`KernelPlan`].
-//! Tested against [`super::reference`], so a GPU run checks only the translation to CUDA.
+//! Its value pass sums each key group's share of a chunk apart, as the split variant's
+//! threads do (one group, every key, for the others). Tested against [`super::reference`], so
+//! a GPU run checks only the translation to CUDA.
 
-use super::{KernelPlan, CHUNK};
+use super::{AttentionKernel, KernelPlan, CHUNK};
 
 const WARP: usize = 32;
 
@@ -29,8 +31,13 @@ pub fn write_slots(src: &[f32], cache: &mut [f32], slots: &[u32], row: usize) {
     }
 }
 
-/// `paged_attention` then `paged_reduce`: (rows, heads, head_dim) of `q`.
-pub fn attention(plan: &KernelPlan, q: &[f32], caches: &Caches<'_>) -> Vec<f32> {
+/// `paged_attention` (`variant`) then `paged_reduce`: (rows, heads, head_dim) of `q`.
+pub fn attention(
+    plan: &KernelPlan,
+    q: &[f32],
+    caches: &Caches<'_>,
+    variant: AttentionKernel,
+) -> Vec<f32> {
     let scale = 1.0 / (plan.heads.head_dim as f32).sqrt();
     let mut parts = Partials {
         acc: vec![f32::NAN; plan.partial_len()],
@@ -40,7 +47,8 @@ pub fn attention(plan: &KernelPlan, q: &[f32], caches: &Caches<'_>) -> Vec<f32> 
     for tile in 0..plan.tiles.len() {
         for kh in 0..plan.heads.num_kv_heads {
             for split in 0..plan.splits {
-                block(plan, (tile, kh, split), q, caches, scale, &mut parts);
+                let at = (tile, kh, split);
+                block(plan, at, (q, caches, variant), scale, &mut parts);
             }
         }
     }
@@ -51,8 +59,7 @@ pub fn attention(plan: &KernelPlan, q: &[f32], caches: &Caches<'_>) -> Vec<f32> 
 fn block(
     plan: &KernelPlan,
     (tile, kh, split): (usize, usize, usize),
-    q: &[f32],
-    caches: &Caches<'_>,
+    (q, caches, variant): (&[f32], &Caches<'_>, AttentionKernel),
     scale: f32,
     parts: &mut Partials,
 ) {
@@ -66,7 +73,9 @@ fn block(
     let q_s: Vec<f32> = (0..pairs * d)
         .map(|i| q[(row_of(i / d) * heads + head_of(i / d)) * d + i % d] * scale)
         .collect();
-    let mut acc_s = vec![0f32; pairs * d];
+    // Each key group's sums (keys g, g + groups, ... of every chunk).
+    let groups = variant.key_groups(pairs, d);
+    let mut acc_s = vec![vec![0f32; pairs * d]; groups];
     let (mut m_s, mut l_s, mut a_s) = (
         vec![f32::NEG_INFINITY; pairs],
         vec![0f32; pairs],
@@ -116,17 +125,23 @@ fn block(
             }
             (m_s[p], l_s[p], a_s[p]) = (m_new, l, alpha);
         }
-        // 3. Values per (pair, dimension).
-        for (i, acc) in acc_s.iter_mut().enumerate() {
-            let (p, e) = (i / d, i % d);
-            let mut a = *acc * a_s[p];
-            for jj in 0..n {
-                let v = caches.v[slot_s[jj] * row_len + kh * d + e];
-                a = s_s[p * CHUNK + jj].mul_add(v, a);
+        // 3. Values per key group, pair and dimension: rescaled, then the group's keys.
+        for (g, acc_g) in acc_s.iter_mut().enumerate() {
+            for (i, acc) in acc_g.iter_mut().enumerate() {
+                let (p, e) = (i / d, i % d);
+                let mut a = *acc * a_s[p];
+                for jj in (g..n).step_by(groups) {
+                    let v = caches.v[slot_s[jj] * row_len + kh * d + e];
+                    a = s_s[p * CHUNK + jj].mul_add(v, a);
+                }
+                *acc = a;
             }
-            *acc = a;
         }
     }
+    // The groups' sums added in group order.
+    let acc_s: Vec<f32> = (0..pairs * d)
+        .map(|i| acc_s[1..].iter().fold(acc_s[0][i], |x, g| x + g[i]))
+        .collect();
     for p in 0..pairs {
         let at = (row_of(p) * heads + head_of(p)) * plan.splits + split;
         parts.acc[at * d..][..d].copy_from_slice(&acc_s[p * d..][..d]);
@@ -186,6 +201,11 @@ mod tests {
 
     /// The twin's worst difference from the reference under a plan of `min_blocks`.
     fn worst(case: &Case, min_blocks: usize) -> (f64, KernelPlan) {
+        worst_of(case, min_blocks, AttentionKernel::default())
+    }
+
+    /// The same for the value pass of `variant`.
+    fn worst_of(case: &Case, min_blocks: usize, variant: AttentionKernel) -> (f64, KernelPlan) {
         let (plan, tables) = case.plan(min_blocks).unwrap();
         let (mut k, mut v) = case.cached_pool();
         let (new_k, new_v) = case.new_kv();
@@ -197,7 +217,7 @@ mod tests {
             v: &v,
             tables: &tables,
         };
-        let got = attention(&plan, &case.q, &caches);
+        let got = attention(&plan, &case.q, &caches, variant);
         (case.worst_error(&got), plan)
     }
 
@@ -219,13 +239,16 @@ mod tests {
             for head_dim in [64, 128] {
                 let case = Case::new(&mut rng, heads(group, head_dim), &lens, false, |x| x);
                 for min_blocks in [1, 64, 10_000] {
-                    let (worst, plan) = worst(&case, min_blocks);
-                    assert!(
-                        worst < 2e-5,
-                        "group {group}, head_dim {head_dim}, {} splits of {}: {worst:e}",
-                        plan.splits,
-                        plan.split_len
-                    );
+                    for variant in [AttentionKernel::default(), AttentionKernel::split(8, 4)] {
+                        let (worst, plan) = worst_of(&case, min_blocks, variant);
+                        assert!(
+                            worst < 2e-5,
+                            "{variant}, group {group}, head_dim {head_dim}, {} splits of {}: \
+                             {worst:e}",
+                            plan.splits,
+                            plan.split_len
+                        );
+                    }
                 }
             }
         }

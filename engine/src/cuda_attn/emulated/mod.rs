@@ -244,7 +244,7 @@ pub(super) fn attend<T: Stored>(
     let args = Args::filled(|list| attend.push_to(list));
     launch(
         &variant.kernel_name(T::SUFFIX),
-        plan.attention_geometry(),
+        plan.attention_geometry(variant),
         &args,
     )?;
     if plan.splits == 1 {

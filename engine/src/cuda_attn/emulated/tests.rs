@@ -88,7 +88,7 @@ fn check_cases<T: Stored>(cases: &[Case], variant: AttentionKernel) {
                 v: &v,
                 tables: &host_tables,
             };
-            let want = stored::<T>(&twin::attention(&plan, &case.q, &caches));
+            let want = stored::<T>(&twin::attention(&plan, &case.q, &caches, variant));
             let differ = bits(&got.out)
                 .iter()
                 .zip(bits(&want))
@@ -142,7 +142,11 @@ fn the_widest_heads_fit_their_shared_memory() {
             .collect()
     };
     let f32_cases = cases(DType::F32);
-    let widest = f32_cases[1].plan(1).unwrap().0.shared_bytes();
+    let widest = f32_cases[1]
+        .plan(1)
+        .unwrap()
+        .0
+        .shared_bytes(AttentionKernel::default());
     assert!(widest > 40 * 1024 && widest <= 48 * 1024, "{widest} bytes");
     for variant in AttentionKernel::VARIANTS {
         check_cases::<f32>(&f32_cases, variant);
