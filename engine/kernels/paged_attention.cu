@@ -205,6 +205,8 @@ template <typename T, unsigned int BYTES = 16> struct Pack {
 #define SPLIT_PAIRS 8
 // Floats of the groups' partial sums when they meet: a thread's SPLIT_PAIRS x SPLIT_DIMS each.
 #define SPLIT_PARTIALS (THREADS * SPLIT_PAIRS * SPLIT_DIMS)
+// The score pass zeroes the padded pairs' scores group by group of SCORE_PAIRS.
+static_assert(SCORE_PAIRS == SPLIT_PAIRS, "the split pass pads pairs to the score groups");
 
 // tiles: 4 words per tile (sequence, first row, rows, position of the first row); a row at
 // position p sees keys 0..=p. block_tables: (rows, table_width), a row per sequence. Shared
@@ -373,34 +375,34 @@ __device__ void paged_attention(
                 }
             }
         } else {
-        // Otherwise a thread per (dimension, VALUE_PAIRS pairs), VALUE_KEYS keys' V loads at
-        // once; each pair's sum in key order.
-        for (unsigned int i = tid; i < value_items; i += THREADS) {
-            const unsigned int e = i % d, p0 = i / d * VALUE_PAIRS;
-            float a[VALUE_PAIRS];
+            // Otherwise a thread per (dimension, VALUE_PAIRS pairs), VALUE_KEYS keys' V loads at
+            // once; each pair's sum in key order.
+            for (unsigned int i = tid; i < value_items; i += THREADS) {
+                const unsigned int e = i % d, p0 = i / d * VALUE_PAIRS;
+                float a[VALUE_PAIRS];
 #pragma unroll
-            for (unsigned int b = 0; b < VALUE_PAIRS; ++b)
-                a[b] = p0 + b < pairs ? acc_s[(p0 + b) * d + e] * a_s[p0 + b] : 0.0f;
-            const T *v_col = v_cache + kh * d + e;
-            for (unsigned int j0 = 0; j0 < n; j0 += VALUE_KEYS) {
-                float v[VALUE_KEYS];
+                for (unsigned int b = 0; b < VALUE_PAIRS; ++b)
+                    a[b] = p0 + b < pairs ? acc_s[(p0 + b) * d + e] * a_s[p0 + b] : 0.0f;
+                const T *v_col = v_cache + kh * d + e;
+                for (unsigned int j0 = 0; j0 < n; j0 += VALUE_KEYS) {
+                    float v[VALUE_KEYS];
 #pragma unroll
-                for (unsigned int u = 0; u < VALUE_KEYS; ++u)
-                    v[u] = j0 + u < n ? to_f32(v_col[(size_t)slot_s[j0 + u] * row_len]) : 0.0f;
+                    for (unsigned int u = 0; u < VALUE_KEYS; ++u)
+                        v[u] = j0 + u < n ? to_f32(v_col[(size_t)slot_s[j0 + u] * row_len]) : 0.0f;
 #pragma unroll
-                for (unsigned int u = 0; u < VALUE_KEYS; ++u) {
-                    if (j0 + u < n) {
+                    for (unsigned int u = 0; u < VALUE_KEYS; ++u) {
+                        if (j0 + u < n) {
 #pragma unroll
-                        for (unsigned int b = 0; b < VALUE_PAIRS; ++b)
-                            if (p0 + b < pairs)
-                                a[b] = fmaf(s_s[(p0 + b) * PS + (j0 + u) * KS], v[u], a[b]);
+                            for (unsigned int b = 0; b < VALUE_PAIRS; ++b)
+                                if (p0 + b < pairs)
+                                    a[b] = fmaf(s_s[(p0 + b) * PS + (j0 + u) * KS], v[u], a[b]);
+                        }
                     }
                 }
-            }
 #pragma unroll
-            for (unsigned int b = 0; b < VALUE_PAIRS; ++b)
-                if (p0 + b < pairs) acc_s[(p0 + b) * d + e] = a[b];
-        }
+                for (unsigned int b = 0; b < VALUE_PAIRS; ++b)
+                    if (p0 + b < pairs) acc_s[(p0 + b) * d + e] = a[b];
+            }
         }
         __syncthreads();
     }
