@@ -277,7 +277,7 @@ def kind_of(name):
     if any(k in low for k in ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "sm80_",
                               "splitkreduce")):
         return "gemm"
-    if low.startswith(("paged_", "write_slots", "write_table", "qkv_rope")):
+    if low.startswith(("paged_", "write_slots", "write_table", "copy_slots", "qkv_rope")):
         return "paged kernels"
     if low.startswith(("add_rms_norm", "silu_mul")):
         return "layer kernels"

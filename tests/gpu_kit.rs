@@ -145,8 +145,9 @@ fn gpu_check_targets_dry_run_measures_each_target() {
     }
 }
 
-/// `--profile` runs the doctor, dppo's side of the targets' protocol and the attention
-/// kernel's other variants; on the CPU the Nsight Compute steps are skipped, saying why.
+/// `--profile` runs the doctor, the first shape's full rollout on the defaults and through the
+/// attention kernel's other variants; on the CPU the Nsight Compute steps are skipped, saying
+/// why.
 #[test]
 fn gpu_check_profile_dry_run_runs_the_rollouts_and_skips_the_profiles() {
     let dir = tempfile::tempdir().unwrap();
@@ -163,11 +164,7 @@ fn gpu_check_profile_dry_run_runs_the_rollouts_and_skips_the_profiles() {
         .skip(1)
         .map(|v| format!("variant-smollm2-135m-{v}"))
         .collect();
-    let mut want = vec![
-        ("doctor", "ok"),
-        ("target-floor-smollm2-135m", "ok"),
-        ("target-rollout-smollm2-135m", "ok"),
-    ];
+    let mut want = vec![("doctor", "ok"), ("target-rollout-smollm2-135m", "ok")];
     want.extend(variants.iter().map(|v| (v.as_str(), "ok")));
     want.extend([
         ("profile-qwen2.5-0.5b-b1024", "skipped"),

@@ -18,8 +18,14 @@ pub struct SlotCopies {
 }
 
 impl SlotCopies {
-    /// Every copied token of `copies`, blocks of `block_size` slots.
+    /// Every copied token of `copies`, blocks of `block_size` slots. `copy_slots` copies them
+    /// all at once, so no destination may be another copy's source (a destination is the
+    /// fresh block of a copy-on-write).
     pub fn of(copies: &[BlockCopy], block_size: usize) -> Self {
+        debug_assert!(
+            copies.iter().all(|c| copies.iter().all(|o| o.src != c.dst)),
+            "a copy's destination is another's source: {copies:?}"
+        );
         let slot = |block: u32, i: usize| (block as usize * block_size + i) as u32;
         let pairs = copies
             .iter()
