@@ -129,6 +129,15 @@ impl TableCopy for Vec<u32> {
     }
 }
 
+/// An error where one of `slots` (rows of `row` values) lies outside a pool of `pool_len`
+/// values: the emulated `kernel` would touch the process's memory there.
+fn in_pool(kernel: &str, slots: &[u32], row: usize, pool_len: usize) -> Result<()> {
+    match slots.iter().find(|&&s| (s as usize + 1) * row > pool_len) {
+        Some(slot) => bail!("{kernel}: slot {slot} outside a pool of {}", pool_len / row),
+        None => Ok(()),
+    }
+}
+
 /// `write_slots`: each batch row of `src` into its slot of `cache`.
 pub(super) fn write_slots<T: Stored>(plan: &KernelPlan, src: &[T], cache: &mut [T]) -> Result<()> {
     let row = plan.heads.num_kv_heads * plan.heads.head_dim;
@@ -139,17 +148,7 @@ pub(super) fn write_slots<T: Stored>(plan: &KernelPlan, src: &[T], cache: &mut [
             plan.rows
         );
     }
-    // Outside the pool the emulation would write the process's memory.
-    if let Some(slot) = plan
-        .slots
-        .iter()
-        .find(|&&s| (s as usize + 1) * row > cache.len())
-    {
-        bail!(
-            "write_slots: slot {slot} outside a pool of {}",
-            cache.len() / row
-        );
-    }
+    in_pool("write_slots", &plan.slots, row, cache.len())?;
     let scalars = Scalars::of(plan);
     let write = WriteSlots {
         src: src.as_ptr(),
@@ -172,17 +171,7 @@ pub(super) fn copy_slots<T: Stored>(
     cache: &mut [T],
 ) -> Result<()> {
     let row = plan.heads.num_kv_heads * plan.heads.head_dim;
-    // Outside the pool the emulation would touch the process's memory.
-    if let Some(slot) = copies
-        .pairs
-        .iter()
-        .find(|&&s| (s as usize + 1) * row > cache.len())
-    {
-        bail!(
-            "copy_slots: slot {slot} outside a pool of {}",
-            cache.len() / row
-        );
-    }
+    in_pool("copy_slots", &copies.pairs, row, cache.len())?;
     let scalars = Scalars::of(plan);
     let copy = CopySlots {
         cache: cache.as_mut_ptr(),

@@ -121,26 +121,35 @@ fn f16_kernels_compute_what_their_twin_computes_bit_for_bit() {
     check::<half::f16>();
 }
 
+/// A case for each (query heads a KV head, head_dim) of `layouts`, two KV heads, sequences of
+/// `lens`, values rounded to `dtype`, drawn from `seed`.
+fn cases_of(
+    seed: u64,
+    layouts: &[(usize, usize)],
+    lens: &[(usize, usize)],
+    dtype: DType,
+) -> Vec<Case> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    layouts
+        .iter()
+        .map(|&(group, head_dim)| {
+            let heads = Heads {
+                num_heads: 2 * group,
+                num_kv_heads: 2,
+                head_dim,
+            };
+            Case::new(&mut rng, heads, lens, false, |x| round_to(x, dtype))
+        })
+        .collect()
+}
+
 /// The widest heads the kernels take: head_dim 256 (sixteen 16-byte loads a bf16 K row) and 16 query
 /// heads a KV head, whose prefill tiles use the most shared memory a block may have without
 /// opting in to more (41 of 48 KiB; the emulation faults a word past a launch's share).
 #[test]
 fn the_widest_heads_fit_their_shared_memory() {
     let lens = [(200, 1), (0, 20), (30, 9)];
-    let cases = |dtype| -> Vec<Case> {
-        let mut rng = StdRng::seed_from_u64(29);
-        [(1, 256), (16, 256), (16, 64)]
-            .into_iter()
-            .map(|(group, head_dim)| {
-                let heads = Heads {
-                    num_heads: 2 * group,
-                    num_kv_heads: 2,
-                    head_dim,
-                };
-                Case::new(&mut rng, heads, &lens, false, |x| round_to(x, dtype))
-            })
-            .collect()
-    };
+    let cases = |dtype| cases_of(29, &[(1, 256), (16, 256), (16, 64)], &lens, dtype);
     let f32_cases = cases(DType::F32);
     let widest = f32_cases[1]
         .plan(1)
@@ -159,20 +168,7 @@ fn the_widest_heads_fit_their_shared_memory() {
 #[test]
 fn head_dims_of_32_and_96_are_attended_whole() {
     let lens = [(150, 1), (0, 12), (40, 3)];
-    let cases = |dtype| -> Vec<Case> {
-        let mut rng = StdRng::seed_from_u64(31);
-        [(3, 32), (4, 96)]
-            .into_iter()
-            .map(|(group, head_dim)| {
-                let heads = Heads {
-                    num_heads: 2 * group,
-                    num_kv_heads: 2,
-                    head_dim,
-                };
-                Case::new(&mut rng, heads, &lens, false, |x| round_to(x, dtype))
-            })
-            .collect()
-    };
+    let cases = |dtype| cases_of(31, &[(3, 32), (4, 96)], &lens, dtype);
     for variant in AttentionKernel::VARIANTS {
         check_cases::<f32>(&cases(DType::F32), variant);
         check_cases::<half::bf16>(&cases(DType::BF16), variant);
