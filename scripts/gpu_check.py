@@ -9,7 +9,7 @@
                                      `dppo bench rollout ARGS` under Nsight Compute: the last
                                      decode steps' device time by kernel, as JSON
     gpu_check.py profile-summary CSV the same from an exported `ncu --csv --page raw`
-    gpu_check.py fastest FILE...     the bench flags of the attention variant of the fastest
+    gpu_check.py fastest FILE...     `--attention-kernel NAME` of the attention variant of the fastest
                                      of the rollouts whose JSON outputs are FILE...
 
 With `--targets`, the summary also sets issue #38's targets against what the steps measured:
@@ -388,9 +388,9 @@ def summary(args):
 
 
 def fastest(args):
-    """Prints `--score-loads N --value-keys N [--split-values]` of the fastest of the rollouts
-    in FILES (their `bench rollout --json` outputs: the attention kernel's variant of the
-    highest tokens/s); nothing where none of them finished."""
+    """Prints `--attention-kernel NAME` of the fastest of the rollouts in FILES (their `bench
+    rollout --json` outputs: the attention kernel's variant of the highest tokens/s); nothing
+    where none of them finished."""
     best = None
     for path in args.files:
         try:
@@ -401,10 +401,7 @@ def fastest(args):
         if rate and variant and (best is None or rate > best[0]):
             best = (rate, variant)
     if best:
-        name = best[1].removesuffix("_split")
-        loads, keys = name.removeprefix("s").split("_v")
-        split = " --split-values" if name != best[1] else ""
-        print(f"--score-loads {int(loads)} --value-keys {int(keys)}{split}")
+        print(f"--attention-kernel {best[1]}")
     return 0
 
 

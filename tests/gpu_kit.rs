@@ -343,7 +343,7 @@ fn gpu_check_fastest_picks_the_variant_of_the_highest_rate() {
         write("a.out", &rollout(91_000.0, "s8_v32")),
         write("b.out", &rollout(80_000.0, "s1_v16")),
         write("cut.out", "killed by its timeout\n"),
-        write("split.out", &rollout(95_000.0, "s8_v4_split")),
+        write("mma.out", &rollout(95_000.0, "mma")),
     ];
     let fastest = |files: &[String]| {
         let out = std::process::Command::new("python3")
@@ -355,10 +355,7 @@ fn gpu_check_fastest_picks_the_variant_of_the_highest_rate() {
         assert!(out.status.success());
         String::from_utf8(out.stdout).unwrap()
     };
-    assert_eq!(fastest(&files[..4]), "--score-loads 8 --value-keys 32\n");
-    assert_eq!(
-        fastest(&files),
-        "--score-loads 8 --value-keys 4 --split-values\n"
-    );
+    assert_eq!(fastest(&files[..4]), "--attention-kernel s8_v32\n");
+    assert_eq!(fastest(&files), "--attention-kernel mma\n");
     assert_eq!(fastest(&files[3..4]), "");
 }

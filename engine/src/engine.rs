@@ -60,9 +60,9 @@ pub struct EngineConfig {
     /// MLP's SiLU product, by kernels of their own (`engine.layer_kernels`; on by default: they
     /// passed `dppo doctor` on an H200; the other backends ignore it).
     pub layer_kernels: bool,
-    /// With the paged CUDA kernels, the attention kernel's variant: its loads in flight
-    /// (`bench rollout --score-loads --value-keys`, an experiment; the default is the one
-    /// measured on GPUs, and the only one a run uses).
+    /// With the paged CUDA kernels, the attention kernel's variant (`bench rollout
+    /// --attention-kernel`, an experiment; the default is the one measured on GPUs, and the
+    /// only one a run uses).
     pub attention_kernel: AttentionKernel,
     /// Synchronise the device around each layer's attention and after the forward pass, so
     /// that the iteration costs split the device's time between attention, the rest of the

@@ -65,19 +65,12 @@ pub struct RolloutArgs {
           action = clap::ArgAction::Set)]
     layer_kernels: bool,
     /// An experiment with the paged CUDA kernels (ignored elsewhere): the attention kernel's
-    /// 16-byte K loads a thread keeps in flight in its scores (1 or 8) and its V loads in the
-    /// value pass (8, 16 or 32; 4 with `--split-values`). 1 and 8, the defaults, are the
-    /// variant measured on GPUs.
-    #[arg(long, default_value_t = 1)]
-    score_loads: u32,
-    /// See `--score-loads`.
-    #[arg(long, default_value_t = 8)]
-    value_keys: u32,
-    /// With `--score-loads 8 --value-keys 4`: the attention's split value pass (a thread's
-    /// sums for four dimensions of eight query heads over a group of each chunk's keys,
-    /// kept in registers; docs/gpu.md), not yet measured on a GPU.
-    #[arg(long)]
-    split_values: bool,
+    /// variant. `s<K>_v<V>` keeps K 16-byte K loads and V loads of V in flight a thread
+    /// (`s1_v8`, the default, is the one measured on GPUs), `_split` splits the value pass
+    /// over key groups, `mma` runs scores and values on tensor cores (bf16 and f16);
+    /// docs/gpu.md has each.
+    #[arg(long, default_value = "s1_v8")]
+    attention_kernel: AttentionKernel,
     /// The attention backend, as `engine.attention`: auto, cpu, generic or cuda.
     #[arg(long, default_value = "auto", value_parser = parse_attention)]
     attention: AttentionMode,
@@ -152,11 +145,7 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
         })
         .collect();
     let num_tokens = args.prompts * args.samples * args.new_tokens;
-    let attention_kernel = AttentionKernel {
-        split_values: args.split_values,
-        ..AttentionKernel::new(args.score_loads, args.value_keys)
-    };
-    attention_kernel.check()?;
+    let attention_kernel = args.attention_kernel;
     let cfg = EngineConfig {
         block_size: args.block_size,
         kv_cache_tokens: args.kv_cache_tokens,

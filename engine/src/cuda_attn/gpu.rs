@@ -50,13 +50,13 @@ fn suffix(dtype: DType) -> Result<&'static str> {
     })
 }
 
-/// The attention kernel `variant` for `dtype`, from the module that holds it.
+/// The attention kernel `variant` for `dtype` at `head_dim`, from the module that holds it.
 pub(super) fn attention_function(
     device: &CudaDevice,
-    dtype: DType,
+    (dtype, head_dim): (DType, usize),
     variant: AttentionKernel,
 ) -> Result<CudaFunction> {
-    let name = variant.kernel_name(suffix(dtype)?);
+    let name = variant.kernel_name(suffix(dtype)?, head_dim);
     match variant.is_default() {
         true => MODULE.function(device, &name),
         false => VARIANTS.function(device, &name),

@@ -493,7 +493,7 @@ fn attend<T: CudaDType + DeviceRepr>(
     let scalars = Scalars::of(plan);
     let stream = device.cuda_stream();
 
-    let func = attention_function(device, dtype, op.variant)?;
+    let func = attention_function(device, (dtype, plan.heads.head_dim), op.variant)?;
     let cfg = config(plan.attention_geometry(op.variant));
     let mut launch = stream.launch_builder(&func);
     params::Attention {

@@ -66,8 +66,9 @@ impl CudaAttention {
     ) -> std::result::Result<Self, EngineError> {
         let heads = Heads::of(model.config());
         heads.check()?;
-        switches.attention_kernel.check()?;
-        switches.attention_kernel.check_heads(heads)?;
+        switches
+            .attention_kernel
+            .check_serves(heads, model.dtype())?;
         Ok(Self {
             tables: TableMirror::default(),
             min_blocks: 2 * multiprocessors(device)?,

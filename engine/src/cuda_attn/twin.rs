@@ -2,19 +2,27 @@
 //! dot products, lanes, butterfly sums, online softmax and merge of splits, in the same order
 //! of operations (`mul_add` where the kernel calls `fmaf`), run from the same [`KernelPlan`].
 //! Its value pass sums each key group's share of a chunk apart, as the split variant's
-//! threads do (one group, every key, for the others). Tested against [`super::reference`], so
-//! a GPU run checks only the translation to CUDA.
+//! threads do (one group, every key, for the others); the tensor-core variant's blocks are
+//! [`mma_block`]'s. Tested against [`super::reference`], so a GPU run checks only the
+//! translation to CUDA.
 
-use super::{AttentionKernel, KernelPlan, CHUNK};
+use candle_core::DType;
+
+use super::case::round_to;
+use super::{AttentionKernel, KernelPlan, CHUNK, THREADS};
 
 const WARP: usize = 32;
+/// Keys of a tensor-core warp's run (the kernel's `MMA_KEYS`).
+const MMA_KEYS: usize = 16;
 
 /// The caches as the kernels see them, (slots, kv_heads * head_dim) each, and the block
-/// tables, (rows, plan.table_width).
+/// tables, (rows, plan.table_width); `dtype` is their elements' (the tensor-core variant
+/// rounds its probabilities to it).
 pub struct Caches<'a> {
     pub k: &'a [f32],
     pub v: &'a [f32],
     pub tables: &'a [u32],
+    pub dtype: DType,
 }
 
 /// The partial outputs of every (row, head, split), as the attention kernel writes them.
@@ -48,7 +56,10 @@ pub fn attention(
         for kh in 0..plan.heads.num_kv_heads {
             for split in 0..plan.splits {
                 let at = (tile, kh, split);
-                block(plan, at, (q, caches, variant), scale, &mut parts);
+                match variant {
+                    AttentionKernel::Mma => mma_block(plan, at, (q, caches), scale, &mut parts),
+                    _ => block(plan, at, (q, caches, variant), scale, &mut parts),
+                }
             }
         }
     }
@@ -150,6 +161,113 @@ fn block(
     }
 }
 
+/// One warp's online softmax in the tensor-core kernel, over its pairs.
+struct WarpState {
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    acc: Vec<f32>,
+}
+
+/// One block of the tensor-core kernel: warp `w` takes runs `w`, `w + 4`, ... of 16 keys,
+/// scores each pair's query (unscaled) in dimension order and then scales, rounds the
+/// probabilities to the caches' dtype, sums a row's four lanes' probabilities (each lane's
+/// two pairs of keys, then the quad's butterfly) and adds the run's values in key order
+/// after the rescale; the warps meet in warp order.
+fn mma_block(
+    plan: &KernelPlan,
+    (tile, kh, split): (usize, usize, usize),
+    (q, caches): (&[f32], &Caches<'_>),
+    scale: f32,
+    parts: &mut Partials,
+) {
+    let t = plan.tiles[tile];
+    let (heads, d) = (plan.heads.num_heads, plan.heads.head_dim);
+    let group = plan.heads.group();
+    let pairs = t.rows as usize * group;
+    let row_len = plan.heads.num_kv_heads * d;
+    let row_of = |p: usize| t.first_row as usize + p / group;
+    let head_of = |p: usize| kh * group + p % group;
+    let keys = (t.first_pos + t.rows) as usize;
+    let start = split * plan.split_len;
+    let end = (start + plan.split_len).min(keys);
+    let table = &caches.tables[t.seq as usize * plan.table_width..][..plan.table_width];
+    let bs = plan.block_size;
+    let slot = |j: usize| table[j / bs] as usize * bs + j % bs;
+    let warps = THREADS / WARP;
+    let states: Vec<WarpState> = (0..warps)
+        .map(|w| {
+            let mut st = WarpState {
+                max: vec![f32::NEG_INFINITY; pairs],
+                sum: vec![0.0; pairs],
+                acc: vec![0.0; pairs * d],
+            };
+            for j0 in (start + w * MMA_KEYS..end).step_by(warps * MMA_KEYS) {
+                let live = |kk: usize| j0 + kk < end;
+                for p in 0..pairs {
+                    let qp = &q[(row_of(p) * heads + head_of(p)) * d..][..d];
+                    let s: Vec<f32> = (0..MMA_KEYS)
+                        .map(|kk| {
+                            let j = j0 + kk;
+                            if !live(kk) || j > t.first_pos as usize + p / group {
+                                return f32::NEG_INFINITY;
+                            }
+                            let k = &caches.k[slot(j) * row_len + kh * d..][..d];
+                            qp.iter().zip(k).fold(0f32, |a, (&q, &k)| q.mul_add(k, a)) * scale
+                        })
+                        .collect();
+                    let m_old = st.max[p];
+                    let m_new = s.iter().fold(m_old, |m, &x| m.max(x));
+                    let exp = |x: f32| match m_new == f32::NEG_INFINITY {
+                        true => 0.0,
+                        false => round_to((x - m_new).exp(), caches.dtype),
+                    };
+                    let alpha = match m_new == f32::NEG_INFINITY {
+                        true => 0.0,
+                        false => (m_old - m_new).exp(),
+                    };
+                    let e: Vec<f32> = s.iter().map(|&x| exp(x)).collect();
+                    // Lane `pos` of the row's quad holds keys 2 pos, 2 pos + 1, 8 + 2 pos and
+                    // 9 + 2 pos; the quad's butterfly adds lanes 0 + 1 and 2 + 3.
+                    let lane =
+                        |pos: usize| e[2 * pos] + e[2 * pos + 1] + e[8 + 2 * pos] + e[9 + 2 * pos];
+                    let sum = (lane(0) + lane(1)) + (lane(2) + lane(3));
+                    st.sum[p] = st.sum[p].mul_add(alpha, sum);
+                    st.max[p] = m_new;
+                    for (i, acc) in st.acc[p * d..][..d].iter_mut().enumerate() {
+                        *acc = (0..MMA_KEYS).fold(*acc * alpha, |a, kk| {
+                            let v = match live(kk) {
+                                true => caches.v[slot(j0 + kk) * row_len + kh * d + i],
+                                false => 0.0,
+                            };
+                            e[kk].mul_add(v, a)
+                        });
+                    }
+                }
+            }
+            st
+        })
+        .collect();
+    for p in 0..pairs {
+        let mx = states
+            .iter()
+            .fold(f32::NEG_INFINITY, |m, s| m.max(s.max[p]));
+        let weight = |s: &WarpState| match s.max[p] == f32::NEG_INFINITY {
+            true => 0.0,
+            false => (s.max[p] - mx).exp(),
+        };
+        let at = (row_of(p) * heads + head_of(p)) * plan.splits + split;
+        parts.max[at] = mx;
+        parts.sum[at] = states
+            .iter()
+            .fold(0f32, |l, s| s.sum[p].mul_add(weight(s), l));
+        for e in 0..d {
+            parts.acc[at * d + e] = states
+                .iter()
+                .fold(0f32, |a, s| s.acc[p * d + e].mul_add(weight(s), a));
+        }
+    }
+}
+
 /// A warp's butterfly sum (`__shfl_xor_sync` over offsets 16, 8, ..., 1): every lane ends
 /// with the same value, lane 0's order of additions.
 fn butterfly_sum(mut lanes: [f32; WARP]) -> f32 {
@@ -216,6 +334,7 @@ mod tests {
             k: &k,
             v: &v,
             tables: &tables,
+            dtype: DType::F32,
         };
         let got = attention(&plan, &case.q, &caches, variant);
         (case.worst_error(&got), plan)
@@ -239,7 +358,12 @@ mod tests {
             for head_dim in [64, 128] {
                 let case = Case::new(&mut rng, heads(group, head_dim), &lens, false, |x| x);
                 for min_blocks in [1, 64, 10_000] {
-                    for variant in [AttentionKernel::default(), AttentionKernel::split(8, 4)] {
+                    let variants = [
+                        AttentionKernel::default(),
+                        AttentionKernel::split(8, 4),
+                        AttentionKernel::Mma,
+                    ];
+                    for variant in variants {
                         let (worst, plan) = worst_of(&case, min_blocks, variant);
                         assert!(
                             worst < 2e-5,

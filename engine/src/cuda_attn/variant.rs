@@ -1,11 +1,15 @@
-//! The paged attention kernel's variants: how many loads a thread keeps in flight, in the
-//! scores (16-byte loads of a K row) and in the value pass (V loads, one a key), and how the
-//! value pass divides its work. More loads in flight mean fewer round trips to memory a chunk
-//! of keys and more registers a thread (fewer blocks a multiprocessor). The arithmetic is the
-//! same in every variant, and so is its order except for the split value pass's (the twin
-//! follows both).
+//! The paged attention kernel's variants. The scalar ones (FMAs on the CUDA cores) differ in
+//! how many loads a thread keeps in flight, in the scores (16-byte loads of a K row) and in
+//! the value pass (V loads, one a key), and in how the value pass divides its work: more
+//! loads in flight mean fewer round trips to memory a chunk of keys and more registers a
+//! thread. Their arithmetic and its order are the same except for the split value pass's.
+//! `mma` computes the scores and the values on tensor cores instead, with probabilities
+//! rounded to the element type (bf16 and f16 only). The twin follows every order.
 
 use std::fmt;
+use std::str::FromStr;
+
+use candle_core::DType;
 
 use super::{Heads, CHUNK, MAX_SHARED_BYTES, THREADS};
 use crate::EngineError;
@@ -15,32 +19,46 @@ use crate::EngineError;
 pub const SPLIT_DIMS: usize = 4;
 pub const SPLIT_PAIRS: usize = 8;
 const SPLIT_PARTIALS: usize = THREADS * SPLIT_PAIRS * SPLIT_DIMS;
+/// The tensor-core kernel's rows (pairs padded to an m16n8k16 product's 16) and its warps,
+/// each with its own maxima, sums and outputs when they meet (the kernel's `MMA_ROWS`).
+pub const MMA_ROWS: usize = 16;
+const WARPS: usize = THREADS / 32;
+/// The head dims the tensor-core kernel is instantiated for.
+pub const MMA_HEAD_DIMS: [usize; 2] = [64, 128];
 
-/// One variant of `paged_attention` (`bench rollout --score-loads --value-keys
-/// --split-values`).
+/// One variant of `paged_attention` (`bench rollout --attention-kernel`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AttentionKernel {
-    pub score_loads: u32,
-    pub value_keys: u32,
-    /// The value pass split by key groups, a thread's sums in registers across chunks, each
-    /// V load feeding SPLIT_PAIRS x SPLIT_DIMS FMAs (the kernel's `SPLIT_VALUES`).
-    pub split_values: bool,
+pub enum AttentionKernel {
+    /// FMAs on the CUDA cores.
+    Scalar {
+        score_loads: u32,
+        value_keys: u32,
+        /// The value pass split by key groups, a thread's sums in registers across chunks,
+        /// each V load feeding SPLIT_PAIRS x SPLIT_DIMS FMAs (the kernel's `SPLIT_VALUES`).
+        split_values: bool,
+    },
+    /// Scores and values as m16n8k16 products on tensor cores, each warp a quarter of the
+    /// keys (`paged_attention_mma`).
+    Mma,
 }
 
 impl AttentionKernel {
     /// The variants kernels/paged_attention.cu instantiates; the first is the default, the
     /// only one measured on a GPU so far, and the only one in the module loaded at start.
-    pub const VARIANTS: [Self; 6] = [
+    /// The others are listed likeliest winner first (`gpu-check --profile` races them in
+    /// this order, so a spent budget drops the last).
+    pub const VARIANTS: [Self; 7] = [
         Self::new(1, 8),
+        Self::Mma,
+        Self::split(8, 4),
         Self::new(1, 16),
         Self::new(1, 32),
         Self::new(8, 8),
         Self::new(8, 32),
-        Self::split(8, 4),
     ];
 
     pub const fn new(score_loads: u32, value_keys: u32) -> Self {
-        Self {
+        Self::Scalar {
             score_loads,
             value_keys,
             split_values: false,
@@ -49,47 +67,88 @@ impl AttentionKernel {
 
     /// The variant with the split value pass.
     pub const fn split(score_loads: u32, value_keys: u32) -> Self {
-        Self {
+        Self::Scalar {
+            score_loads,
+            value_keys,
             split_values: true,
-            ..Self::new(score_loads, value_keys)
         }
+    }
+
+    /// Whether this is a scalar variant with the split value pass.
+    pub fn split_values(self) -> bool {
+        matches!(
+            self,
+            Self::Scalar {
+                split_values: true,
+                ..
+            }
+        )
     }
 
     /// Dynamic shared memory of a block serving `pairs` pairs (the kernel's layout).
     pub fn shared_bytes(self, pairs: usize, head_dim: usize) -> usize {
-        if self.split_values {
-            let padded = pairs.next_multiple_of(SPLIT_PAIRS);
-            4 * (pairs * head_dim + SPLIT_PARTIALS + padded * CHUNK + CHUNK + 3 * padded)
-        } else {
-            4 * (2 * pairs * head_dim + pairs * CHUNK + CHUNK + 3 * pairs)
+        match self {
+            Self::Mma => 4 * WARPS * MMA_ROWS * (2 + head_dim),
+            _ if self.split_values() => {
+                let padded = pairs.next_multiple_of(SPLIT_PAIRS);
+                4 * (pairs * head_dim + SPLIT_PARTIALS + padded * CHUNK + CHUNK + 3 * padded)
+            }
+            _ => 4 * (2 * pairs * head_dim + pairs * CHUNK + CHUNK + 3 * pairs),
         }
     }
 
     /// Key groups of the split value pass for a block of `pairs` pairs (1 otherwise): the
     /// threads over the items (SPLIT_DIMS dimensions by SPLIT_PAIRS pairs) each serves.
     pub fn key_groups(self, pairs: usize, head_dim: usize) -> usize {
-        match self.split_values {
+        match self.split_values() {
             true => THREADS / (head_dim / SPLIT_DIMS * pairs.div_ceil(SPLIT_PAIRS)),
             false => 1,
         }
     }
 
     /// An error naming what this variant cannot serve of `heads` (which `Heads::check` has
-    /// passed for the default): the split value pass needs a thread for each of a tile's
-    /// items and its layout within 48 KiB.
-    pub fn check_heads(self, heads: Heads) -> Result<(), EngineError> {
+    /// passed for the default) in `dtype`: the split value pass needs a thread for each of a
+    /// tile's items and its layout within 48 KiB; the tensor-core kernel takes bf16 and f16,
+    /// 16 pairs a tile and the head dims it is instantiated for.
+    pub fn check_serves(self, heads: Heads, dtype: DType) -> Result<(), EngineError> {
         let pairs = heads.max_tile_pairs();
-        let items = heads.head_dim / SPLIT_DIMS * pairs.div_ceil(SPLIT_PAIRS);
-        if !self.split_values
-            || (items <= THREADS && self.shared_bytes(pairs, heads.head_dim) <= MAX_SHARED_BYTES)
-        {
-            return Ok(());
+        let refuse = |what: String| {
+            Err(EngineError::InvalidConfig(format!(
+                "the attention variant {self} does not serve {what}"
+            )))
+        };
+        if !Self::VARIANTS.contains(&self) {
+            return refuse("anything: the kernel source does not instantiate it".into());
         }
-        Err(EngineError::InvalidConfig(format!(
-            "the attention variant {self} does not serve {pairs} query heads and rows a tile at \
-             head_dim {}",
-            heads.head_dim
-        )))
+        match self {
+            Self::Mma if !matches!(dtype, DType::BF16 | DType::F16) => {
+                refuse(format!("{dtype:?} (tensor cores take bf16 and f16)"))
+            }
+            Self::Mma if pairs > MMA_ROWS || !MMA_HEAD_DIMS.contains(&heads.head_dim) => refuse(
+                format!(
+                    "{pairs} query heads and rows a tile at head_dim {} (it takes up to                      {MMA_ROWS} at head_dim {MMA_HEAD_DIMS:?})",
+                    heads.head_dim
+                ),
+            ),
+            _ if self.split_values() => {
+                let items = heads.head_dim / SPLIT_DIMS * pairs.div_ceil(SPLIT_PAIRS);
+                match items <= THREADS
+                    && self.shared_bytes(pairs, heads.head_dim) <= MAX_SHARED_BYTES
+                {
+                    true => Ok(()),
+                    false => refuse(format!(
+                        "{pairs} query heads and rows a tile at head_dim {}",
+                        heads.head_dim
+                    )),
+                }
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether this variant serves `heads` in `dtype`.
+    pub fn serves(self, heads: Heads, dtype: DType) -> bool {
+        self.check_serves(heads, dtype).is_ok()
     }
 
     /// Whether this is the default, compiled into the kernels' main module.
@@ -97,25 +156,27 @@ impl AttentionKernel {
         self == Self::default()
     }
 
-    /// The kernel's name for elements of `dtype_suffix` (`f32`, `bf16`, `f16`).
-    pub fn kernel_name(self, dtype_suffix: &str) -> String {
-        format!("paged_attention_{dtype_suffix}_{self}")
+    /// The kernel's name for elements of `dtype_suffix` (`f32`, `bf16`, `f16`) at
+    /// `head_dim` (the tensor-core kernel has one for each of [`MMA_HEAD_DIMS`]).
+    pub fn kernel_name(self, dtype_suffix: &str, head_dim: usize) -> String {
+        match self {
+            Self::Mma => format!("paged_attention_{dtype_suffix}_mma_d{head_dim}"),
+            _ => format!("paged_attention_{dtype_suffix}_{self}"),
+        }
     }
 
-    /// An error naming the variants where this is none of them.
-    pub fn check(self) -> Result<(), EngineError> {
-        if Self::VARIANTS.contains(&self) {
-            return Ok(());
+    /// Every kernel of this variant the source instantiates.
+    pub fn kernel_names(self) -> Vec<String> {
+        match self {
+            Self::Mma => ["bf16", "f16"]
+                .iter()
+                .flat_map(|t| MMA_HEAD_DIMS.map(|d| self.kernel_name(t, d)))
+                .collect(),
+            _ => ["f32", "bf16", "f16"]
+                .iter()
+                .map(|t| self.kernel_name(t, 0))
+                .collect(),
         }
-        let known: Vec<String> = Self::VARIANTS.iter().map(|v| v.to_string()).collect();
-        Err(EngineError::InvalidConfig(format!(
-            "no paged attention kernel with {} score loads and {} value keys in flight{}; the \
-             variants are {} (s: score loads, v: value keys, split: the split value pass)",
-            self.score_loads,
-            self.value_keys,
-            if self.split_values { ", split" } else { "" },
-            known.join(", ")
-        )))
     }
 }
 
@@ -125,14 +186,43 @@ impl Default for AttentionKernel {
     }
 }
 
-/// `s<score loads>_v<value keys>[_split]`, the kernels' suffix.
+/// `s<score loads>_v<value keys>[_split]` or `mma`, the kernels' suffix.
 impl fmt::Display for AttentionKernel {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "s{}_v{}", self.score_loads, self.value_keys)?;
-        if self.split_values {
-            write!(f, "_split")?;
+        match *self {
+            Self::Mma => write!(f, "mma"),
+            Self::Scalar {
+                score_loads,
+                value_keys,
+                split_values,
+            } => {
+                write!(f, "s{score_loads}_v{value_keys}")?;
+                if split_values {
+                    write!(f, "_split")?;
+                }
+                Ok(())
+            }
         }
-        Ok(())
+    }
+}
+
+/// A variant by its name; an error lists the names.
+impl FromStr for AttentionKernel {
+    type Err = EngineError;
+
+    fn from_str(name: &str) -> Result<Self, EngineError> {
+        Self::VARIANTS
+            .into_iter()
+            .find(|v| v.to_string() == name)
+            .ok_or_else(|| {
+                let known: Vec<String> = Self::VARIANTS.iter().map(|v| v.to_string()).collect();
+                EngineError::InvalidConfig(format!(
+                    "no paged attention kernel {name:?}; the variants are {} (s: 16-byte K \
+                     loads in flight, v: V loads in flight, split: the split value pass, mma: \
+                     tensor cores)",
+                    known.join(", ")
+                ))
+            })
     }
 }
 
@@ -140,9 +230,9 @@ impl fmt::Display for AttentionKernel {
 mod tests {
     use super::*;
 
-    /// Every variant the host can name is one the kernel source instantiates, under the name
+    /// Every variant the host can name is one the kernel source instantiates, under the names
     /// the launchers look up, and the default is in the main module, the others only in the
-    /// variants' module.
+    /// variants' module; a name that is none of them is refused with the list.
     #[test]
     fn every_variant_is_instantiated_under_its_name() {
         let source = super::super::SOURCE;
@@ -150,22 +240,76 @@ mod tests {
             .split_once("#ifdef ATTENTION_VARIANTS")
             .expect("the variants' section");
         for v in AttentionKernel::VARIANTS {
-            let macro_name = match v.split_values {
-                true => "ATTENTION_SPLIT",
-                false => "ATTENTION",
+            let lines: Vec<String> = match v {
+                AttentionKernel::Mma => ["bf16, bf16", "f16, f16"]
+                    .iter()
+                    .flat_map(|t| MMA_HEAD_DIMS.map(|d| format!("ATTENTION_MMA({t}, {d})")))
+                    .collect(),
+                AttentionKernel::Scalar {
+                    score_loads,
+                    value_keys,
+                    split_values,
+                } => {
+                    let macro_name = match split_values {
+                        true => "ATTENTION_SPLIT",
+                        false => "ATTENTION",
+                    };
+                    vec![format!(
+                        "{macro_name}(NAME, T, {score_loads}, {value_keys})"
+                    )]
+                }
             };
-            let line = format!("{macro_name}(NAME, T, {}, {})", v.score_loads, v.value_keys);
             let (here, there) = if v.is_default() {
                 (main, variants)
             } else {
                 (variants, main)
             };
-            assert!(here.contains(&line), "{v}: {line}");
-            assert!(!there.contains(&line), "{v} in both modules");
-            assert_eq!(v.kernel_name("bf16"), format!("paged_attention_bf16_{v}"));
+            for line in lines {
+                assert!(here.contains(&line), "{v}: {line}");
+                assert!(!there.contains(&line), "{v} in both modules");
+            }
+            assert_eq!(v.to_string().parse::<AttentionKernel>().unwrap(), v);
         }
-        let err = AttentionKernel::new(2, 8).check().unwrap_err().to_string();
-        assert!(err.contains("s1_v8, s1_v16"), "{err}");
+        assert_eq!(
+            AttentionKernel::new(1, 8).kernel_name("bf16", 64),
+            "paged_attention_bf16_s1_v8"
+        );
+        assert_eq!(
+            AttentionKernel::Mma.kernel_names(),
+            [
+                "paged_attention_bf16_mma_d64",
+                "paged_attention_bf16_mma_d128",
+                "paged_attention_f16_mma_d64",
+                "paged_attention_f16_mma_d128"
+            ]
+        );
+        let err = "s2_v8".parse::<AttentionKernel>().unwrap_err().to_string();
+        assert!(err.contains("s1_v8, mma, s8_v4_split"), "{err}");
+    }
+
+    /// The tensor-core kernel serves bf16 and f16 at head_dim 64 and 128 with up to 16 query
+    /// heads a KV head, and refuses the rest, naming it.
+    #[test]
+    fn the_tensor_core_variant_serves_its_dtypes_and_head_dims() {
+        let heads = |group: usize, head_dim| Heads {
+            num_heads: 2 * group,
+            num_kv_heads: 2,
+            head_dim,
+        };
+        let mma = AttentionKernel::Mma;
+        for (group, head_dim) in [(1, 64), (7, 64), (6, 128), (16, 128)] {
+            for dtype in [DType::BF16, DType::F16] {
+                assert!(
+                    mma.serves(heads(group, head_dim), dtype),
+                    "{group} x {head_dim}"
+                );
+            }
+        }
+        let err = |h, dtype| mma.check_serves(h, dtype).unwrap_err().to_string();
+        assert!(err(heads(7, 64), DType::F32).contains("F32"));
+        assert!(err(heads(7, 256), DType::BF16).contains("head_dim 256"));
+        assert!(err(heads(32, 64), DType::BF16).contains("32 query heads"));
+        assert!(AttentionKernel::default().serves(heads(7, 256), DType::F32));
     }
 
     /// The split value pass serves every head layout the default does up to 16 pairs a tile
@@ -182,7 +326,7 @@ mod tests {
         for (group, head_dim) in [(1, 64), (7, 64), (6, 128), (8, 256), (16, 256), (32, 64)] {
             assert!(heads(group, head_dim).check().is_ok());
             assert!(
-                split.check_heads(heads(group, head_dim)).is_ok(),
+                split.serves(heads(group, head_dim), DType::F32),
                 "{group} x {head_dim}"
             );
             let pairs = heads(group, head_dim).max_tile_pairs();
@@ -193,7 +337,10 @@ mod tests {
         assert_eq!(split.key_groups(7, 64), 8);
         assert_eq!(AttentionKernel::default().key_groups(7, 64), 1);
         let wide = heads(40, 128);
-        let err = split.check_heads(wide).unwrap_err().to_string();
+        let err = split
+            .check_serves(wide, DType::BF16)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("s8_v4_split") && err.contains("40"), "{err}");
     }
 }

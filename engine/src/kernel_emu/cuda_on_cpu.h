@@ -357,7 +357,7 @@ inline int launch(const Kernel *kernels, size_t count, const char *name, const u
 }  // namespace emu
 
 // __syncthreads, __syncwarp (a full warp's barrier, tracked as its shuffles are), and
-// __shfl_xor_sync and __shfl_down_sync (width 32).
+// __shfl_sync, __shfl_xor_sync and __shfl_down_sync (width 32).
 __device__ inline void __syncthreads() {
     using namespace emu;
     if (block.done > 0) fail("__syncthreads after %u threads returned", block.done);
@@ -381,6 +381,12 @@ __device__ T __shfl_xor_sync(unsigned mask, T v, int lane_mask,
                              std::source_location at = std::source_location::current()) {
     const unsigned lane = emu::block.current % emu::WARP;
     return emu::exchange(mask, v, (lane ^ (unsigned)lane_mask) % emu::WARP, at.line());
+}
+
+template <typename T>
+__device__ T __shfl_sync(unsigned mask, T v, int src_lane,
+                         std::source_location at = std::source_location::current()) {
+    return emu::exchange(mask, v, (unsigned)src_lane % emu::WARP, at.line());
 }
 
 template <typename T>

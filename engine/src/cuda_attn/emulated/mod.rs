@@ -44,9 +44,9 @@ static KERNELS: LazyLock<Emulator> = LazyLock::new(|| {
         .iter()
         .flat_map(|k| dtypes.map(|t| format!("{k}_{t}")))
         .chain(
-            dtypes
+            AttentionKernel::VARIANTS
                 .iter()
-                .flat_map(|t| AttentionKernel::VARIANTS.map(|v| v.kernel_name(t))),
+                .flat_map(|v| v.kernel_names()),
         )
         .chain(["write_table_entries".to_string()])
         .collect();
@@ -232,7 +232,7 @@ pub(super) fn attend<T: Stored>(
     };
     let args = Args::filled(|list| attend.push_to(list));
     launch(
-        &variant.kernel_name(T::SUFFIX),
+        &variant.kernel_name(T::SUFFIX, heads.head_dim),
         plan.attention_geometry(variant),
         &args,
     )?;
