@@ -568,33 +568,34 @@ __device__ void paged_attention_mma(
     const unsigned int *table = block_tables + (size_t)seq * table_width;
     const T *k_head = k_cache + kh * D + 2 * pos;
     const T *v_head = v_cache + kh * D + quad;
+    // Lane i looks up key j0 + i % 16's slot, a run ahead; the others come by shuffles. Keys
+    // past `end` read nothing and count as zeros. (The lookup itself reads a key before `end`,
+    // keys >= 1, so that it needs no branch.)
+    const auto slot_of = [&](unsigned int j0) {
+        const unsigned int mine = j0 + lane % MMA_KEYS, at = min(mine, end - 1);
+        const unsigned int slot = table[at / block_size] * block_size + at % block_size;
+        return mine < end ? slot : 0u;
+    };
+    unsigned int next_slot = slot_of(start + warp * MMA_KEYS);
     for (unsigned int j0 = start + warp * MMA_KEYS; j0 < end; j0 += NWARPS * MMA_KEYS) {
-        // Lane i looks up key j0 + i % 16's slot; the others come by shuffles. Keys past `end`
-        // read nothing and count as zeros.
-        const unsigned int mine = j0 + lane % MMA_KEYS;
-        const unsigned int my_slot =
-            mine < end ? table[mine / block_size] * block_size + mine % block_size : 0;
-        // Scores: s[nt][i] is pair quad + 8 (i / 2) against key j0 + 8 nt + 2 pos + i % 2.
-        float s[2][4];
+        const unsigned int my_slot = next_slot;
+        next_slot = slot_of(j0 + NWARPS * MMA_KEYS);
+        // The run's K and V go out together. The scores' B operands: keys 8 nt + quad,
+        // dimensions 16 ks + 2 pos (and + 8). The values': keys 2 pos, 2 pos + 1, 8 + 2 pos,
+        // 9 + 2 pos of dimension 8 nd + quad.
+        unsigned int kb[2][D / 16][2];
 #pragma unroll
         for (unsigned int nt = 0; nt < 2; ++nt) {
             const unsigned int key = 8 * nt + quad;
             const unsigned int slot = __shfl_sync(FULL_MASK, my_slot, key);
             const bool live = j0 + key < end;
             const T *k = k_head + (size_t)slot * row_len;
-            unsigned int kb[D / 16][2];
 #pragma unroll
             for (unsigned int ks = 0; ks < D / 16; ++ks) {
-                kb[ks][0] = live ? Pack<T, 4>(k + 16 * ks).raw.w[0] : 0u;
-                kb[ks][1] = live ? Pack<T, 4>(k + 16 * ks + 8).raw.w[0] : 0u;
+                kb[nt][ks][0] = live ? Pack<T, 4>(k + 16 * ks).raw.w[0] : 0u;
+                kb[nt][ks][1] = live ? Pack<T, 4>(k + 16 * ks + 8).raw.w[0] : 0u;
             }
-#pragma unroll
-            for (unsigned int i = 0; i < 4; ++i) s[nt][i] = 0.0f;
-#pragma unroll
-            for (unsigned int ks = 0; ks < D / 16; ++ks) mma16816<T>(s[nt], qa[ks], kb[ks]);
         }
-        // The values' B operands: keys 2 pos, 2 pos + 1, 8 + 2 pos, 9 + 2 pos of dimension
-        // 8 nd + quad; their loads go out before the softmax.
         unsigned int vslot[4];
         bool vlive[4];
 #pragma unroll
@@ -612,6 +613,15 @@ __device__ void paged_attention_mma(
                 e[x] = vlive[x] ? v_head[(size_t)vslot[x] * row_len + 8 * nd] : zero;
             vb[nd][0] = pack2(e[0], e[1]);
             vb[nd][1] = pack2(e[2], e[3]);
+        }
+        // Scores: s[nt][i] is pair quad + 8 (i / 2) against key j0 + 8 nt + 2 pos + i % 2.
+        float s[2][4];
+#pragma unroll
+        for (unsigned int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+            for (unsigned int i = 0; i < 4; ++i) s[nt][i] = 0.0f;
+#pragma unroll
+            for (unsigned int ks = 0; ks < D / 16; ++ks) mma16816<T>(s[nt], qa[ks], kb[nt][ks]);
         }
         // Online softmax of each of the lane's two rows over the run: the quad's maximum, the
         // probabilities rounded to T (the value product's operand, and what the sum adds).
@@ -631,15 +641,18 @@ __device__ void paged_attention_mma(
                 }
             mt = fmaxf(mt, __shfl_xor_sync(FULL_MASK, mt, 1));
             mt = fmaxf(mt, __shfl_xor_sync(FULL_MASK, mt, 2));
+            // Where every key so far is masked, the maximum stays -inf and exp(-inf - 0) gives
+            // zero probabilities and a zero rescale, without a branch per element.
             const float m_new = fmaxf(m[r], mt);
-            const float alpha = m_new == NEG_INF ? 0.0f : expf(m[r] - m_new);
+            const float m_use = m_new == NEG_INF ? 0.0f : m_new;
+            const float alpha = expf(m[r] - m_use);
             T e[2][2];
             float sum = 0.0f;
 #pragma unroll
             for (unsigned int nt = 0; nt < 2; ++nt)
 #pragma unroll
                 for (unsigned int c = 0; c < 2; ++c) {
-                    from_f32(e[nt][c], m_new == NEG_INF ? 0.0f : expf(s[nt][2 * r + c] - m_new));
+                    from_f32(e[nt][c], expf(s[nt][2 * r + c] - m_use));
                     sum += to_f32(e[nt][c]);
                 }
             sum += __shfl_xor_sync(FULL_MASK, sum, 1);

@@ -217,15 +217,17 @@ fn mma_block(
                         .collect();
                     let m_old = st.max[p];
                     let m_new = s.iter().fold(m_old, |m, &x| m.max(x));
-                    let exp = |x: f32| match m_new == f32::NEG_INFINITY {
-                        true => 0.0,
-                        false => round_to((x - m_new).exp(), caches.dtype),
+                    // All masked so far: exp(-inf - 0) makes the probabilities and rescale 0.
+                    let m_use = if m_new == f32::NEG_INFINITY {
+                        0.0
+                    } else {
+                        m_new
                     };
-                    let alpha = match m_new == f32::NEG_INFINITY {
-                        true => 0.0,
-                        false => (m_old - m_new).exp(),
-                    };
-                    let e: Vec<f32> = s.iter().map(|&x| exp(x)).collect();
+                    let alpha = (m_old - m_use).exp();
+                    let e: Vec<f32> = s
+                        .iter()
+                        .map(|&x| round_to((x - m_use).exp(), caches.dtype))
+                        .collect();
                     // Lane `pos` of the row's quad holds keys 2 pos, 2 pos + 1, 8 + 2 pos and
                     // 9 + 2 pos; the quad's butterfly adds lanes 0 + 1 and 2 + 3.
                     let lane =
