@@ -522,8 +522,8 @@ __device__ __forceinline__ void mma16816(float c[4], const unsigned int a[4],
 #endif
 }
 
-// Shared memory, floats: each warp's maxima and sums (MMA_ROWS each), then its outputs
-// (MMA_ROWS x D).
+// Shared memory, floats: each warp's maxima and sums (MMA_ROWS each), its outputs
+// (MMA_ROWS x D), then each pair's maximum and sum over the warps.
 template <typename T, unsigned int D>
 __device__ void paged_attention_mma(
     const T *q, const T *k_cache, const T *v_cache, const unsigned int *tiles,
@@ -687,18 +687,30 @@ __device__ void paged_attention_mma(
         }
     }
     __syncthreads();
+    // A thread a pair: its maximum over the warps, each warp's weight (in place of the warp's
+    // maximum) and the pair's sum. Then a thread an output.
+    float *p_max = w_acc + NWARPS * MMA_ROWS * D, *p_sum = p_max + MMA_ROWS;
+    if (tid < pairs) {
+        float mx = NEG_INF;
+        for (unsigned int w = 0; w < NWARPS; ++w) mx = fmaxf(mx, w_max[w * MMA_ROWS + tid]);
+        float sum = 0.0f;
+        for (unsigned int w = 0; w < NWARPS; ++w) {
+            const float mw = w_max[w * MMA_ROWS + tid];
+            const float weight = mw == NEG_INF ? 0.0f : expf(mw - mx);
+            w_max[w * MMA_ROWS + tid] = weight;
+            sum = fmaf(w_sum[w * MMA_ROWS + tid], weight, sum);
+        }
+        p_max[tid] = mx;
+        p_sum[tid] = sum;
+    }
+    __syncthreads();
     for (unsigned int i = tid; i < pairs * D; i += THREADS) {
         const unsigned int p = i / D, e = i % D;
         const unsigned int row = first_row + p / group, h = kh * group + p % group;
-        float mx = NEG_INF;
-        for (unsigned int w = 0; w < NWARPS; ++w) mx = fmaxf(mx, w_max[w * MMA_ROWS + p]);
-        float sum = 0.0f, a = 0.0f;
-        for (unsigned int w = 0; w < NWARPS; ++w) {
-            const float mw = w_max[w * MMA_ROWS + p];
-            const float weight = mw == NEG_INF ? 0.0f : expf(mw - mx);
-            sum = fmaf(w_sum[w * MMA_ROWS + p], weight, sum);
-            a = fmaf(w_acc[(w * MMA_ROWS + p) * D + e], weight, a);
-        }
+        const float mx = p_max[p], sum = p_sum[p];
+        float a = 0.0f;
+        for (unsigned int w = 0; w < NWARPS; ++w)
+            a = fmaf(w_acc[(w * MMA_ROWS + p) * D + e], w_max[w * MMA_ROWS + p], a);
         if (splits == 1) {
             // As paged_attention's one split: paged_reduce's rounding.
             from_f32(out[((size_t)row * heads + h) * D + e], sum > 0.0f ? __fadd_rn(a, 0.0f) / sum : 0.0f);

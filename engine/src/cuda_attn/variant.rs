@@ -88,7 +88,7 @@ impl AttentionKernel {
     /// Dynamic shared memory of a block serving `pairs` pairs (the kernel's layout).
     pub fn shared_bytes(self, pairs: usize, head_dim: usize) -> usize {
         match self {
-            Self::Mma => 4 * WARPS * MMA_ROWS * (2 + head_dim),
+            Self::Mma => 4 * (WARPS * MMA_ROWS * (2 + head_dim) + 2 * MMA_ROWS),
             _ if self.split_values() => {
                 let padded = pairs.next_multiple_of(SPLIT_PAIRS);
                 4 * (pairs * head_dim + SPLIT_PARTIALS + padded * CHUNK + CHUNK + 3 * padded)
