@@ -137,17 +137,19 @@ __device__ void add_rms_norm(const T *x, const T *r, const T *weight, T *out, un
 
 // The gated MLP's product (`engine.layer_kernels`): `out` (rows, width) is silu(gate) * up, gate
 // and up the two halves of each row of `gate_up` (rows, 2 * width). silu is rounded to T as a
-// separate op rounds it, then the product.
+// separate op rounds it, then the product. Blocks stride over columns (x) and rows (y), so
+// that no thread divides to find its element.
 template <typename T>
-__device__ void silu_mul(const T *gate_up, T *out, unsigned int width, unsigned int total) {
-    for (unsigned int e = blockIdx.x * blockDim.x + threadIdx.x; e < total;
-         e += gridDim.x * blockDim.x) {
-        const size_t row = e / width, j = e % width;
-        const float g = to_f32(gate_up[row * 2 * width + j]);
-        const float u = to_f32(gate_up[row * 2 * width + width + j]);
-        T s;
-        from_f32(s, __fdiv_rn(g, __fadd_rn(1.0f, expf(-g))));
-        from_f32(out[e], __fmul_rn(to_f32(s), u));
+__device__ void silu_mul(const T *gate_up, T *out, unsigned int width, unsigned int rows) {
+    for (unsigned int row = blockIdx.y; row < rows; row += gridDim.y) {
+        const T *gate = gate_up + (size_t)row * 2 * width, *up = gate + width;
+        for (unsigned int j = blockIdx.x * blockDim.x + threadIdx.x; j < width;
+             j += gridDim.x * blockDim.x) {
+            const float g = to_f32(gate[j]), u = to_f32(up[j]);
+            T s;
+            from_f32(s, __fdiv_rn(g, __fadd_rn(1.0f, expf(-g))));
+            from_f32(out[(size_t)row * width + j], __fmul_rn(to_f32(s), u));
+        }
     }
 }
 
@@ -792,8 +794,8 @@ extern "C" __global__ void write_table_entries(unsigned int *table, const unsign
         add_rms_norm<T>(x, r, weight, out, width, has_residual, eps);                           \
     }                                                                                           \
     extern "C" __global__ void silu_mul_##NAME(const T *gate_up, T *out, unsigned int width,   \
-                                               unsigned int total) {                           \
-        silu_mul<T>(gate_up, out, width, total);                                                \
+                                               unsigned int rows) {                            \
+        silu_mul<T>(gate_up, out, width, rows);                                                 \
     }                                                                                           \
     extern "C" __global__ void qkv_rope_##NAME(const T *qkv, const T *bias, const T *cos,      \
                                                const T *sin, T *out, unsigned int heads,       \

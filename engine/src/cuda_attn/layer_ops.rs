@@ -125,8 +125,8 @@ impl SiluMul {
         if both % 2 != 0 {
             bail!("silu_mul: a projection of odd width {both}");
         }
-        // The kernel's grid-stride index must not wrap.
-        if rows * both > (u32::MAX / 2) as usize {
+        // The kernel's row and column indices (u32, strided) must not wrap.
+        if rows.max(both) > (u32::MAX / 2) as usize {
             bail!("silu_mul: {rows} rows of {both} is more than the kernel indexes");
         }
         Ok((rows, both / 2))
@@ -253,7 +253,7 @@ mod on_gpu {
         let total = rows * width;
         // SAFETY: the kernel writes every element (its threads stride over all of them).
         let mut out = unsafe { device.alloc::<T>(total) }?;
-        let (width_arg, total_arg) = (width as u32, total as u32);
+        let (width_arg, rows_arg) = (width as u32, rows as u32);
         let stream = device.cuda_stream();
         let func = function(device, "silu_mul", Some(s.dtype()))?;
         let mut launch = stream.launch_builder(&func);
@@ -261,12 +261,12 @@ mod on_gpu {
             gate_up: &gate_up,
             out: &mut out,
             width: &width_arg,
-            total: &total_arg,
+            rows: &rows_arg,
         }
         .push_to(&mut launch);
         // SAFETY: the arguments are `silu_mul`'s list in kernels/paged_attention.cu; the
         // projection holds `rows` rows of 2 * width, the output `total` values.
-        unsafe { launch.launch(config(silu_geometry(total))) }.w()?;
+        unsafe { launch.launch(config(silu_geometry(rows, width))) }.w()?;
         Ok(T::wrap_cuda_slice(out, device.clone()))
     }
 }
@@ -296,8 +296,9 @@ mod tests {
     /// The kernels compute what the model's ops compute: the residual sum exactly, its
     /// RMSNorm within two of the dtype's rounding steps of candle-nn's (which also rounds
     /// once), without a residual too; silu(gate) * up from the projection's halves within one
-    /// step of silu computed in f32 and rounded, times up, rounded. Widths that leave threads idle, and one projection
-    /// larger than the silu kernel's grid, so that its threads stride.
+    /// step of silu computed in f32 and rounded, times up, rounded. Widths that leave threads
+    /// idle, and projections wider and taller than the silu kernel's grid, so that its blocks
+    /// stride across columns and down rows.
     #[test]
     fn the_layer_kernels_compute_the_models_ops() {
         let dev = Device::Cpu;
@@ -307,12 +308,12 @@ mod tests {
             (DType::BF16, 7.9e-3),
             (DType::F16, 9.8e-4),
         ];
-        for (rows, width) in [(5, 96), (3, 896), (130, 40), (520, 2048)] {
+        for (rows, width) in [(5, 96), (3, 896), (130, 40), (3, 4500), (1100, 40)] {
             let x = Tensor::randn(0f32, 1.0, (rows, width), &dev).unwrap();
             let r = Tensor::randn(0f32, 1.0, (rows, width), &dev).unwrap();
             let w = Tensor::randn(1f32, 0.2, width, &dev).unwrap();
             let gate_up = Tensor::randn(0f32, 2.0, (rows, 2 * width), &dev).unwrap();
-            // The largest case is for the silu kernel's stride, in f32 only.
+            // The tallest case is for the silu kernel's row stride, in f32 only.
             let dtypes = if rows > 256 {
                 &dtypes[..1]
             } else {

@@ -60,9 +60,11 @@ const WRITE_THREADS: u32 = 128;
 const ROPE_THREADS: u32 = 256;
 /// Threads of an `add_rms_norm` block (one row; the kernel's `NORM_THREADS`).
 const NORM_THREADS: u32 = 256;
-/// Threads of a `silu_mul` block, and the most blocks it launches (they stride over the rest).
+/// Threads of a `silu_mul` block, and the most blocks it launches across a row's columns and
+/// down its rows (they stride over the rest).
 const SILU_THREADS: u32 = 256;
-const SILU_MAX_BLOCKS: u32 = 4096;
+const SILU_MAX_COLUMN_BLOCKS: u32 = 16;
+const SILU_MAX_ROW_BLOCKS: u32 = 1024;
 
 /// What a launcher's backend runs besides the attention, as [`Switches`] say: `qkv_rope`
 /// (`engine.rope_kernel`) and the layer kernels (`engine.layer_kernels`), launches counted.
@@ -157,14 +159,15 @@ pub fn norm_geometry(rows: usize) -> Geometry {
     }
 }
 
-/// `silu_mul` over `total` outputs: a thread each, up to [`SILU_MAX_BLOCKS`] blocks.
-pub fn silu_geometry(total: usize) -> Geometry {
+/// `silu_mul` over `rows` rows of `width` outputs: a thread an output, up to
+/// [`SILU_MAX_COLUMN_BLOCKS`] blocks across a row and [`SILU_MAX_ROW_BLOCKS`] down the rows.
+pub fn silu_geometry(rows: usize, width: usize) -> Geometry {
     Geometry {
         grid: (
-            (total as u32)
+            (width as u32)
                 .div_ceil(SILU_THREADS)
-                .clamp(1, SILU_MAX_BLOCKS),
-            1,
+                .clamp(1, SILU_MAX_COLUMN_BLOCKS),
+            (rows as u32).clamp(1, SILU_MAX_ROW_BLOCKS),
             1,
         ),
         block: (SILU_THREADS, 1, 1),

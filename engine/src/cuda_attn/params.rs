@@ -227,8 +227,7 @@ pub(crate) struct SiluMul<'s, I, O> {
     pub gate_up: I,
     pub out: O,
     pub width: &'s u32,
-    /// rows x width.
-    pub total: &'s u32,
+    pub rows: &'s u32,
 }
 
 impl<'s, I, O> SiluMul<'s, I, O> {
@@ -239,6 +238,6 @@ impl<'s, I, O> SiluMul<'s, I, O> {
         ArgList::push(list, self.gate_up);
         ArgList::push(list, self.out);
         ArgList::push(list, self.width);
-        ArgList::push(list, self.total);
+        ArgList::push(list, self.rows);
     }
 }

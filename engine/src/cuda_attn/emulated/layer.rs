@@ -82,18 +82,19 @@ pub(in crate::cuda_attn) fn silu_mul(
 fn gated<T: Stored>((s, l): (&CpuStorage, &Layout), width: usize) -> Result<CpuStorage> {
     let gate_up = values::<T>(s, l)?;
     let total = gate_up.len() / 2;
+    let rows = total / width;
     let mut out = vec![T::of(f32::NAN); total];
-    let (width_arg, total_arg) = (width as u32, total as u32);
+    let (width_arg, rows_arg) = (width as u32, rows as u32);
     let list = SiluMul {
         gate_up: gate_up.as_ptr(),
         out: out.as_mut_ptr(),
         width: &width_arg,
-        total: &total_arg,
+        rows: &rows_arg,
     };
     let args = Args::filled(|l| list.push_to(l));
     launch(
         &format!("silu_mul_{}", T::SUFFIX),
-        silu_geometry(total),
+        silu_geometry(rows, width),
         &args,
     )?;
     Ok(T::to_cpu_storage_owned(out))
