@@ -123,7 +123,7 @@ def key_numbers(name, text, outdir):
     keys = ["tokens_per_s", "fraction_of_compute_limit", "train_tokens_per_s", "step_s",
             "rollout_s", "prompts", "samples", "new_tokens", "compute_dtype", "gpu", "steps",
             "seconds", "decode_step", "memory_floor", "prompt_tokens_mean", "prompt_len",
-            "complete"]
+            "complete", "attention_kernel"]
     return {k: data[k] for k in keys if data.get(k) is not None}
 
 

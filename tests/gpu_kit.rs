@@ -108,10 +108,12 @@ fn summary_steps(out: &std::path::Path) -> Vec<Value> {
     summary["steps"].as_array().unwrap().clone()
 }
 
+/// The targets' protocol, dppo's side on the attention variant `--attention-kernel` names.
 #[test]
 fn gpu_check_targets_dry_run_measures_each_target() {
     let dir = tempfile::tempdir().unwrap();
-    let (ok, text) = gpu_check(&["--dry-run", "--targets"], dir.path());
+    let args = ["--dry-run", "--targets", "--attention-kernel", "mma"];
+    let (ok, text) = gpu_check(&args, dir.path());
     assert!(ok, "{text}");
     let steps = summary_steps(dir.path());
     let names: Vec<&str> = steps.iter().map(|s| s["name"].as_str().unwrap()).collect();
@@ -127,6 +129,7 @@ fn gpu_check_targets_dry_run_measures_each_target() {
     assert_eq!(names, expected, "{text}");
     let rollout = &steps[2]["numbers"];
     assert_eq!(rollout["complete"], true, "{text}");
+    assert_eq!(rollout["attention_kernel"], "mma", "{text}");
     assert_eq!(steps[4]["status"], "ok", "{text}");
     assert_eq!(steps[5]["status"], "ok", "{text}");
     // The floor is measured on the CPU too; the speed over HF only where torch imports.
@@ -172,6 +175,25 @@ fn gpu_check_profile_dry_run_runs_the_rollouts_and_skips_the_profiles() {
         ("profile-qwen2.5-0.5b-b256", "skipped"),
     ]);
     assert_eq!(got, want, "{text}");
+}
+
+/// An attention variant is a setting of the targets' protocol only: elsewhere, and without a
+/// name, gpu-check refuses it with its usage before running anything.
+#[test]
+fn gpu_check_takes_an_attention_kernel_with_targets_only() {
+    let dir = tempfile::tempdir().unwrap();
+    for args in [
+        &["--dry-run", "--profile", "--attention-kernel", "mma"][..],
+        &["--dry-run", "--attention-kernel", "mma"],
+        &["--dry-run", "--targets", "--attention-kernel"],
+    ] {
+        let (ok, text) = gpu_check(args, dir.path());
+        assert!(
+            !ok && text.contains("usage: scripts/gpu-check"),
+            "{args:?}: {text}"
+        );
+        assert!(!dir.path().join("summary.json").exists(), "{args:?}");
+    }
 }
 
 #[test]
