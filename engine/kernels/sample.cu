@@ -15,6 +15,9 @@
 #define FULL_MASK 0xFFFFFFFFu
 // Most top logprobs a draw returns (MAX_TOP_LOGPROBS).
 #define MAX_TOP 20
+// The largest Gumbel noise a draw can add: -ln(-ln(u)) for the largest u, 1 - 2^-24, is
+// 16.64. Rounding is monotone, so a score with s + GUMBEL_BOUND below the best cannot reach it.
+#define GUMBEL_BOUND 17.0f
 // No headers under NVRTC: -inf from its bits, NaN as the value unequal to itself.
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -203,18 +206,29 @@ __device__ void gumbel_sample(
     Lse kept; kept.max = NEG_INF; kept.sum = 0.0f;
     const unsigned int groups = (vocab + 3) / 4;
     for (unsigned int g = threadIdx.x; g < groups; g += THREADS) {
+        // A score whose noise, at most GUMBEL_BOUND, cannot lift it to this thread's best is
+        // not drawn: the draw is the same, and Philox runs only for a group where one might.
+        float ls[4], ss[4];
+        bool any = false;
+        for (unsigned int lane = 0; lane < 4; ++lane) {
+            const unsigned int i = 4 * g + lane;
+            ls[lane] = i < vocab ? clean(row[i]) : NEG_INF;
+            ss[lane] = ls[lane] * scale;
+            any = any || (i < vocab && order_key(ss[lane]) >= cut &&
+                          !(ss[lane] + GUMBEL_BOUND < best.score));
+        }
         unsigned int words[4] = {g, counters[2 * d], counters[2 * d + 1], 0u};
-        if (!greedy) philox(words, keys[2 * d], keys[2 * d + 1]);
+        if (!greedy && any) philox(words, keys[2 * d], keys[2 * d + 1]);
         for (unsigned int lane = 0; lane < 4; ++lane) {
             const unsigned int i = 4 * g + lane;
             if (i >= vocab) break;
-            const float l = clean(row[i]);
-            const float s = l * scale;
+            const float l = ls[lane], s = ss[lane];
             if (order_key(s) < cut) continue;
             if (!truncates) lse_push(raw, l);
             if (!kept_is_raw) lse_push(kept, s);
             float score = l;
             if (!greedy) {
+                if (s + GUMBEL_BOUND < best.score) continue;
                 const float u = ((float)(words[lane] >> 9) + 0.5f) * (1.0f / 8388608.0f);
                 score = s - logf(-logf(u));
             }
