@@ -32,6 +32,14 @@ pub struct IterationCost {
     /// The part of `attention_ns` after each call returned: the wait for the kernels it
     /// issued last (on a GPU about their device time, plus a synchronisation's latency).
     pub attention_wait_ns: u64,
+    /// The host's time in the attention backend's calls (a part of `forward_ns`): on a GPU
+    /// the cost of queueing the attention's ops, and with `time_device` the part of
+    /// `attention_ns` before the wait.
+    pub attention_host_ns: u64,
+    /// The host's time in the layer kernels' calls (`engine.layer_kernels`; a part of
+    /// `forward_ns`). What `forward_ns` holds besides the two is the model's own ops: the
+    /// embedding, the rotary tables, the projections and the lm-head.
+    pub layer_host_ns: u64,
     /// Tensor ops or kernels the attention backend issues, counted where it issues them
     /// (the model's matmuls and norms, the same on every backend, are not counted).
     pub attention_ops: u64,
@@ -59,6 +67,8 @@ impl IterationCost {
             emit_ns: self.emit_ns - earlier.emit_ns,
             attention_ns: self.attention_ns - earlier.attention_ns,
             attention_wait_ns: self.attention_wait_ns - earlier.attention_wait_ns,
+            attention_host_ns: self.attention_host_ns - earlier.attention_host_ns,
+            layer_host_ns: self.layer_host_ns - earlier.layer_host_ns,
             h2d_bytes: self.h2d_bytes - earlier.h2d_bytes,
             d2h_bytes: self.d2h_bytes - earlier.d2h_bytes,
             attention_ops: self.attention_ops - earlier.attention_ops,
@@ -78,6 +88,8 @@ impl IterationCost {
         self.emit_ns += other.emit_ns;
         self.attention_ns += other.attention_ns;
         self.attention_wait_ns += other.attention_wait_ns;
+        self.attention_host_ns += other.attention_host_ns;
+        self.layer_host_ns += other.layer_host_ns;
         self.h2d_bytes += other.h2d_bytes;
         self.d2h_bytes += other.d2h_bytes;
         self.attention_ops += other.attention_ops;

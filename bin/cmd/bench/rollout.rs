@@ -313,6 +313,8 @@ fn iteration_cost(iterations: usize, cost: &IterationCost) -> serde_json::Value 
         "emit_ms": per(cost.emit_ns) * 1e-6,
         "attention_ms": per(cost.attention_ns) * 1e-6,
         "attention_wait_ms": per(cost.attention_wait_ns) * 1e-6,
+        "attention_host_ms": per(cost.attention_host_ns) * 1e-6,
+        "layer_host_ms": per(cost.layer_host_ns) * 1e-6,
         "h2d_kib": per(cost.h2d_bytes) / 1024.0,
         "d2h_kib": per(cost.d2h_bytes) / 1024.0,
         "attention_ops": per(cost.attention_ops),
