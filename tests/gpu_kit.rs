@@ -177,8 +177,9 @@ fn gpu_check_profile_dry_run_runs_the_rollouts_and_skips_the_profiles() {
     assert_eq!(got, want, "{text}");
 }
 
-/// An attention variant is a setting of the targets' protocol only: elsewhere, and without a
-/// name, gpu-check refuses it with its usage before running anything.
+/// An attention variant is a setting of the targets' protocol only: elsewhere, without a name
+/// or with one that is no variant's, gpu-check refuses it with its usage before running
+/// anything.
 #[test]
 fn gpu_check_takes_an_attention_kernel_with_targets_only() {
     let dir = tempfile::tempdir().unwrap();
@@ -186,6 +187,7 @@ fn gpu_check_takes_an_attention_kernel_with_targets_only() {
         &["--dry-run", "--profile", "--attention-kernel", "mma"][..],
         &["--dry-run", "--attention-kernel", "mma"],
         &["--dry-run", "--targets", "--attention-kernel"],
+        &["--dry-run", "--targets", "--attention-kernel", "s2_v8"],
     ] {
         let (ok, text) = gpu_check(args, dir.path());
         assert!(

@@ -466,6 +466,9 @@ __device__ void paged_attention(
 // product. The warps' maxima, sums and outputs meet once, after the last run, in warp order.
 #define MMA_KEYS 16
 #define MMA_ROWS 16
+// A warp's outputs in shared memory are rows of D + MMA_PAD floats, so that the lanes'
+// 8-byte stores of a half-warp fall in distinct banks.
+#define MMA_PAD 8
 
 template <typename T> struct IsBf16 { static constexpr bool value = false; };
 template <> struct IsBf16<bf16> { static constexpr bool value = true; };
@@ -484,13 +487,13 @@ __device__ __forceinline__ void mma16816(float c[4], const unsigned int a[4],
                                          const unsigned int b[2]) {
 #ifdef __CUDA_ARCH__
     if constexpr (IsBf16<T>::value)
-        asm volatile(
+        asm(
             "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
             "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
             : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
     else
-        asm volatile(
+        asm(
             "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
             "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
             : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -525,7 +528,7 @@ __device__ __forceinline__ void mma16816(float c[4], const unsigned int a[4],
 }
 
 // Shared memory, floats: each warp's maxima and sums (MMA_ROWS each), its outputs
-// (MMA_ROWS x D), then each pair's maximum and sum over the warps.
+// (MMA_ROWS rows of D + MMA_PAD), then each pair's maximum and sum over the warps.
 template <typename T, unsigned int D>
 __device__ void paged_attention_mma(
     const T *q, const T *k_cache, const T *v_cache, const unsigned int *tiles,
@@ -684,14 +687,14 @@ __device__ void paged_attention_mma(
         }
 #pragma unroll
         for (unsigned int nd = 0; nd < D / 8; ++nd) {
-            w_acc[at * D + 8 * nd + 2 * pos] = acc[nd][2 * r];
-            w_acc[at * D + 8 * nd + 2 * pos + 1] = acc[nd][2 * r + 1];
+            w_acc[at * (D + MMA_PAD) + 8 * nd + 2 * pos] = acc[nd][2 * r];
+            w_acc[at * (D + MMA_PAD) + 8 * nd + 2 * pos + 1] = acc[nd][2 * r + 1];
         }
     }
     __syncthreads();
     // A thread a pair: its maximum over the warps, each warp's weight (in place of the warp's
     // maximum) and the pair's sum. Then a thread an output.
-    float *p_max = w_acc + NWARPS * MMA_ROWS * D, *p_sum = p_max + MMA_ROWS;
+    float *p_max = w_acc + NWARPS * MMA_ROWS * (D + MMA_PAD), *p_sum = p_max + MMA_ROWS;
     if (tid < pairs) {
         float mx = NEG_INF;
         for (unsigned int w = 0; w < NWARPS; ++w) mx = fmaxf(mx, w_max[w * MMA_ROWS + tid]);
@@ -712,7 +715,7 @@ __device__ void paged_attention_mma(
         const float mx = p_max[p], sum = p_sum[p];
         float a = 0.0f;
         for (unsigned int w = 0; w < NWARPS; ++w)
-            a = fmaf(w_acc[(w * MMA_ROWS + p) * D + e], w_max[w * MMA_ROWS + p], a);
+            a = fmaf(w_acc[(w * MMA_ROWS + p) * (D + MMA_PAD) + e], w_max[w * MMA_ROWS + p], a);
         if (splits == 1) {
             // As paged_attention's one split: paged_reduce's rounding.
             from_f32(out[((size_t)row * heads + h) * D + e], sum > 0.0f ? __fadd_rn(a, 0.0f) / sum : 0.0f);
@@ -835,8 +838,12 @@ INSTANTIATE(f16, f16)
 VARIANTS(f32, float)
 VARIANTS(bf16, bf16)
 VARIANTS(f16, f16)
+// Tensor cores take bf16 from sm_80: an older GPU's module holds no `mma` kernels, and
+// looking one up fails, naming it.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 ATTENTION_MMA(bf16, bf16, 64)
 ATTENTION_MMA(bf16, bf16, 128)
 ATTENTION_MMA(f16, f16, 64)
 ATTENTION_MMA(f16, f16, 128)
+#endif
 #endif

@@ -20,8 +20,10 @@ pub const SPLIT_DIMS: usize = 4;
 pub const SPLIT_PAIRS: usize = 8;
 const SPLIT_PARTIALS: usize = THREADS * SPLIT_PAIRS * SPLIT_DIMS;
 /// The tensor-core kernel's rows (pairs padded to an m16n8k16 product's 16) and its warps,
-/// each with its own maxima, sums and outputs when they meet (the kernel's `MMA_ROWS`).
+/// each with its own maxima, sums and outputs when they meet (the kernel's `MMA_ROWS`), an
+/// output row padded by `MMA_PAD` floats in shared memory.
 pub const MMA_ROWS: usize = 16;
+const MMA_PAD: usize = 8;
 const WARPS: usize = THREADS / 32;
 /// The head dims the tensor-core kernel is instantiated for.
 pub const MMA_HEAD_DIMS: [usize; 2] = [64, 128];
@@ -88,7 +90,7 @@ impl AttentionKernel {
     /// Dynamic shared memory of a block serving `pairs` pairs (the kernel's layout).
     pub fn shared_bytes(self, pairs: usize, head_dim: usize) -> usize {
         match self {
-            Self::Mma => 4 * (WARPS * MMA_ROWS * (2 + head_dim) + 2 * MMA_ROWS),
+            Self::Mma => 4 * (WARPS * MMA_ROWS * (2 + head_dim + MMA_PAD) + 2 * MMA_ROWS),
             _ if self.split_values() => {
                 let padded = pairs.next_multiple_of(SPLIT_PAIRS);
                 4 * (pairs * head_dim + SPLIT_PARTIALS + padded * CHUNK + CHUNK + 3 * padded)
@@ -124,12 +126,13 @@ impl AttentionKernel {
             Self::Mma if !matches!(dtype, DType::BF16 | DType::F16) => {
                 refuse(format!("{dtype:?} (tensor cores take bf16 and f16)"))
             }
-            Self::Mma if pairs > MMA_ROWS || !MMA_HEAD_DIMS.contains(&heads.head_dim) => refuse(
-                format!(
-                    "{pairs} query heads and rows a tile at head_dim {} (it takes up to                      {MMA_ROWS} at head_dim {MMA_HEAD_DIMS:?})",
+            Self::Mma if pairs > MMA_ROWS || !MMA_HEAD_DIMS.contains(&heads.head_dim) => {
+                refuse(format!(
+                    "{pairs} query heads and rows a tile at head_dim {} (it takes up to \
+                     {MMA_ROWS} at head_dim {MMA_HEAD_DIMS:?})",
                     heads.head_dim
-                ),
-            ),
+                ))
+            }
             _ if self.split_values() => {
                 let items = heads.head_dim / SPLIT_DIMS * pairs.div_ceil(SPLIT_PAIRS);
                 match items <= THREADS

@@ -190,8 +190,9 @@ fn head_dims_of_32_and_96_are_attended_whole() {
     }
 }
 
-/// Every variant of the attention computes what the default computes, bit for bit (their
-/// twin is the same), over the checked batches in bf16 and f16.
+/// Every variant of the attention computes what its twin computes, bit for bit, over the
+/// checked batches in bf16 and f16: the scalar ones what the default computes (their twin
+/// is the same but for the split pass's order), `mma` its own blocks' order.
 #[test]
 fn every_attention_variant_computes_what_its_twin_computes_bit_for_bit() {
     for variant in AttentionKernel::VARIANTS.into_iter().skip(1) {
