@@ -120,6 +120,8 @@ def key_numbers(name, text, outdir):
         return {"shapes": data.get("shapes", {})}
     if name.startswith("profile"):
         return dict(data, kernels=data.get("kernels", [])[:20])
+    if name.startswith("attention"):
+        return {"attention_rows": data.get("rows", [])}
     keys = ["tokens_per_s", "fraction_of_compute_limit", "train_tokens_per_s", "step_s",
             "rollout_s", "prompts", "samples", "new_tokens", "compute_dtype", "gpu", "steps",
             "seconds", "decode_step", "memory_floor", "prompt_tokens_mean", "prompt_len",
@@ -149,6 +151,12 @@ def brief(numbers):
             (f" ({v['max_logprob_diff']:.2g})" if "max_logprob_diff" in v else "") +
             ("" if v["status"] == "ok" else f" {v['status']}")
             for shape, v in numbers["shapes"].items())
+    if "attention_rows" in numbers:
+        # Fastest first: each variant's time a call and the KV read rate it implies.
+        rows = sorted((r for r in numbers["attention_rows"] if "us_per_call" in r),
+                      key=lambda r: r["us_per_call"])
+        return "; ".join(f"{r['attention_kernel']} {r['us_per_call']:.0f} us "
+                         f"({r['kv_gb_per_s']:,.0f} GB/s)" for r in rows)[:170]
     if "step_device_ms" in numbers:
         groups = ", ".join(f"{k} {v:.2f}" for k, v in numbers["groups_ms"].items())
         return (f"device {numbers['step_device_ms']:.2f} ms a decode step, "

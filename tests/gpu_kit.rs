@@ -148,9 +148,9 @@ fn gpu_check_targets_dry_run_measures_each_target() {
     }
 }
 
-/// `--profile` runs the doctor, the first shape's full rollout on the defaults and through the
-/// attention kernel's other variants; on the CPU the Nsight Compute steps are skipped, saying
-/// why.
+/// `--profile` runs the doctor, the attention kernels alone, the first shape's full rollout on
+/// the defaults and through the attention kernel's other variants; on the CPU the kernels'
+/// bench and the Nsight Compute steps are skipped, saying why.
 #[test]
 fn gpu_check_profile_dry_run_runs_the_rollouts_and_skips_the_profiles() {
     let dir = tempfile::tempdir().unwrap();
@@ -167,7 +167,12 @@ fn gpu_check_profile_dry_run_runs_the_rollouts_and_skips_the_profiles() {
         .skip(1)
         .map(|v| format!("variant-smollm2-135m-{v}"))
         .collect();
-    let mut want = vec![("doctor", "ok"), ("target-rollout-smollm2-135m", "ok")];
+    let mut want = vec![
+        ("doctor", "ok"),
+        ("attention-smollm2-135m-b1024", "skipped"),
+        ("attention-smollm2-135m-b256", "skipped"),
+        ("target-rollout-smollm2-135m", "ok"),
+    ];
     want.extend(variants.iter().map(|v| (v.as_str(), "ok")));
     want.extend([
         ("profile-qwen2.5-0.5b-b1024", "skipped"),
@@ -347,6 +352,31 @@ fn gpu_check_profile_averages_the_last_steps_by_kernel() {
     let first = &got["kernels"][0];
     assert_eq!(first["name"], "nvjet_tst_128x64", "{got}");
     assert_eq!(first["calls"], 1.0, "{got}");
+}
+
+/// A `bench attention` step's cell in the table: the variants that ran, fastest first, each
+/// with its time a call and KV read rate; a variant's error is left out.
+#[test]
+fn gpu_check_summarises_the_attention_bench_fastest_first() {
+    let out = r#"{"rows": [{"attention_kernel": "s1_v8", "us_per_call": 900.5, "kv_gb_per_s": 620.0, "splits": 1}, {"attention_kernel": "mma", "us_per_call": 210.0, "kv_gb_per_s": 2650.4, "splits": 1}, {"attention_kernel": "s8_v4_split", "error": "no"}]}"#;
+    let code = format!(
+        "import sys; sys.path.insert(0, 'scripts'); import gpu_check as g;          print(g.brief(g.key_numbers('attention-qwen2.5-0.5b-b1024', {out:?}, '.')))"
+    );
+    let run = std::process::Command::new("python3")
+        .current_dir(repo_root())
+        .args(["-c", &code])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert_eq!(
+        text.trim(),
+        "mma 210 us (2,650 GB/s); s1_v8 900 us (620 GB/s)"
+    );
 }
 
 /// `gpu_check.py fastest` names the variant of the highest tokens/s among the rollouts'

@@ -5,9 +5,11 @@ use candle_core::{Device, Tensor};
 use dppo_model::device::timed;
 use dppo_model::ModelConfig;
 
+mod attention;
 mod rollout;
 mod train;
 
+pub use attention::AttentionArgs;
 pub use rollout::RolloutArgs;
 pub use train::TrainArgs;
 
@@ -18,6 +20,9 @@ pub enum Bench {
     Rollout(RolloutArgs),
     /// Learner throughput: one packed forward/backward + AdamW step on a synthetic batch.
     Train(TrainArgs),
+    /// The paged attention kernels alone on a GPU: each variant's time a call on a decode
+    /// batch of a model shape's heads.
+    Attention(AttentionArgs),
     /// Load and soak test of `dppo serve`: concurrent clients, errors, latency, leaks.
     Serve(super::bench_serve::Args),
 }
@@ -27,6 +32,7 @@ pub fn run(bench: Bench) -> anyhow::Result<()> {
     match bench {
         Bench::Rollout(args) => rollout::run(args),
         Bench::Train(args) => train::run(args),
+        Bench::Attention(args) => attention::run(args),
         Bench::Serve(args) => super::bench_serve::run(args),
     }
 }

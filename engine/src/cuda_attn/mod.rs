@@ -8,6 +8,7 @@
 //! CPU twin of the kernels (tests) checks the plan and the algorithm against [`reference`],
 //! and `emulated` (tests) runs the kernel source itself on the CPU against the twin.
 
+pub mod bench;
 pub mod case;
 mod copies;
 #[cfg(feature = "cuda")]
