@@ -156,7 +156,8 @@ def brief(numbers):
         rows = sorted((r for r in numbers["attention_rows"] if "us_per_call" in r),
                       key=lambda r: r["us_per_call"])
         return "; ".join(f"{r['attention_kernel']} {r['us_per_call']:.0f} us "
-                         f"({r['kv_gb_per_s']:,.0f} GB/s)" for r in rows)[:170]
+                         f"({r['kv_gb_per_s']:,.0f} GB/s, "
+                         f"{100 * r.get('fraction_of_bandwidth', 0):.0f}%)" for r in rows)[:170]
     if "step_device_ms" in numbers:
         groups = ", ".join(f"{k} {v:.2f}" for k, v in numbers["groups_ms"].items())
         return (f"device {numbers['step_device_ms']:.2f} ms a decode step, "

@@ -358,7 +358,7 @@ fn gpu_check_profile_averages_the_last_steps_by_kernel() {
 /// with its time a call and KV read rate; a variant's error is left out.
 #[test]
 fn gpu_check_summarises_the_attention_bench_fastest_first() {
-    let out = r#"{"rows": [{"attention_kernel": "s1_v8", "us_per_call": 900.5, "kv_gb_per_s": 620.0, "splits": 1}, {"attention_kernel": "mma", "us_per_call": 210.0, "kv_gb_per_s": 2650.4, "splits": 1}, {"attention_kernel": "s8_v4_split", "error": "no"}]}"#;
+    let out = r#"{"rows": [{"attention_kernel": "s1_v8", "us_per_call": 900.5, "kv_gb_per_s": 620.0, "fraction_of_bandwidth": 0.148, "splits": 1}, {"attention_kernel": "mma", "us_per_call": 210.0, "kv_gb_per_s": 2650.4, "fraction_of_bandwidth": 0.631, "splits": 1}, {"attention_kernel": "s8_v4_split", "error": "no"}]}"#;
     let code = format!(
         "import sys; sys.path.insert(0, 'scripts'); import gpu_check as g;          print(g.brief(g.key_numbers('attention-qwen2.5-0.5b-b1024', {out:?}, '.')))"
     );
@@ -375,7 +375,7 @@ fn gpu_check_summarises_the_attention_bench_fastest_first() {
     );
     assert_eq!(
         text.trim(),
-        "mma 210 us (2,650 GB/s); s1_v8 900 us (620 GB/s)"
+        "mma 210 us (2,650 GB/s, 63%); s1_v8 900 us (620 GB/s, 15%)"
     );
 }
 

@@ -1,6 +1,7 @@
 //! `dppo bench attention`: the paged attention kernels alone on a GPU, one variant after
-//! another on the same decode batch of a model shape's heads (docs/gpu.md): a call's time and
-//! the KV read rate it implies, so that the variants race in seconds of device time.
+//! another on the same decode batch of a model shape's heads (docs/gpu.md): a call's time,
+//! the KV read rate it implies and that rate's share of the card's copy bandwidth, so that
+//! the variants race in seconds of device time.
 
 use dppo_engine::cuda_attn::bench::DecodeBatch;
 use dppo_engine::cuda_attn::Heads;
@@ -8,6 +9,8 @@ use dppo_engine::AttentionKernel;
 use dppo_model::shapes::Shape;
 use dppo_model::DeviceSpec;
 use serde_json::json;
+
+use super::bandwidth::memory_bandwidth;
 
 /// Arguments of `dppo bench attention`.
 #[derive(Debug, clap::Args)]
@@ -51,13 +54,21 @@ pub(super) fn run(args: AttentionArgs) -> anyhow::Result<()> {
     heads.check()?;
     let batch = DecodeBatch::new(heads, args.batch, args.context, 0);
     let device = args.device.open()?;
-    let rows = time_each(&device, heads, &batch, &variants, args.iters)?;
+    let mut rows = time_each(&device, heads, &batch, &variants, args.iters)?;
+    // Each read rate against what the card copies: the share of the floor reached.
+    let bandwidth = memory_bandwidth(&device)?;
+    for row in &mut rows {
+        if let Some(rate) = row["kv_gb_per_s"].as_f64() {
+            row["fraction_of_bandwidth"] = json!(rate * 1e9 / bandwidth);
+        }
+    }
     let report = json!({
         "shape": args.shape.name(),
         "batch": args.batch,
         "context": args.context,
         "dtype": "bf16",
         "kv_mib": batch.kv_bytes(2) as f64 / (1 << 20) as f64,
+        "bandwidth_gb_per_s": bandwidth / 1e9,
         "rows": rows,
     });
     if args.json {
@@ -71,6 +82,7 @@ pub(super) fn run(args: AttentionArgs) -> anyhow::Result<()> {
         args.context,
         batch.kv_bytes(2) as f64 / (1 << 20) as f64
     );
+    println!("the card copies at {:.0} GB/s", bandwidth / 1e9);
     for row in report["rows"].as_array().into_iter().flatten() {
         match row.get("error") {
             Some(e) => println!(
@@ -79,10 +91,11 @@ pub(super) fn run(args: AttentionArgs) -> anyhow::Result<()> {
                 e
             ),
             None => println!(
-                "{:<12} {:>9.1} us a call  {:>7.0} GB/s of KV  {} split(s)",
+                "{:<12} {:>9.1} us a call  {:>7.0} GB/s of KV ({:.0}%)  {} split(s)",
                 row["attention_kernel"].as_str().unwrap_or(""),
                 row["us_per_call"].as_f64().unwrap_or(f64::NAN),
                 row["kv_gb_per_s"].as_f64().unwrap_or(f64::NAN),
+                100.0 * row["fraction_of_bandwidth"].as_f64().unwrap_or(f64::NAN),
                 row["splits"]
             ),
         }

@@ -6,6 +6,7 @@ use dppo_model::device::timed;
 use dppo_model::ModelConfig;
 
 mod attention;
+mod bandwidth;
 mod rollout;
 mod train;
 
