@@ -42,8 +42,12 @@ use crate::paged_attn::{CacheShape, SeqAttnMeta};
 use crate::EngineError;
 
 /// The kernels' CUDA source, compiled by NVRTC at run time (and in CI by
-/// `scripts/check-kernels`).
-pub const SOURCE: &str = include_str!("../../kernels/paged_attention.cu");
+/// `scripts/check-kernels`): kernels/paged_attention.cu, then the tensor-core variant's
+/// kernels/paged_attention_mma.cu, which uses its definitions.
+pub const SOURCE: &str = concat!(
+    include_str!("../../kernels/paged_attention.cu"),
+    include_str!("../../kernels/paged_attention_mma.cu")
+);
 
 /// Threads of an attention block (the kernel's `THREADS`).
 pub const THREADS: usize = 128;

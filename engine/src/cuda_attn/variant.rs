@@ -45,7 +45,7 @@ pub enum AttentionKernel {
 }
 
 impl AttentionKernel {
-    /// The variants kernels/paged_attention.cu instantiates; the first is the default, the
+    /// The variants the kernel source instantiates; the first is the default, the
     /// only one measured on a GPU so far, and the only one in the module loaded at start.
     /// The others are listed likeliest winner first (`gpu-check --profile` races them in
     /// this order, so a spent budget drops the last).
