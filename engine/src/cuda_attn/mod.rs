@@ -12,6 +12,8 @@ pub mod bench;
 pub mod case;
 mod copies;
 #[cfg(feature = "cuda")]
+mod device_buffers;
+#[cfg(feature = "cuda")]
 pub mod device_check;
 #[cfg(all(test, target_os = "linux"))]
 mod emulated;
@@ -31,7 +33,9 @@ mod twin;
 mod variant;
 
 #[cfg(feature = "cuda")]
-pub use launch::{multiprocessors, CudaIndex, CudaPagedAttention, DeviceTables};
+pub use device_buffers::{multiprocessors, CudaIndex, DeviceTables};
+#[cfg(feature = "cuda")]
+pub use launch::CudaPagedAttention;
 pub use state::{Batch, CudaAttention, Switches};
 pub use variant::AttentionKernel;
 

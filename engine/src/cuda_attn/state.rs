@@ -51,7 +51,7 @@ pub struct CudaAttention {
     min_blocks: usize,
     switches: Switches,
     #[cfg(feature = "cuda")]
-    device_tables: Option<super::launch::DeviceTables>,
+    device_tables: Option<super::device_buffers::DeviceTables>,
     /// The emulated kernels' copy of the tables (the engine's unit tests on the CPU).
     #[cfg(all(test, target_os = "linux", not(feature = "cuda")))]
     emulated_tables: Option<Vec<u32>>,
@@ -156,7 +156,8 @@ impl CudaAttention {
         plan: KernelPlan,
         (upload, copies, cost): (&TableUpload, &SlotCopies, &mut IterationCost),
     ) -> Result<Tensor> {
-        use super::launch::{copy_slots, CudaIndex, CudaPagedAttention};
+        use super::device_buffers::CudaIndex;
+        use super::launch::{copy_slots, CudaPagedAttention};
         let device = model.device();
         copy_slots(cache, copies, &plan)?;
         let tables = upload.apply(&mut self.device_tables, self.tables.host(), device)?;
@@ -216,7 +217,7 @@ impl CudaAttention {
 #[cfg(feature = "cuda")]
 fn multiprocessors(device: &Device) -> Result<usize> {
     match device {
-        Device::Cuda(d) => super::launch::multiprocessors(d),
+        Device::Cuda(d) => super::device_buffers::multiprocessors(d),
         _ => candle_core::bail!("cuda attention on {:?}", device.location()),
     }
 }
