@@ -17,10 +17,9 @@
 //   context has one split the attention writes the output itself and no merge is launched.
 // The block tables stay on the device between iterations; write_table_entries applies an
 // iteration's changed entries. With `engine.rope_kernel`, qkv_rope prepares the layer's q, k
-// and v from its projection first. With `engine.layer_kernels`, add_rms_norm and silu_mul take
-// the layer's other elementwise steps: the residual sum with the RMSNorm after it, and the
-// gated MLP's product. The tensor-core variant of the attention is
-// kernels/paged_attention_mma.cu, compiled after this source in the same module.
+// and v from its projection first. Compiled after this source, in the same module:
+// kernels/layer_ops.cu (`engine.layer_kernels`: the layer's other elementwise steps) and
+// kernels/paged_attention_mma.cu (the attention's tensor-core variant).
 
 #define NEG_INF __int_as_float(0xff800000)
 #define WARP 32
@@ -97,60 +96,6 @@ __device__ void qkv_rope(const T *qkv, const T *bias, const T *cos, const T *sin
         const unsigned int col = q_dim + kv_dim + e;
         const float v = to_f32(row[col]);
         from_f32(v_out[e], has_bias ? __fadd_rn(v, to_f32(bias[col])) : v);
-    }
-}
-
-// Threads of an add_rms_norm block (cuda_attn::norm_geometry).
-#define NORM_THREADS 256
-
-// The residual sum and the RMSNorm after it (`engine.layer_kernels`): one block per row.
-// `out` is (2, rows, width): first x + r rounded to T, as a separate add rounds it (x itself
-// where !has_residual), then that sum's RMSNorm times `weight`, in f32 and rounded once.
-template <typename T>
-__device__ void add_rms_norm(const T *x, const T *r, const T *weight, T *out, unsigned int width,
-                             unsigned int has_residual, float eps) {
-    // A warp's sum each (a test holds norm_geometry's block to NORM_THREADS).
-    __shared__ float warp_sums[NORM_THREADS / WARP];
-    const unsigned int row = blockIdx.x, rows = gridDim.x;
-    const T *xs = x + (size_t)row * width;
-    const T *rs = r + (size_t)row * width;
-    T *sum = out + (size_t)row * width;
-    T *normed = out + ((size_t)rows + row) * width;
-    float squares = 0.0f;
-    for (unsigned int i = threadIdx.x; i < width; i += blockDim.x) {
-        T s;
-        from_f32(s, has_residual ? __fadd_rn(to_f32(xs[i]), to_f32(rs[i])) : to_f32(xs[i]));
-        sum[i] = s;
-        const float v = to_f32(s);
-        squares = __fadd_rn(squares, __fmul_rn(v, v));
-    }
-    for (unsigned int off = WARP / 2; off > 0; off /= 2)
-        squares = __fadd_rn(squares, __shfl_xor_sync(FULL_MASK, squares, off));
-    if (threadIdx.x % WARP == 0) warp_sums[threadIdx.x / WARP] = squares;
-    __syncthreads();
-    float total = 0.0f;
-    for (unsigned int w = 0; w < blockDim.x / WARP; ++w) total = __fadd_rn(total, warp_sums[w]);
-    const float scale = __fdiv_rn(1.0f, sqrtf(__fadd_rn(__fdiv_rn(total, (float)width), eps)));
-    // Each thread reads back the sums it wrote itself.
-    for (unsigned int i = threadIdx.x; i < width; i += blockDim.x)
-        from_f32(normed[i], __fmul_rn(__fmul_rn(to_f32(sum[i]), scale), to_f32(weight[i])));
-}
-
-// The gated MLP's product (`engine.layer_kernels`): `out` (rows, width) is silu(gate) * up, gate
-// and up the two halves of each row of `gate_up` (rows, 2 * width). silu is rounded to T as a
-// separate op rounds it, then the product. Blocks stride over columns (x) and rows (y), so
-// that no thread divides to find its element.
-template <typename T>
-__device__ void silu_mul(const T *gate_up, T *out, unsigned int width, unsigned int rows) {
-    for (unsigned int row = blockIdx.y; row < rows; row += gridDim.y) {
-        const T *gate = gate_up + (size_t)row * 2 * width, *up = gate + width;
-        for (unsigned int j = blockIdx.x * blockDim.x + threadIdx.x; j < width;
-             j += gridDim.x * blockDim.x) {
-            const float g = to_f32(gate[j]), u = to_f32(up[j]);
-            T s;
-            from_f32(s, __fdiv_rn(g, __fadd_rn(1.0f, expf(-g))));
-            from_f32(out[(size_t)row * width + j], __fmul_rn(to_f32(s), u));
-        }
     }
 }
 
@@ -506,15 +451,6 @@ extern "C" __global__ void write_table_entries(unsigned int *table, const unsign
     }
 
 #define INSTANTIATE(NAME, T)                                                                    \
-    extern "C" __global__ void __launch_bounds__(NORM_THREADS) add_rms_norm_##NAME(            \
-        const T *x, const T *r, const T *weight, T *out, unsigned int width,                   \
-        unsigned int has_residual, float eps) {                                                 \
-        add_rms_norm<T>(x, r, weight, out, width, has_residual, eps);                           \
-    }                                                                                           \
-    extern "C" __global__ void silu_mul_##NAME(const T *gate_up, T *out, unsigned int width,   \
-                                               unsigned int rows) {                            \
-        silu_mul<T>(gate_up, out, width, rows);                                                 \
-    }                                                                                           \
     extern "C" __global__ void qkv_rope_##NAME(const T *qkv, const T *bias, const T *cos,      \
                                                const T *sin, T *out, unsigned int heads,       \
                                                unsigned int kv_heads, unsigned int head_dim,   \

@@ -1,4 +1,4 @@
-//! The layer's elementwise steps by kernels/paged_attention.cu's `add_rms_norm` and
+//! The layer's elementwise steps by kernels/layer_ops.cu's `add_rms_norm` and
 //! `silu_mul` (`engine.layer_kernels`): the residual sum with the RMSNorm that reads it, and
 //! the gated MLP's product straight from the concatenated gate/up projection, one launch
 //! each where candle takes two or three ops (two of them over strided halves). On a GPU they
@@ -223,7 +223,7 @@ mod on_gpu {
             eps: &op.eps,
         }
         .push_to(&mut launch);
-        // SAFETY: the arguments are `add_rms_norm`'s list in kernels/paged_attention.cu; x,
+        // SAFETY: the arguments are `add_rms_norm`'s list in kernels/layer_ops.cu; x,
         // the residual and the output hold `rows` rows of `width`, the weight `width`.
         unsafe { launch.launch(config(norm_geometry(rows))) }.w()?;
         Ok(T::wrap_cuda_slice(out, device.clone()))
@@ -264,7 +264,7 @@ mod on_gpu {
             rows: &rows_arg,
         }
         .push_to(&mut launch);
-        // SAFETY: the arguments are `silu_mul`'s list in kernels/paged_attention.cu; the
+        // SAFETY: the arguments are `silu_mul`'s list in kernels/layer_ops.cu; the
         // projection holds `rows` rows of 2 * width, the output `total` values.
         unsafe { launch.launch(config(silu_geometry(rows, width))) }.w()?;
         Ok(T::wrap_cuda_slice(out, device.clone()))

@@ -1,5 +1,6 @@
 //! The paged attention kernels' parameter lists, by name, pushed in the order of their
-//! signatures in kernels/paged_attention.cu for both launchers ([`crate::kernel_args`]).
+//! signatures in the kernel sources (kernels/paged_attention.cu and the sources joined to it)
+//! for both launchers ([`crate::kernel_args`]).
 //! Buffers are what the launcher passes (device slices on a GPU, pointers in the emulation);
 //! scalars are borrowed from the iteration's [`Scalars`].
 
