@@ -9,8 +9,10 @@
                                      `dppo bench rollout ARGS` under Nsight Compute: the last
                                      decode steps' device time by kernel, as JSON
     gpu_check.py profile-summary CSV the same from an exported `ncu --csv --page raw`
-    gpu_check.py fastest FILE...     `--attention-kernel NAME` of the attention variant of the fastest
-                                     of the rollouts whose JSON outputs are FILE...
+    gpu_check.py fastest FILE... [--doctor F]
+                                     `--attention-kernel NAME` of the attention variant of the fastest
+                                     of the rollouts whose JSON outputs are FILE..., leaving out
+                                     the variants whose check failed in doctor's JSON F
 
 With `--targets`, the summary also sets issue #38's targets against what the steps measured:
 dppo's rollout tokens/s over HF `generate`'s on each shape (at least 5x), and the decode step
@@ -399,7 +401,19 @@ def summary(args):
 def fastest(args):
     """Prints `--attention-kernel NAME` of the fastest of the rollouts in FILES (their `bench
     rollout --json` outputs: the attention kernel's variant of the highest tokens/s); nothing
-    where none of them finished."""
+    where none of them finished. With --doctor (`dppo doctor --json`'s output), a variant
+    whose kernel check failed there is not a candidate: a wrong kernel may well be fast."""
+    failed = set()
+    if args.doctor:
+        try:
+            report = last_json(open(args.doctor, errors="replace").read()) or {}
+        except OSError:
+            report = {}
+        for section in report.get("sections", []):
+            for check in section.get("checks", []):
+                name = check.get("name", "")
+                if check.get("status") == "fail" and ", variant " in name:
+                    failed.add(name.rsplit(", variant ", 1)[1])
     best = None
     for path in args.files:
         try:
@@ -407,6 +421,8 @@ def fastest(args):
         except OSError:
             continue
         rate, variant = data.get("tokens_per_s"), data.get("attention_kernel")
+        if variant in failed:
+            continue
         if rate and variant and (best is None or rate > best[0]):
             best = (rate, variant)
     if best:
@@ -439,6 +455,7 @@ def main():
     c.add_argument("csv")
     f = sub.add_parser("fastest")
     f.add_argument("files", nargs="+")
+    f.add_argument("--doctor")
     # `profile`'s rollout arguments follow `--`, kept from argparse whole.
     argv, rest = sys.argv[1:], []
     if "--" in argv:

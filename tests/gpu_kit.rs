@@ -380,7 +380,8 @@ fn gpu_check_summarises_the_attention_bench_fastest_first() {
 }
 
 /// `gpu_check.py fastest` names the variant of the highest tokens/s among the rollouts'
-/// outputs, skipping one that did not finish, and prints nothing when none did.
+/// outputs, skipping one that did not finish or whose kernel check the doctor failed, and
+/// prints nothing when none did.
 #[test]
 fn gpu_check_fastest_picks_the_variant_of_the_highest_rate() {
     let dir = tempfile::tempdir().unwrap();
@@ -412,4 +413,18 @@ fn gpu_check_fastest_picks_the_variant_of_the_highest_rate() {
     assert_eq!(fastest(&files[..4]), "--attention-kernel s8_v32\n");
     assert_eq!(fastest(&files), "--attention-kernel mma\n");
     assert_eq!(fastest(&files[3..4]), "");
+    // A variant whose kernel check failed in the doctor is no candidate, however fast.
+    let doctor = write(
+        "doctor.out",
+        concat!(
+            r#"{"passed": false, "sections": [{"name": "paged", "checks": ["#,
+            r#"{"name": "paged attention kernels", "status": "ok"}, "#,
+            r#"{"name": "paged attention kernels, variant mma", "status": "fail"}, "#,
+            r#"{"name": "paged attention kernels, variant s1_v16", "status": "ok"}]}]}"#,
+            "\n"
+        ),
+    );
+    let mut with_doctor = vec!["--doctor".to_string(), doctor];
+    with_doctor.extend(files.iter().cloned());
+    assert_eq!(fastest(&with_doctor), "--attention-kernel s8_v32\n");
 }
