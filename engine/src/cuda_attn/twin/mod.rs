@@ -3,13 +3,14 @@
 //! of operations (`mul_add` where the kernel calls `fmaf`), run from the same [`KernelPlan`].
 //! Its value pass sums each key group's share of a chunk apart, as the split variant's
 //! threads do (one group, every key, for the others); the tensor-core variant's blocks are
-//! [`mma_block`]'s. Tested against [`super::reference`], so a GPU run checks only the
+//! [`mma`]'s. Tested against [`super::reference`], so a GPU run checks only the
 //! translation to CUDA.
 
 use candle_core::DType;
 
-use super::case::round_to;
-use super::{AttentionKernel, KernelPlan, CHUNK, THREADS};
+use super::{AttentionKernel, KernelPlan, CHUNK};
+
+mod mma;
 
 const WARP: usize = 32;
 /// Keys of a tensor-core warp's run (the kernel's `MMA_KEYS`).
@@ -57,7 +58,7 @@ pub fn attention(
             for split in 0..plan.splits {
                 let at = (tile, kh, split);
                 match variant {
-                    AttentionKernel::Mma => mma_block(plan, at, (q, caches), scale, &mut parts),
+                    AttentionKernel::Mma => mma::block(plan, at, (q, caches), scale, &mut parts),
                     _ => block(plan, at, (q, caches, variant), scale, &mut parts),
                 }
             }
@@ -66,23 +67,89 @@ pub fn attention(
     reduce(plan, &parts)
 }
 
+/// What one block (tile, KV head, split) reads: its pairs (a query row and head each), its
+/// keys `start..end`, and where they lie in the pool. Both kinds of block start from it.
+struct BlockView<'a> {
+    plan: &'a KernelPlan,
+    caches: &'a Caches<'a>,
+    tile: super::Tile,
+    kh: usize,
+    split: usize,
+    pairs: usize,
+    start: usize,
+    end: usize,
+}
+
+impl<'a> BlockView<'a> {
+    fn new(
+        plan: &'a KernelPlan,
+        caches: &'a Caches<'a>,
+        (tile, kh, split): (usize, usize, usize),
+    ) -> Self {
+        let tile = plan.tiles[tile];
+        let keys = (tile.first_pos + tile.rows) as usize;
+        let start = split * plan.split_len;
+        Self {
+            plan,
+            caches,
+            tile,
+            kh,
+            split,
+            pairs: tile.rows as usize * plan.heads.group(),
+            start,
+            end: (start + plan.split_len).min(keys),
+        }
+    }
+
+    /// Pair `p`'s (row, query head) index among the batch's (rows x heads).
+    fn row_head(&self, p: usize) -> usize {
+        let group = self.plan.heads.group();
+        let row = self.tile.first_row as usize + p / group;
+        row * self.plan.heads.num_heads + self.kh * group + p % group
+    }
+
+    /// Pair `p`'s query, (head_dim) of `q`.
+    fn query<'q>(&self, q: &'q [f32], p: usize) -> &'q [f32] {
+        let d = self.plan.heads.head_dim;
+        &q[self.row_head(p) * d..][..d]
+    }
+
+    /// Whether pair `p` sees key `j` (the causal mask).
+    fn visible(&self, j: usize, p: usize) -> bool {
+        j <= self.tile.first_pos as usize + p / self.plan.heads.group()
+    }
+
+    /// Key `j`'s slot in the pool, through the sequence's block table.
+    fn slot(&self, j: usize) -> usize {
+        let (bs, width) = (self.plan.block_size, self.plan.table_width);
+        let table = &self.caches.tables[self.tile.seq as usize * width..][..width];
+        table[j / bs] as usize * bs + j % bs
+    }
+
+    /// The block's KV head's K (or V, from `cache`) row in `slot`.
+    fn row(&self, cache: &'a [f32], slot: usize) -> &'a [f32] {
+        let d = self.plan.heads.head_dim;
+        &cache[slot * self.plan.heads.num_kv_heads * d + self.kh * d..][..d]
+    }
+
+    /// Pair `p`'s index among the partial outputs (rows x heads x splits).
+    fn part(&self, p: usize) -> usize {
+        self.row_head(p) * self.plan.splits + self.split
+    }
+}
+
 /// One block of the attention kernel.
 fn block(
     plan: &KernelPlan,
-    (tile, kh, split): (usize, usize, usize),
+    at: (usize, usize, usize),
     (q, caches, variant): (&[f32], &Caches<'_>, AttentionKernel),
     scale: f32,
     parts: &mut Partials,
 ) {
-    let t = plan.tiles[tile];
-    let (heads, d) = (plan.heads.num_heads, plan.heads.head_dim);
-    let group = plan.heads.group();
-    let pairs = t.rows as usize * group;
-    let row_len = plan.heads.num_kv_heads * d;
-    let row_of = |p: usize| t.first_row as usize + p / group;
-    let head_of = |p: usize| kh * group + p % group;
+    let b = BlockView::new(plan, caches, at);
+    let (d, pairs) = (plan.heads.head_dim, b.pairs);
     let q_s: Vec<f32> = (0..pairs * d)
-        .map(|i| q[(row_of(i / d) * heads + head_of(i / d)) * d + i % d] * scale)
+        .map(|i| b.query(q, i / d)[i % d] * scale)
         .collect();
     // Each key group's sums (keys g, g + groups, ... of every chunk).
     let groups = variant.key_groups(pairs, d);
@@ -94,26 +161,24 @@ fn block(
     );
     let mut s_s = vec![0f32; pairs * CHUNK];
     let mut slot_s = [0usize; CHUNK];
-    let keys = (t.first_pos + t.rows) as usize;
-    let start = split * plan.split_len;
-    let end = (start + plan.split_len).min(keys);
-    let table = &caches.tables[t.seq as usize * plan.table_width..][..plan.table_width];
-    let bs = plan.block_size;
-    for c0 in (start..end).step_by(CHUNK) {
-        let n = CHUNK.min(end - c0);
+    for c0 in (b.start..b.end).step_by(CHUNK) {
+        let n = CHUNK.min(b.end - c0);
         // 1. Scores: each key's dot product with each pair's query, in dimension order.
         for jj in 0..n {
             let j = c0 + jj;
-            let slot = table[j / bs] as usize * bs + j % bs;
-            let k = &caches.k[slot * row_len + kh * d..][..d];
+            let slot = b.slot(j);
+            let k = b.row(caches.k, slot);
             for p in 0..pairs {
                 let q = &q_s[p * d..][..d];
                 let dot = q
                     .iter()
                     .zip(k)
                     .fold(0f32, |dot, (&q, &k)| q.mul_add(k, dot));
-                let visible = j <= t.first_pos as usize + p / group;
-                s_s[p * CHUNK + jj] = if visible { dot } else { f32::NEG_INFINITY };
+                s_s[p * CHUNK + jj] = if b.visible(j, p) {
+                    dot
+                } else {
+                    f32::NEG_INFINITY
+                };
             }
             slot_s[jj] = slot;
         }
@@ -142,7 +207,7 @@ fn block(
                 let (p, e) = (i / d, i % d);
                 let mut a = *acc * a_s[p];
                 for jj in (g..n).step_by(groups) {
-                    let v = caches.v[slot_s[jj] * row_len + kh * d + e];
+                    let v = b.row(caches.v, slot_s[jj])[e];
                     a = s_s[p * CHUNK + jj].mul_add(v, a);
                 }
                 *acc = a;
@@ -154,119 +219,10 @@ fn block(
         .map(|i| acc_s[1..].iter().fold(acc_s[0][i], |x, g| x + g[i]))
         .collect();
     for p in 0..pairs {
-        let at = (row_of(p) * heads + head_of(p)) * plan.splits + split;
+        let at = b.part(p);
         parts.acc[at * d..][..d].copy_from_slice(&acc_s[p * d..][..d]);
         parts.max[at] = m_s[p];
         parts.sum[at] = l_s[p];
-    }
-}
-
-/// One warp's online softmax in the tensor-core kernel, over its pairs.
-struct WarpState {
-    max: Vec<f32>,
-    sum: Vec<f32>,
-    acc: Vec<f32>,
-}
-
-/// One block of the tensor-core kernel: warp `w` takes runs `w`, `w + 4`, ... of 16 keys,
-/// scores each pair's query (unscaled) in dimension order and then scales, rounds the
-/// probabilities to the caches' dtype, sums a row's four lanes' probabilities (each lane's
-/// two pairs of keys, then the quad's butterfly) and adds the run's values in key order
-/// after the rescale; the warps meet in warp order.
-fn mma_block(
-    plan: &KernelPlan,
-    (tile, kh, split): (usize, usize, usize),
-    (q, caches): (&[f32], &Caches<'_>),
-    scale: f32,
-    parts: &mut Partials,
-) {
-    let t = plan.tiles[tile];
-    let (heads, d) = (plan.heads.num_heads, plan.heads.head_dim);
-    let group = plan.heads.group();
-    let pairs = t.rows as usize * group;
-    let row_len = plan.heads.num_kv_heads * d;
-    let row_of = |p: usize| t.first_row as usize + p / group;
-    let head_of = |p: usize| kh * group + p % group;
-    let keys = (t.first_pos + t.rows) as usize;
-    let start = split * plan.split_len;
-    let end = (start + plan.split_len).min(keys);
-    let table = &caches.tables[t.seq as usize * plan.table_width..][..plan.table_width];
-    let bs = plan.block_size;
-    let slot = |j: usize| table[j / bs] as usize * bs + j % bs;
-    let warps = THREADS / WARP;
-    let states: Vec<WarpState> = (0..warps)
-        .map(|w| {
-            let mut st = WarpState {
-                max: vec![f32::NEG_INFINITY; pairs],
-                sum: vec![0.0; pairs],
-                acc: vec![0.0; pairs * d],
-            };
-            for j0 in (start + w * MMA_KEYS..end).step_by(warps * MMA_KEYS) {
-                let live = |kk: usize| j0 + kk < end;
-                for p in 0..pairs {
-                    let qp = &q[(row_of(p) * heads + head_of(p)) * d..][..d];
-                    let s: Vec<f32> = (0..MMA_KEYS)
-                        .map(|kk| {
-                            let j = j0 + kk;
-                            if !live(kk) || j > t.first_pos as usize + p / group {
-                                return f32::NEG_INFINITY;
-                            }
-                            let k = &caches.k[slot(j) * row_len + kh * d..][..d];
-                            qp.iter().zip(k).fold(0f32, |a, (&q, &k)| q.mul_add(k, a)) * scale
-                        })
-                        .collect();
-                    let m_old = st.max[p];
-                    let m_new = s.iter().fold(m_old, |m, &x| m.max(x));
-                    // All masked so far: exp(-inf - 0) makes the probabilities and rescale 0.
-                    let m_use = if m_new == f32::NEG_INFINITY {
-                        0.0
-                    } else {
-                        m_new
-                    };
-                    let alpha = (m_old - m_use).exp();
-                    let e: Vec<f32> = s
-                        .iter()
-                        .map(|&x| round_to((x - m_use).exp(), caches.dtype))
-                        .collect();
-                    // Lane `pos` of the row's quad holds keys 2 pos, 2 pos + 1, 8 + 2 pos and
-                    // 9 + 2 pos; the quad's butterfly adds lanes 0 + 1 and 2 + 3.
-                    let lane =
-                        |pos: usize| e[2 * pos] + e[2 * pos + 1] + e[8 + 2 * pos] + e[9 + 2 * pos];
-                    let sum = (lane(0) + lane(1)) + (lane(2) + lane(3));
-                    st.sum[p] = st.sum[p].mul_add(alpha, sum);
-                    st.max[p] = m_new;
-                    for (i, acc) in st.acc[p * d..][..d].iter_mut().enumerate() {
-                        *acc = (0..MMA_KEYS).fold(*acc * alpha, |a, kk| {
-                            let v = match live(kk) {
-                                true => caches.v[slot(j0 + kk) * row_len + kh * d + i],
-                                false => 0.0,
-                            };
-                            e[kk].mul_add(v, a)
-                        });
-                    }
-                }
-            }
-            st
-        })
-        .collect();
-    for p in 0..pairs {
-        let mx = states
-            .iter()
-            .fold(f32::NEG_INFINITY, |m, s| m.max(s.max[p]));
-        let weight = |s: &WarpState| match s.max[p] == f32::NEG_INFINITY {
-            true => 0.0,
-            false => (s.max[p] - mx).exp(),
-        };
-        let at = (row_of(p) * heads + head_of(p)) * plan.splits + split;
-        parts.max[at] = mx;
-        parts.sum[at] = states
-            .iter()
-            .fold(0f32, |l, s| s.sum[p].mul_add(weight(s), l));
-        for e in 0..d {
-            parts.acc[at * d + e] = states
-                .iter()
-                .fold(0f32, |a, s| s.acc[p * d + e].mul_add(weight(s), a));
-        }
     }
 }
 
