@@ -213,12 +213,16 @@ def targets(steps):
         hf = by_name.get(f"target-hf-{shape}", {})
         floor = by_name.get(f"target-floor-{shape}", {})
         row = {}
+        kernel = dppo.get("numbers", {}).get("attention_kernel")
+        if kernel:
+            row["attention_kernel"] = kernel
         ours = dppo.get("numbers", {}).get("tokens_per_s") if dppo.get("status") == "ok" else None
         theirs = hf.get("numbers", {}).get("tokens_per_s") if hf.get("status") == "ok" else None
         if ours and theirs:
             row["speedup_over_hf"] = ours / theirs
             row["speedup_met"] = ours / theirs >= 5
-            lines.append(f"target {shape}: dppo {ours:,.0f} tok/s, HF generate {theirs:,.0f} "
+            on = f" (attention kernel {kernel})" if kernel else ""
+            lines.append(f"target {shape}: dppo{on} {ours:,.0f} tok/s, HF generate {theirs:,.0f} "
                          f"tok/s: {ours / theirs:.2f}x (at least 5x: "
                          f"{'met' if row['speedup_met'] else 'MISSED'})")
         elif dppo.get("status") == "timeout":
@@ -399,10 +403,11 @@ def summary(args):
 
 
 def fastest(args):
-    """Prints `--attention-kernel NAME` of the fastest of the rollouts in FILES (their `bench
-    rollout --json` outputs: the attention kernel's variant of the highest tokens/s); nothing
-    where none of them finished. With --doctor (`dppo doctor --json`'s output), a variant
-    whose kernel check failed there is not a candidate: a wrong kernel may well be fast."""
+    """Prints `--attention-kernel NAME` of the fastest attention kernel in FILES, nothing where
+    none of them finished. FILES are all `bench rollout --json` outputs (the variant of the
+    highest tokens/s) or all `bench attention --json` ones (the variant of the fewest
+    microseconds a call). With --doctor (`dppo doctor --json`'s output), a variant whose
+    kernel check failed there is not a candidate: a wrong kernel may well be fast."""
     failed = set()
     if args.doctor:
         try:
@@ -414,19 +419,24 @@ def fastest(args):
                 name = check.get("name", "")
                 if check.get("status") == "fail" and ", variant " in name:
                     failed.add(name.rsplit(", variant ", 1)[1])
-    best = None
+    # (speed, variant, kind): tokens/s of a rollout, calls a second of a kernel alone.
+    candidates = []
     for path in args.files:
         try:
             data = last_json(open(path, errors="replace").read()) or {}
         except OSError:
             continue
-        rate, variant = data.get("tokens_per_s"), data.get("attention_kernel")
-        if variant in failed:
-            continue
-        if rate and variant and (best is None or rate > best[0]):
-            best = (rate, variant)
-    if best:
-        print(f"--attention-kernel {best[1]}")
+        if "rows" in data:
+            candidates += [(1e6 / r["us_per_call"], r["attention_kernel"], "attention")
+                           for r in data["rows"] if r.get("us_per_call")]
+        elif data.get("tokens_per_s"):
+            candidates.append((data["tokens_per_s"], data.get("attention_kernel"), "rollout"))
+    if len({kind for _, _, kind in candidates}) > 1:
+        print("fastest: rollouts and kernel timings are not comparable", file=sys.stderr)
+        return 1
+    candidates = [c for c in candidates if c[1] and c[1] not in failed]
+    if candidates:
+        print(f"--attention-kernel {max(candidates)[1]}")
     return 0
 
 

@@ -108,43 +108,54 @@ fn summary_steps(out: &std::path::Path) -> Vec<Value> {
     summary["steps"].as_array().unwrap().clone()
 }
 
-/// The targets' protocol, dppo's side on the attention variant `--attention-kernel` names.
+/// The targets' protocol, dppo's side on the attention variant `--attention-kernel` names;
+/// with `fastest`, each shape's on the fastest variant of its kernels' bench (skipped on the
+/// CPU, so the default).
 #[test]
 fn gpu_check_targets_dry_run_measures_each_target() {
-    let dir = tempfile::tempdir().unwrap();
-    let args = ["--dry-run", "--targets", "--attention-kernel", "mma"];
-    let (ok, text) = gpu_check(&args, dir.path());
-    assert!(ok, "{text}");
-    let steps = summary_steps(dir.path());
-    let names: Vec<&str> = steps.iter().map(|s| s["name"].as_str().unwrap()).collect();
     let shape = "smollm2-135m";
-    let expected = [
-        "doctor".to_string(),
-        format!("target-floor-{shape}"),
-        format!("target-rollout-{shape}"),
-        format!("target-hf-{shape}"),
-        format!("target-timed-{shape}"),
-        format!("target-untracked-{shape}"),
-    ];
-    assert_eq!(names, expected, "{text}");
-    let rollout = &steps[2]["numbers"];
-    assert_eq!(rollout["complete"], true, "{text}");
-    assert_eq!(rollout["attention_kernel"], "mma", "{text}");
-    assert_eq!(steps[4]["status"], "ok", "{text}");
-    assert_eq!(steps[5]["status"], "ok", "{text}");
-    // The floor is measured on the CPU too; the speed over HF only where torch imports.
-    assert!(
-        text.contains(&format!("target {shape}: decode step")),
-        "{text}"
-    );
-    let hf = &steps[3];
-    if hf["status"] == "ok" {
-        // HF's prompts carry dppo's mean prompt length.
-        let mean = rollout["prompt_tokens_mean"].as_f64().unwrap();
-        assert_eq!(hf["numbers"]["prompt_len"], mean.round(), "{text}");
-        assert!(text.contains(&format!("target {shape}: dppo ")), "{text}");
-    } else {
-        assert_eq!(hf["status"], "skipped", "{text}");
+    for (kernel, bench, used) in [("mma", false, "mma"), ("fastest", true, "s1_v8")] {
+        let dir = tempfile::tempdir().unwrap();
+        let args = ["--dry-run", "--targets", "--attention-kernel", kernel];
+        let (ok, text) = gpu_check(&args, dir.path());
+        assert!(ok, "{text}");
+        let steps = summary_steps(dir.path());
+        let names: Vec<&str> = steps.iter().map(|s| s["name"].as_str().unwrap()).collect();
+        let mut expected = vec!["doctor".to_string()];
+        if bench {
+            expected.push(format!("attention-{shape}-b1024"));
+        }
+        expected.extend(
+            ["floor", "rollout", "hf", "timed", "untracked"].map(|s| format!("target-{s}-{shape}")),
+        );
+        assert_eq!(names, expected, "{text}");
+        let step = |name: &str| {
+            let at = names.iter().position(|n| *n == format!("target-{name}-{shape}"));
+            steps[at.unwrap()].clone()
+        };
+        let rollout = &step("rollout")["numbers"];
+        assert_eq!(rollout["complete"], true, "{text}");
+        // Every dppo row runs the kernel chosen, the rows after the protocol included.
+        for name in ["floor", "rollout", "timed", "untracked"] {
+            let row = step(name);
+            assert_eq!(row["status"], "ok", "{name}: {text}");
+            assert_eq!(row["numbers"]["attention_kernel"], used, "{name}: {text}");
+        }
+        // The floor is measured on the CPU too; the speed over HF only where torch imports.
+        assert!(
+            text.contains(&format!("target {shape}: decode step")),
+            "{text}"
+        );
+        let hf = step("hf");
+        if hf["status"] == "ok" {
+            // HF's prompts carry dppo's mean prompt length.
+            let mean = rollout["prompt_tokens_mean"].as_f64().unwrap();
+            assert_eq!(hf["numbers"]["prompt_len"], mean.round(), "{text}");
+            let line = format!("target {shape}: dppo (attention kernel {used}) ");
+            assert!(text.contains(&line), "{text}");
+        } else {
+            assert_eq!(hf["status"], "skipped", "{text}");
+        }
     }
 }
 
@@ -380,8 +391,8 @@ fn gpu_check_summarises_the_attention_bench_fastest_first() {
 }
 
 /// `gpu_check.py fastest` names the variant of the highest tokens/s among the rollouts'
-/// outputs, skipping one that did not finish or whose kernel check the doctor failed, and
-/// prints nothing when none did.
+/// outputs (of the fewest microseconds among a kernel bench's rows), skipping one that did not
+/// finish or whose kernel check the doctor failed, and prints nothing when none did.
 #[test]
 fn gpu_check_fastest_picks_the_variant_of_the_highest_rate() {
     let dir = tempfile::tempdir().unwrap();
@@ -424,7 +435,30 @@ fn gpu_check_fastest_picks_the_variant_of_the_highest_rate() {
             "\n"
         ),
     );
-    let mut with_doctor = vec!["--doctor".to_string(), doctor];
+    let mut with_doctor = vec!["--doctor".to_string(), doctor.clone()];
     with_doctor.extend(files.iter().cloned());
     assert_eq!(fastest(&with_doctor), "--attention-kernel s8_v32\n");
+    // `bench attention`'s rows: the fewest microseconds a call, of the variants that ran and
+    // that the doctor passed.
+    let bench = write(
+        "bench.out",
+        concat!(
+            r#"{"shape": "qwen2.5-0.5b", "rows": ["#,
+            r#"{"attention_kernel": "s1_v8", "us_per_call": 374.0}, "#,
+            r#"{"attention_kernel": "mma", "us_per_call": 60.0}, "#,
+            r#"{"attention_kernel": "s8_v32", "error": "no"}, "#,
+            r#"{"attention_kernel": "s1_v16", "us_per_call": 300.0}]}"#,
+            "\n"
+        ),
+    );
+    assert_eq!(fastest(&[bench.clone()]), "--attention-kernel mma\n");
+    let vetted = [String::from("--doctor"), doctor, bench.clone()];
+    assert_eq!(fastest(&vetted), "--attention-kernel s1_v16\n");
+    // A rate in tokens and one in calls do not compare.
+    let out = std::process::Command::new("python3")
+        .arg(repo_root().join("scripts/gpu_check.py"))
+        .args(["fastest", &bench, &files[0]])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
 }
