@@ -130,7 +130,9 @@ fn gpu_check_targets_dry_run_measures_each_target() {
         );
         assert_eq!(names, expected, "{text}");
         let step = |name: &str| {
-            let at = names.iter().position(|n| *n == format!("target-{name}-{shape}"));
+            let at = names
+                .iter()
+                .position(|n| *n == format!("target-{name}-{shape}"));
             steps[at.unwrap()].clone()
         };
         let rollout = &step("rollout")["numbers"];
@@ -451,7 +453,10 @@ fn gpu_check_fastest_picks_the_variant_of_the_highest_rate() {
             "\n"
         ),
     );
-    assert_eq!(fastest(&[bench.clone()]), "--attention-kernel mma\n");
+    assert_eq!(
+        fastest(std::slice::from_ref(&bench)),
+        "--attention-kernel mma\n"
+    );
     let vetted = [String::from("--doctor"), doctor, bench.clone()];
     assert_eq!(fastest(&vetted), "--attention-kernel s1_v16\n");
     // A rate in tokens and one in calls do not compare.

@@ -4,18 +4,25 @@
 // check-kernels: -DATTENTION_VARIANTS
 #line 6 "kernels/paged_attention_mma.cu"
 
-// The attention on tensor cores (variant `mma`; bf16 and f16, head_dim D of 64 or 128, up to
-// 16 pairs a tile): the grid, partial outputs and epilogue of paged_attention. Each warp
-// takes every NWARPS-th run of MMA_KEYS keys of the block's split with an online softmax of
-// its own. The scores are m16n8k16 products: the tile's pairs (padded with zero queries) are
-// the 16 rows of A, K read in place is B, 8 keys a product. The probabilities, rounded to T,
-// stay in registers as the A operand of the value product, whose B is V, 8 dimensions a
-// product. The warps' maxima, sums and outputs meet once, after the last run, in warp order.
+// The attention on tensor cores (variants `mma` and `mma_staged`; bf16 and f16, head_dim D
+// of 64 or 128, up to 16 pairs a tile): the grid, partial outputs and epilogue of
+// paged_attention. Each warp takes every NWARPS-th run of MMA_KEYS keys of the block's split
+// with an online softmax of its own. The scores are m16n8k16 products: the tile's pairs
+// (padded with zero queries) are the 16 rows of A, K is B, 8 keys a product. The
+// probabilities, rounded to T, stay in registers as the A operand of the value product, whose
+// B is V, 8 dimensions a product. The warps' maxima, sums and outputs meet once, after the
+// last run, in warp order. `mma` reads each lane's K and V elements from the pool straight
+// into its fragments; `mma_staged` copies the run's K and V rows whole into the warp's share
+// of shared memory (16-byte asynchronous copies) and takes the fragments from there with
+// ldmatrix: fewer, wider loads for the same operands, so the same arithmetic.
 #define MMA_KEYS 16
 #define MMA_ROWS 16
 // A warp's outputs in shared memory are rows of D + MMA_PAD floats, so that the lanes'
 // 8-byte stores of a half-warp fall in distinct banks.
 #define MMA_PAD 8
+// A staged K or V row is D + MMA_KPAD elements, so that the eight rows an ldmatrix reads at
+// once fall in distinct banks.
+#define MMA_KPAD 8
 
 template <typename T> struct IsBf16 { static constexpr bool value = false; };
 template <> struct IsBf16<bf16> { static constexpr bool value = true; };
@@ -74,9 +81,155 @@ __device__ __forceinline__ void mma16816(float c[4], const unsigned int a[4],
 #endif
 }
 
-// Shared memory, floats: each warp's maxima and sums (MMA_ROWS each), its outputs
-// (MMA_ROWS rows of D + MMA_PAD), then each pair's maximum and sum over the warps.
+// 16 bytes from global `src` to shared `dst` without waiting (zeros where !live: nothing is
+// read), complete at the next cp_async_wait_all.
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool live) {
+#ifdef __CUDA_ARCH__
+    const unsigned int to = (unsigned int)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(to), "l"(src), "r"(live ? 16 : 0) : "memory");
+#else
+    if (live) memcpy(dst, src, 16);
+    else memset(dst, 0, 16);
+#endif
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+#ifdef __CUDA_ARCH__
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
+// Four 8 x 8 matrices of 16-bit elements from shared memory, a register each, in mma's
+// fragment order: lane 8 i + j gives row j of matrix i at `base + offset`, and lane l gets row
+// l / 4's elements 2 (l % 4) and 2 (l % 4) + 1; with TRANS, column l / 4's (the matrix read
+// transposed). PTX ISA, "ldmatrix". The host's version gathers the offsets by shuffles.
+template <bool TRANS, typename T>
+__device__ __forceinline__ void ldmatrix_x4(unsigned int r[4], const T *base, unsigned int offset) {
+#ifdef __CUDA_ARCH__
+    const unsigned int at = (unsigned int)__cvta_generic_to_shared(base + offset);
+    if constexpr (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(at) : "memory");
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(at) : "memory");
+#else
+    const unsigned int lane = threadIdx.x % WARP;
+    for (unsigned int i = 0; i < 4; ++i) {
+        T e[2];
+        for (unsigned int c = 0; c < 2; ++c) {
+            const unsigned int row = TRANS ? 2 * (lane % 4) + c : lane / 4;
+            const unsigned int col = TRANS ? lane / 4 : 2 * (lane % 4) + c;
+            e[c] = base[__shfl_sync(FULL_MASK, offset, 8 * i + row) + col];
+        }
+        r[i] = pack2(e[0], e[1]);
+    }
+#endif
+}
+
+// A run's operands: kb[nt][ks] the scores' B (keys 8 nt + quad, dimensions 16 ks + 2 pos and
+// + 8), vb[nd] the values' B (keys 2 pos, 2 pos + 1, 8 + 2 pos, 9 + 2 pos of dimension
+// 8 nd + quad), zeros for keys at or past `end`. Lane i of the warp holds key j0 + i % 16's
+// slot.
+template <typename T, unsigned int D> struct RunOperands {
+    unsigned int kb[2][D / 16][2];
+    unsigned int vb[D / 8][2];
+};
+
+// `mma`: each lane loads its fragments' elements from the pool.
 template <typename T, unsigned int D>
+__device__ __forceinline__ void load_run(RunOperands<T, D> &o, const T *k_head, const T *v_head,
+                                         unsigned int row_len, unsigned int my_slot,
+                                         unsigned int j0, unsigned int end) {
+    const unsigned int lane = threadIdx.x % WARP, quad = lane / 4, pos = lane % 4;
+    T zero;
+    zero.x = 0;
+#pragma unroll
+    for (unsigned int nt = 0; nt < 2; ++nt) {
+        const unsigned int key = 8 * nt + quad;
+        const unsigned int slot = __shfl_sync(FULL_MASK, my_slot, key);
+        const bool live = j0 + key < end;
+        const T *k = k_head + (size_t)slot * row_len + 2 * pos;
+#pragma unroll
+        for (unsigned int ks = 0; ks < D / 16; ++ks) {
+            o.kb[nt][ks][0] = live ? Pack<T, 4>(k + 16 * ks).raw.w[0] : 0u;
+            o.kb[nt][ks][1] = live ? Pack<T, 4>(k + 16 * ks + 8).raw.w[0] : 0u;
+        }
+    }
+    unsigned int vslot[4];
+    bool vlive[4];
+#pragma unroll
+    for (unsigned int x = 0; x < 4; ++x) {
+        const unsigned int key = 2 * pos + x % 2 + 8 * (x / 2);
+        vslot[x] = __shfl_sync(FULL_MASK, my_slot, key);
+        vlive[x] = j0 + key < end;
+    }
+#pragma unroll
+    for (unsigned int nd = 0; nd < D / 8; ++nd) {
+        T e[4];
+#pragma unroll
+        for (unsigned int x = 0; x < 4; ++x)
+            e[x] = vlive[x] ? v_head[(size_t)vslot[x] * row_len + 8 * nd + quad] : zero;
+        o.vb[nd][0] = pack2(e[0], e[1]);
+        o.vb[nd][1] = pack2(e[2], e[3]);
+    }
+}
+
+// `mma_staged`: the warp copies the run's K and V rows into `stage` (MMA_KEYS rows of each,
+// D + MMA_KPAD elements a row, K first), then reads the fragments with ldmatrix.
+template <typename T, unsigned int D>
+__device__ __forceinline__ void stage_run(RunOperands<T, D> &o, T *stage, const T *k_head,
+                                          const T *v_head, unsigned int row_len,
+                                          unsigned int my_slot, unsigned int j0,
+                                          unsigned int end) {
+    constexpr unsigned int ROW = D + MMA_KPAD, PIECES = D / 8;
+    const unsigned int lane = threadIdx.x % WARP;
+    T *k_stage = stage, *v_stage = stage + MMA_KEYS * ROW;
+    // The previous run's ldmatrix reads are done before its rows are overwritten.
+    __syncwarp();
+#pragma unroll
+    for (unsigned int c = lane; c < MMA_KEYS * PIECES; c += WARP) {
+        const unsigned int key = c / PIECES, piece = c % PIECES;
+        const unsigned int slot = __shfl_sync(FULL_MASK, my_slot, key);
+        const bool live = j0 + key < end;
+        const size_t from = (size_t)slot * row_len + 8 * piece;
+        cp_async16(k_stage + key * ROW + 8 * piece, k_head + from, live);
+        cp_async16(v_stage + key * ROW + 8 * piece, v_head + from, live);
+    }
+    cp_async_wait_all();
+    __syncwarp();
+    // Lane 8 i + j points at row j of matrix i: for K, matrices (keys 8 nt.., dimensions
+    // 16 ks..), (.., 16 ks + 8..), (.., 16 (ks + 1)..), (.., 16 (ks + 1) + 8..); for V read
+    // transposed, (keys 0.., dimensions 8 nd..), (keys 8.., 8 nd..), (keys 0.., 8 (nd + 1)..),
+    // (keys 8.., 8 (nd + 1)..).
+    const unsigned int mi = lane / 8, mr = lane % 8;
+    unsigned int r[4];
+#pragma unroll
+    for (unsigned int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (unsigned int ks = 0; ks < D / 16; ks += 2) {
+            ldmatrix_x4<false>(r, k_stage, (8 * nt + mr) * ROW + 16 * (ks + mi / 2) + 8 * (mi % 2));
+            o.kb[nt][ks][0] = r[0];
+            o.kb[nt][ks][1] = r[1];
+            o.kb[nt][ks + 1][0] = r[2];
+            o.kb[nt][ks + 1][1] = r[3];
+        }
+#pragma unroll
+    for (unsigned int nd = 0; nd < D / 8; nd += 2) {
+        ldmatrix_x4<true>(r, v_stage, (8 * (mi % 2) + mr) * ROW + 8 * (nd + mi / 2));
+        o.vb[nd][0] = r[0];
+        o.vb[nd][1] = r[1];
+        o.vb[nd + 1][0] = r[2];
+        o.vb[nd + 1][1] = r[3];
+    }
+}
+
+// Shared memory, floats: each warp's maxima and sums (MMA_ROWS each), its outputs
+// (MMA_ROWS rows of D + MMA_PAD), then each pair's maximum and sum over the warps. With
+// STAGED, the same bytes first hold each warp's staged rows (2 MMA_KEYS rows of D + MMA_KPAD
+// elements a warp, fewer bytes than the outputs').
+template <typename T, unsigned int D, bool STAGED>
 __device__ void paged_attention_mma(
     const T *q, const T *k_cache, const T *v_cache, const unsigned int *tiles,
     const unsigned int *block_tables, unsigned int heads, unsigned int kv_heads,
@@ -91,8 +244,10 @@ __device__ void paged_attention_mma(
     const unsigned int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
     // A lane's fragment rows are pairs `quad` and `quad + 8`, its columns 2 pos and 2 pos + 1.
     const unsigned int quad = lane / 4, pos = lane % 4;
-    T zero;
-    zero.x = 0;
+    static_assert(2 * MMA_KEYS * (D + MMA_KPAD) * sizeof(T) <=
+                      (2 + D + MMA_PAD) * MMA_ROWS * sizeof(float),
+                  "a warp's staged rows fit in its share of the outputs' bytes");
+    T *stage = reinterpret_cast<T *>(smem) + warp * 2 * MMA_KEYS * (D + MMA_KPAD);
 
     // The queries as A operands, a product's 16 dimensions each.
     unsigned int qa[D / 16][4];
@@ -118,8 +273,7 @@ __device__ void paged_attention_mma(
     const unsigned int start = split * split_len;
     const unsigned int end = min(start + split_len, keys);
     const unsigned int *table = block_tables + (size_t)seq * table_width;
-    const T *k_head = k_cache + kh * D + 2 * pos;
-    const T *v_head = v_cache + kh * D + quad;
+    const T *k_head = k_cache + kh * D, *v_head = v_cache + kh * D;
     // Lane i looks up key j0 + i % 16's slot, a run ahead; the others come by shuffles. Keys
     // past `end` read nothing and count as zeros. (The lookup itself reads a key before `end`,
     // keys >= 1, so that it needs no branch.)
@@ -132,40 +286,10 @@ __device__ void paged_attention_mma(
     for (unsigned int j0 = start + warp * MMA_KEYS; j0 < end; j0 += NWARPS * MMA_KEYS) {
         const unsigned int my_slot = next_slot;
         next_slot = slot_of(j0 + NWARPS * MMA_KEYS);
-        // The run's K and V go out together. The scores' B operands: keys 8 nt + quad,
-        // dimensions 16 ks + 2 pos (and + 8). The values': keys 2 pos, 2 pos + 1, 8 + 2 pos,
-        // 9 + 2 pos of dimension 8 nd + quad.
-        unsigned int kb[2][D / 16][2];
-#pragma unroll
-        for (unsigned int nt = 0; nt < 2; ++nt) {
-            const unsigned int key = 8 * nt + quad;
-            const unsigned int slot = __shfl_sync(FULL_MASK, my_slot, key);
-            const bool live = j0 + key < end;
-            const T *k = k_head + (size_t)slot * row_len;
-#pragma unroll
-            for (unsigned int ks = 0; ks < D / 16; ++ks) {
-                kb[nt][ks][0] = live ? Pack<T, 4>(k + 16 * ks).raw.w[0] : 0u;
-                kb[nt][ks][1] = live ? Pack<T, 4>(k + 16 * ks + 8).raw.w[0] : 0u;
-            }
-        }
-        unsigned int vslot[4];
-        bool vlive[4];
-#pragma unroll
-        for (unsigned int x = 0; x < 4; ++x) {
-            const unsigned int key = 2 * pos + x % 2 + 8 * (x / 2);
-            vslot[x] = __shfl_sync(FULL_MASK, my_slot, key);
-            vlive[x] = j0 + key < end;
-        }
-        unsigned int vb[D / 8][2];
-#pragma unroll
-        for (unsigned int nd = 0; nd < D / 8; ++nd) {
-            T e[4];
-#pragma unroll
-            for (unsigned int x = 0; x < 4; ++x)
-                e[x] = vlive[x] ? v_head[(size_t)vslot[x] * row_len + 8 * nd] : zero;
-            vb[nd][0] = pack2(e[0], e[1]);
-            vb[nd][1] = pack2(e[2], e[3]);
-        }
+        // The run's K and V go out together.
+        RunOperands<T, D> o;
+        if constexpr (STAGED) stage_run<T, D>(o, stage, k_head, v_head, row_len, my_slot, j0, end);
+        else load_run<T, D>(o, k_head, v_head, row_len, my_slot, j0, end);
         // Scores: s[nt][i] is pair quad + 8 (i / 2) against key j0 + 8 nt + 2 pos + i % 2.
         float s[2][4];
 #pragma unroll
@@ -173,7 +297,7 @@ __device__ void paged_attention_mma(
 #pragma unroll
             for (unsigned int i = 0; i < 4; ++i) s[nt][i] = 0.0f;
 #pragma unroll
-            for (unsigned int ks = 0; ks < D / 16; ++ks) mma16816<T>(s[nt], qa[ks], kb[nt][ks]);
+            for (unsigned int ks = 0; ks < D / 16; ++ks) mma16816<T>(s[nt], qa[ks], o.kb[nt][ks]);
         }
         // Online softmax of each of the lane's two rows over the run: the quad's maximum, the
         // probabilities rounded to T (the value product's operand, and what the sum adds).
@@ -220,10 +344,12 @@ __device__ void paged_attention_mma(
             }
         }
 #pragma unroll
-        for (unsigned int nd = 0; nd < D / 8; ++nd) mma16816<T>(acc[nd], pa, vb[nd]);
+        for (unsigned int nd = 0; nd < D / 8; ++nd) mma16816<T>(acc[nd], pa, o.vb[nd]);
     }
 
-    // The warps meet: each one's rows in shared memory, merged in warp order.
+    // The warps meet: each one's rows in shared memory, merged in warp order (once every warp
+    // is done with its staged rows, which those bytes held).
+    if constexpr (STAGED) __syncthreads();
     float *w_max = smem, *w_sum = w_max + NWARPS * MMA_ROWS, *w_acc = w_sum + NWARPS * MMA_ROWS;
 #pragma unroll
     for (unsigned int r = 0; r < 2; ++r) {
@@ -277,24 +403,30 @@ __device__ void paged_attention_mma(
     }
 }
 
-// paged_attention_<dtype>_mma_d<D>: the attention on tensor cores for head_dim D.
-#define ATTENTION_MMA(NAME, T, D)                                                               \
-    extern "C" __global__ void __launch_bounds__(THREADS) paged_attention_##NAME##_mma_d##D(   \
-        const T *q, const T *k_cache, const T *v_cache, const unsigned int *tiles,             \
-        const unsigned int *block_tables, unsigned int heads, unsigned int kv_heads,           \
-        unsigned int head_dim, unsigned int block_size, unsigned int table_width,               \
-        unsigned int split_len, float scale, float *part_acc, float *part_max,                 \
-        float *part_sum, T *out) {                                                              \
-        paged_attention_mma<T, D>(q, k_cache, v_cache, tiles, block_tables, heads, kv_heads,   \
-                                  block_size, table_width, split_len, scale, part_acc,         \
-                                  part_max, part_sum, out);                                     \
+// paged_attention_<dtype>_<VARIANT>_d<D>: the attention on tensor cores for head_dim D.
+#define ATTENTION_MMA(NAME, T, D, VARIANT, STAGED)                                             \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                      \
+        paged_attention_##NAME##_##VARIANT##_d##D(                                              \
+            const T *q, const T *k_cache, const T *v_cache, const unsigned int *tiles,         \
+            const unsigned int *block_tables, unsigned int heads, unsigned int kv_heads,       \
+            unsigned int head_dim, unsigned int block_size, unsigned int table_width,           \
+            unsigned int split_len, float scale, float *part_acc, float *part_max,             \
+            float *part_sum, T *out) {                                                          \
+        paged_attention_mma<T, D, STAGED>(q, k_cache, v_cache, tiles, block_tables, heads,     \
+                                          kv_heads, block_size, table_width, split_len, scale, \
+                                          part_acc, part_max, part_sum, out);                   \
     }
 
-// The variants' module only (`-DATTENTION_VARIANTS`). Tensor cores take bf16 from sm_80: an
-// older GPU's module holds no `mma` kernels, and looking one up fails, naming it.
+// The variants' module only (`-DATTENTION_VARIANTS`). Tensor cores take bf16 from sm_80 (and
+// cp.async and ldmatrix need it): an older GPU's module holds no tensor-core kernels, and
+// looking one up fails, naming it.
 #if defined(ATTENTION_VARIANTS) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
-ATTENTION_MMA(bf16, bf16, 64)
-ATTENTION_MMA(bf16, bf16, 128)
-ATTENTION_MMA(f16, f16, 64)
-ATTENTION_MMA(f16, f16, 128)
+ATTENTION_MMA(bf16, bf16, 64, mma, false)
+ATTENTION_MMA(bf16, bf16, 128, mma, false)
+ATTENTION_MMA(f16, f16, 64, mma, false)
+ATTENTION_MMA(f16, f16, 128, mma, false)
+ATTENTION_MMA(bf16, bf16, 64, mma_staged, true)
+ATTENTION_MMA(bf16, bf16, 128, mma_staged, true)
+ATTENTION_MMA(f16, f16, 64, mma_staged, true)
+ATTENTION_MMA(f16, f16, 128, mma_staged, true)
 #endif

@@ -68,8 +68,8 @@ pub struct RolloutArgs {
     /// An experiment with the paged CUDA kernels (ignored elsewhere): the attention kernel's
     /// variant. `s<K>_v<V>` keeps K 16-byte K loads and V loads of V in flight a thread
     /// (`s1_v8`, the default, is the one measured on GPUs), `_split` splits the value pass
-    /// over key groups, `mma` runs scores and values on tensor cores (bf16 and f16);
-    /// docs/gpu.md has each.
+    /// over key groups, `mma` runs scores and values on tensor cores (bf16 and f16), and
+    /// `mma_staged` does so on operands staged through shared memory; docs/gpu.md has each.
     #[arg(long, default_value = "s1_v8")]
     attention_kernel: AttentionKernel,
     /// The attention backend, as `engine.attention`: auto, cpu, generic or cuda.

@@ -373,9 +373,12 @@ fn attend<T: CudaDType + DeviceRepr>(
     let device = &q.device;
     let dtype = q.dtype();
     let (start, end) = q_layout.contiguous_offsets().expect("checked contiguous");
-    if op.variant == AttentionKernel::Mma && !start.is_multiple_of(2) {
+    if op.variant.is_mma() && !start.is_multiple_of(2) {
         // Its queries are read two elements at a time, in 4-byte words.
-        bail!("paged-attention: mma needs queries that start at an even element, not {start}");
+        bail!(
+            "paged-attention: {} needs queries that start at an even element, not {start}",
+            op.variant
+        );
     }
     let q = q.as_cuda_slice::<T>()?.slice(start..end);
     let (k, v) = (k.as_cuda_slice::<T>()?, v.as_cuda_slice::<T>()?);

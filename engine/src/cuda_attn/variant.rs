@@ -4,7 +4,8 @@
 //! loads in flight mean fewer round trips to memory a chunk of keys and more registers a
 //! thread. Their arithmetic and its order are the same except for the split value pass's.
 //! `mma` computes the scores and the values on tensor cores instead, with probabilities
-//! rounded to the element type (bf16 and f16 only). The twin follows every order.
+//! rounded to the element type (bf16 and f16 only); `mma_staged` does the same arithmetic on
+//! operands staged through shared memory. The twin follows every order.
 
 use std::fmt;
 use std::str::FromStr;
@@ -40,8 +41,9 @@ pub enum AttentionKernel {
         split_values: bool,
     },
     /// Scores and values as m16n8k16 products on tensor cores, each warp a quarter of the
-    /// keys (`paged_attention_mma`).
-    Mma,
+    /// keys (`paged_attention_mma`); `staged`: each run's K and V rows copied whole into
+    /// shared memory and the operands read from there by ldmatrix (the same arithmetic).
+    Mma { staged: bool },
 }
 
 impl AttentionKernel {
@@ -49,9 +51,10 @@ impl AttentionKernel {
     /// only one measured on a GPU so far, and the only one in the module loaded at start.
     /// The others are listed likeliest winner first (`gpu-check --profile` races them in
     /// this order, so a spent budget drops the last).
-    pub const VARIANTS: [Self; 7] = [
+    pub const VARIANTS: [Self; 8] = [
         Self::new(1, 8),
-        Self::Mma,
+        Self::Mma { staged: true },
+        Self::Mma { staged: false },
         Self::split(8, 4),
         Self::new(1, 16),
         Self::new(1, 32),
@@ -76,6 +79,11 @@ impl AttentionKernel {
         }
     }
 
+    /// Whether this variant runs on tensor cores.
+    pub fn is_mma(self) -> bool {
+        matches!(self, Self::Mma { .. })
+    }
+
     /// Whether this is a scalar variant with the split value pass.
     pub fn split_values(self) -> bool {
         matches!(
@@ -90,7 +98,8 @@ impl AttentionKernel {
     /// Dynamic shared memory of a block serving `pairs` pairs (the kernel's layout).
     pub fn shared_bytes(self, pairs: usize, head_dim: usize) -> usize {
         match self {
-            Self::Mma => 4 * (WARPS * MMA_ROWS * (2 + head_dim + MMA_PAD) + 2 * MMA_ROWS),
+            // The staged rows (fewer bytes) use the same bytes before the warps meet.
+            Self::Mma { .. } => 4 * (WARPS * MMA_ROWS * (2 + head_dim + MMA_PAD) + 2 * MMA_ROWS),
             _ if self.split_values() => {
                 let padded = pairs.next_multiple_of(SPLIT_PAIRS);
                 4 * (pairs * head_dim + SPLIT_PARTIALS + padded * CHUNK + CHUNK + 3 * padded)
@@ -123,10 +132,10 @@ impl AttentionKernel {
             return refuse("anything: the kernel source does not instantiate it".into());
         }
         match self {
-            Self::Mma if !matches!(dtype, DType::BF16 | DType::F16) => {
+            Self::Mma { .. } if !matches!(dtype, DType::BF16 | DType::F16) => {
                 refuse(format!("{dtype:?} (tensor cores take bf16 and f16)"))
             }
-            Self::Mma if pairs > MMA_ROWS || !MMA_HEAD_DIMS.contains(&heads.head_dim) => {
+            Self::Mma { .. } if pairs > MMA_ROWS || !MMA_HEAD_DIMS.contains(&heads.head_dim) => {
                 refuse(format!(
                     "{pairs} query heads and rows a tile at head_dim {} (it takes up to \
                      {MMA_ROWS} at head_dim {MMA_HEAD_DIMS:?})",
@@ -163,7 +172,7 @@ impl AttentionKernel {
     /// `head_dim` (the tensor-core kernel has one for each of [`MMA_HEAD_DIMS`]).
     pub fn kernel_name(self, dtype_suffix: &str, head_dim: usize) -> String {
         match self {
-            Self::Mma => format!("paged_attention_{dtype_suffix}_mma_d{head_dim}"),
+            Self::Mma { .. } => format!("paged_attention_{dtype_suffix}_{self}_d{head_dim}"),
             _ => format!("paged_attention_{dtype_suffix}_{self}"),
         }
     }
@@ -171,7 +180,7 @@ impl AttentionKernel {
     /// Every kernel of this variant the source instantiates.
     pub fn kernel_names(self) -> Vec<String> {
         match self {
-            Self::Mma => ["bf16", "f16"]
+            Self::Mma { .. } => ["bf16", "f16"]
                 .iter()
                 .flat_map(|t| MMA_HEAD_DIMS.map(|d| self.kernel_name(t, d)))
                 .collect(),
@@ -189,11 +198,12 @@ impl Default for AttentionKernel {
     }
 }
 
-/// `s<score loads>_v<value keys>[_split]` or `mma`, the kernels' suffix.
+/// `s<score loads>_v<value keys>[_split]`, `mma` or `mma_staged`, the kernels' suffix.
 impl fmt::Display for AttentionKernel {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match *self {
-            Self::Mma => write!(f, "mma"),
+            Self::Mma { staged: false } => write!(f, "mma"),
+            Self::Mma { staged: true } => write!(f, "mma_staged"),
             Self::Scalar {
                 score_loads,
                 value_keys,
@@ -222,7 +232,7 @@ impl FromStr for AttentionKernel {
                 EngineError::InvalidConfig(format!(
                     "no paged attention kernel {name:?}; the variants are {} (s: 16-byte K \
                      loads in flight, v: V loads in flight, split: the split value pass, mma: \
-                     tensor cores)",
+                     tensor cores, staged: their operands through shared memory)",
                     known.join(", ")
                 ))
             })
@@ -244,9 +254,11 @@ mod tests {
             .expect("the variants' section");
         for v in AttentionKernel::VARIANTS {
             let lines: Vec<String> = match v {
-                AttentionKernel::Mma => ["bf16, bf16", "f16, f16"]
+                AttentionKernel::Mma { staged } => ["bf16, bf16", "f16, f16"]
                     .iter()
-                    .flat_map(|t| MMA_HEAD_DIMS.map(|d| format!("ATTENTION_MMA({t}, {d})")))
+                    .flat_map(|t| {
+                        MMA_HEAD_DIMS.map(|d| format!("ATTENTION_MMA({t}, {d}, {v}, {staged})"))
+                    })
                     .collect(),
                 AttentionKernel::Scalar {
                     score_loads,
@@ -278,7 +290,7 @@ mod tests {
             "paged_attention_bf16_s1_v8"
         );
         assert_eq!(
-            AttentionKernel::Mma.kernel_names(),
+            AttentionKernel::Mma { staged: false }.kernel_names(),
             [
                 "paged_attention_bf16_mma_d64",
                 "paged_attention_bf16_mma_d128",
@@ -287,31 +299,36 @@ mod tests {
             ]
         );
         let err = "s2_v8".parse::<AttentionKernel>().unwrap_err().to_string();
-        assert!(err.contains("s1_v8, mma, s8_v4_split"), "{err}");
+        assert!(err.contains("s1_v8, mma_staged, mma, s8_v4_split"), "{err}");
+        assert_eq!(
+            AttentionKernel::Mma { staged: true }.kernel_name("f16", 128),
+            "paged_attention_f16_mma_staged_d128"
+        );
     }
 
-    /// The tensor-core kernel serves bf16 and f16 at head_dim 64 and 128 with up to 16 query
-    /// heads a KV head, and refuses the rest, naming it.
+    /// The tensor-core kernels serve bf16 and f16 at head_dim 64 and 128 with up to 16 query
+    /// heads a KV head, and refuse the rest, naming it.
     #[test]
-    fn the_tensor_core_variant_serves_its_dtypes_and_head_dims() {
+    fn the_tensor_core_variants_serve_their_dtypes_and_head_dims() {
         let heads = |group: usize, head_dim| Heads {
             num_heads: 2 * group,
             num_kv_heads: 2,
             head_dim,
         };
-        let mma = AttentionKernel::Mma;
-        for (group, head_dim) in [(1, 64), (7, 64), (6, 128), (16, 128)] {
-            for dtype in [DType::BF16, DType::F16] {
-                assert!(
-                    mma.serves(heads(group, head_dim), dtype),
-                    "{group} x {head_dim}"
-                );
+        for mma in AttentionKernel::VARIANTS.into_iter().filter(|v| v.is_mma()) {
+            for (group, head_dim) in [(1, 64), (7, 64), (6, 128), (16, 128)] {
+                for dtype in [DType::BF16, DType::F16] {
+                    assert!(
+                        mma.serves(heads(group, head_dim), dtype),
+                        "{mma}: {group} x {head_dim}"
+                    );
+                }
             }
+            let err = |h, dtype| mma.check_serves(h, dtype).unwrap_err().to_string();
+            assert!(err(heads(7, 64), DType::F32).contains("F32"));
+            assert!(err(heads(7, 256), DType::BF16).contains("head_dim 256"));
+            assert!(err(heads(32, 64), DType::BF16).contains("32 query heads"));
         }
-        let err = |h, dtype| mma.check_serves(h, dtype).unwrap_err().to_string();
-        assert!(err(heads(7, 64), DType::F32).contains("F32"));
-        assert!(err(heads(7, 256), DType::BF16).contains("head_dim 256"));
-        assert!(err(heads(32, 64), DType::BF16).contains("32 query heads"));
         assert!(AttentionKernel::default().serves(heads(7, 256), DType::F32));
     }
 

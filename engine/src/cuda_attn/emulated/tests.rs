@@ -168,7 +168,7 @@ fn the_widest_heads_fit_their_shared_memory() {
         .shared_bytes(AttentionKernel::default());
     assert!(widest > 40 * 1024 && widest <= 48 * 1024, "{widest} bytes");
     for variant in AttentionKernel::VARIANTS {
-        if variant != AttentionKernel::Mma {
+        if !variant.is_mma() {
             check_cases::<f32>(&f32_cases, variant);
         }
         check_cases::<half::bf16>(&cases(DType::BF16), variant);
@@ -183,7 +183,7 @@ fn head_dims_of_32_and_96_are_attended_whole() {
     let lens = [(150, 1), (0, 12), (40, 3)];
     let cases = |dtype| cases_of(31, &[(3, 32), (4, 96)], &lens, dtype);
     for variant in AttentionKernel::VARIANTS {
-        if variant != AttentionKernel::Mma {
+        if !variant.is_mma() {
             check_cases::<f32>(&cases(DType::F32), variant);
             check_cases::<half::bf16>(&cases(DType::BF16), variant);
         }
@@ -192,7 +192,8 @@ fn head_dims_of_32_and_96_are_attended_whole() {
 
 /// Every variant of the attention computes what its twin computes, bit for bit, over the
 /// checked batches in bf16 and f16: the scalar ones what the default computes (their twin
-/// is the same but for the split pass's order), `mma` its own blocks' order.
+/// is the same but for the split pass's order), `mma` and `mma_staged` their own blocks'
+/// order (the same for both: only where their operands come from differs).
 #[test]
 fn every_attention_variant_computes_what_its_twin_computes_bit_for_bit() {
     for variant in AttentionKernel::VARIANTS.into_iter().skip(1) {

@@ -2,7 +2,7 @@
 //! dot products, lanes, butterfly sums, online softmax and merge of splits, in the same order
 //! of operations (`mul_add` where the kernel calls `fmaf`), run from the same [`KernelPlan`].
 //! Its value pass sums each key group's share of a chunk apart, as the split variant's
-//! threads do (one group, every key, for the others); the tensor-core variant's blocks are
+//! threads do (one group, every key, for the others); the tensor-core variants' blocks are
 //! [`mma`]'s. Tested against [`super::reference`], so a GPU run checks only the
 //! translation to CUDA.
 
@@ -58,7 +58,9 @@ pub fn attention(
             for split in 0..plan.splits {
                 let at = (tile, kh, split);
                 match variant {
-                    AttentionKernel::Mma => mma::block(plan, at, (q, caches), scale, &mut parts),
+                    AttentionKernel::Mma { .. } => {
+                        mma::block(plan, at, (q, caches), scale, &mut parts)
+                    }
                     _ => block(plan, at, (q, caches, variant), scale, &mut parts),
                 }
             }
@@ -319,7 +321,7 @@ mod tests {
                     let variants = [
                         AttentionKernel::default(),
                         AttentionKernel::split(8, 4),
-                        AttentionKernel::Mma,
+                        AttentionKernel::Mma { staged: false },
                     ];
                     for variant in variants {
                         let (worst, plan) = worst_of(&case, min_blocks, variant);
