@@ -1,7 +1,7 @@
 //! The configs shipped in `configs/` parse and validate against the key table.
 
-use dppo_trainer::config::keys;
 use dppo_trainer::config::RunConfig;
+use dppo_trainer::config::{annotated, keys};
 
 /// Every key of every shipped config is in the key table with an allowed value:
 /// `from_file` rejects anything else, naming the file and line.
@@ -44,7 +44,7 @@ fn the_readme_names_only_real_keys() {
 fn the_configuration_reference_is_the_output_of_dppo_config() {
     let path = crate::util::repo_root().join("docs/configuration.md");
     let committed = std::fs::read_to_string(&path).unwrap();
-    let generated = keys::reference_markdown();
+    let generated = annotated::reference_markdown();
     let first_diff = committed
         .lines()
         .zip(generated.lines())
@@ -71,7 +71,7 @@ fn dppo_config_prints_the_effective_config_and_its_errors() {
     let mine = mine.to_str().unwrap();
     let (code, printed, stderr) = crate::util::run_dppo(&["config"]);
     assert_eq!(code, Some(0), "{stderr}");
-    let annotated = keys::annotated_toml(&RunConfig::default_with(&[]).unwrap());
+    let annotated = annotated::annotated_toml(&RunConfig::default_with(&[]).unwrap());
     assert_eq!(printed, annotated.trim_start());
     let (code, printed, stderr) =
         crate::util::run_dppo(&["config", "--config", mine, "--set", "dppo.r_o=0.7"]);

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use dppo_trainer::config::keys;
+use dppo_trainer::config::annotated;
 use dppo_trainer::config::RunConfig;
 
 /// The configuration flags of `dppo run` and `dppo config`.
@@ -37,13 +37,13 @@ pub struct Args {
 /// Prints the annotated configuration; invalid configs fail as `dppo run` fails on them.
 pub fn run(args: Args) -> anyhow::Result<()> {
     if args.markdown {
-        print!("{}", keys::reference_markdown());
+        print!("{}", annotated::reference_markdown());
         return Ok(());
     }
     let cfg = args.given.load()?;
     if let Some(note) = cfg.bias_note() {
         println!("# Note: {note}.\n");
     }
-    print!("{}", keys::annotated_toml(&cfg).trim_start());
+    print!("{}", annotated::annotated_toml(&cfg).trim_start());
     Ok(())
 }

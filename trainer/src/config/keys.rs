@@ -1,13 +1,12 @@
 //! The one table of configuration keys: each key's doc, the values it accepts and the name
-//! of the same setting in verl or TRL. Validation checks a configuration against it,
-//! `dppo config` prints it as comments, and `docs/configuration.md` is that output.
+//! of the same setting in verl or TRL. Validation checks a configuration against it, and
+//! `dppo config` prints it as comments ([`super::annotated`]).
 
 use std::fmt;
 
 use dppo_model::DeviceSpec;
 
 use super::rules::RULES;
-use super::RunConfig;
 
 /// One key of the configuration.
 pub struct KeyDoc {
@@ -338,60 +337,8 @@ pub const KEYS: &[KeyDoc] = &[
     key("checkpoint.keep", "checkpoints kept, newest first", int(1), Some("verl trainer.max_actor_ckpt_to_keep; TRL save_total_limit")),
 ];
 
-/// `cfg` as TOML, every key preceded by its doc, allowed values and peer name; optional
-/// keys that are unset appear commented out.
-pub fn annotated_toml(cfg: &RunConfig) -> String {
-    let table = toml::Table::try_from(cfg).expect("a RunConfig serialises to a TOML table");
-    let mut out = String::new();
-    let mut section = "";
-    for doc in KEYS {
-        let (parent, name) = doc.key.rsplit_once('.').unwrap_or(("", doc.key));
-        if parent != section {
-            out.push_str(&format!("\n[{parent}]\n"));
-            section = parent;
-        }
-        out.push_str(&format!(
-            "# {}. Allowed: {}.",
-            capitalise(doc.doc),
-            doc.allowed_text()
-        ));
-        if let Some(peer) = doc.peer {
-            out.push_str(&format!(" As {peer}."));
-        }
-        out.push('\n');
-        match lookup(&table, doc.key) {
-            Some(value) => out.push_str(&format!("{name} = {value}\n")),
-            None => out.push_str(&format!("# {name} is unset\n")),
-        }
-    }
-    out
-}
-
-/// `docs/configuration.md`: the default configuration, annotated.
-pub fn reference_markdown() -> String {
-    let cfg = RunConfig::default_with(&[]).expect("the built-in default is valid");
-    format!(
-        "# Configuration\n\n\
-         Every key of a `dppo run` configuration, with the built-in default's values. This \
-         page is the output of `dppo config` (regenerate it with \
-         `cargo run --release -- config --markdown > docs/configuration.md`; a test fails \
-         when it is stale). Override any key with `--set key=value`; `dppo config --config \
-         my.toml --set key=value` prints what a run would use.\n\n\
-         ```toml\n{}```\n",
-        annotated_toml(&cfg).trim_start()
-    )
-}
-
-fn capitalise(s: &str) -> String {
-    let mut chars = s.chars();
-    chars
-        .next()
-        .map(|c| c.to_uppercase().chain(chars).collect())
-        .unwrap_or_default()
-}
-
 /// The value at a dotted key of a TOML table.
-fn lookup<'a>(table: &'a toml::Table, key: &str) -> Option<&'a toml::Value> {
+pub(super) fn lookup<'a>(table: &'a toml::Table, key: &str) -> Option<&'a toml::Value> {
     let mut parts = key.split('.');
     let mut value = table.get(parts.next()?)?;
     for part in parts {
@@ -402,6 +349,7 @@ fn lookup<'a>(table: &'a toml::Table, key: &str) -> Option<&'a toml::Value> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::RunConfig;
     use super::*;
 
     /// Every dotted key of scalar (non-table) values in `table`.
@@ -490,18 +438,5 @@ mod tests {
         let devices = find("devices").unwrap().allowed;
         assert!(devices.admits(&value("v = [\"cpu\", \"cuda:1\"]")));
         assert!(!devices.admits(&value("v = [\"tpu\"]")));
-    }
-
-    #[test]
-    fn the_annotated_toml_parses_back_to_the_same_config() {
-        let sets = ["dppo.r_o=0.7".to_string(), "data.eval=held.jsonl".into()];
-        let cfg = RunConfig::default_with(&sets).unwrap();
-        let text = annotated_toml(&cfg);
-        assert!(text.contains("# Upper clip range"), "{text}");
-        assert!(text.contains("TRL epsilon_high"), "{text}");
-        let again = RunConfig::from_toml(&text, "annotated", &[]).unwrap();
-        assert_eq!(again, cfg);
-        let unset = annotated_toml(&RunConfig::default_with(&[]).unwrap());
-        assert!(unset.contains("# eval is unset"), "{unset}");
     }
 }

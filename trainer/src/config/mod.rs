@@ -5,6 +5,7 @@
 use dppo_model::DeviceSpec;
 use serde::{Deserialize, Serialize};
 
+pub mod annotated;
 mod check;
 pub mod keys;
 pub mod reward;
