@@ -13,8 +13,8 @@
 // B is V, 8 dimensions a product. The warps' maxima, sums and outputs meet once, after the
 // last run, in warp order. `mma` reads each lane's K and V elements from the pool straight
 // into its fragments; `mma_staged` copies the run's K and V rows whole into the warp's share
-// of shared memory (16-byte asynchronous copies) and takes the fragments from there with
-// ldmatrix: fewer, wider loads for the same operands, so the same arithmetic.
+// of shared memory (16-byte asynchronous copies, sent a run ahead) and takes the fragments
+// from there with ldmatrix: fewer, wider loads for the same operands, so the same arithmetic.
 #define MMA_KEYS 16
 #define MMA_ROWS 16
 // A warp's outputs in shared memory are rows of D + MMA_PAD floats, so that the lanes'
@@ -82,28 +82,39 @@ __device__ __forceinline__ void mma16816(float c[4], const unsigned int a[4],
 }
 
 // 16 bytes from global `src` to shared `dst` without waiting (zeros where !live: nothing is
-// read), complete at the next cp_async_wait_all.
+// read), in the group the next cp_async_commit closes.
+// (sm_80 and later; an older GPU's module has no caller.)
 __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool live) {
-#ifdef __CUDA_ARCH__
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     const unsigned int to = (unsigned int)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                 :: "r"(to), "l"(src), "r"(live ? 16 : 0) : "memory");
-#else
+                 :: "r"(to), "l"(__cvta_generic_to_global(src)), "r"(live ? 16 : 0)
+                 : "memory");
+#elif !defined(__CUDA_ARCH__)
     if (live) memcpy(dst, src, 16);
     else memset(dst, 0, 16);
 #endif
 }
 
-__device__ __forceinline__ void cp_async_wait_all() {
-#ifdef __CUDA_ARCH__
-    asm volatile("cp.async.wait_all;" ::: "memory");
+// Closes the group of the copies sent since the last one.
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+// Waits for this lane's groups but the latest (groups complete in order).
+__device__ __forceinline__ void cp_async_wait_all_but_latest() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group 1;" ::: "memory");
 #endif
 }
 
 // Four 8 x 8 matrices of 16-bit elements from shared memory, a register each, in mma's
 // fragment order: lane 8 i + j gives row j of matrix i at `base + offset`, and lane l gets row
-// l / 4's elements 2 (l % 4) and 2 (l % 4) + 1; with TRANS, column l / 4's (the matrix read
-// transposed). PTX ISA, "ldmatrix". The host's version gathers the offsets by shuffles.
+// l / 4's elements 2 (l % 4) and 2 (l % 4) + 1; with TRANS, column l / 4's elements at rows
+// 2 (l % 4) and 2 (l % 4) + 1 (the matrix read transposed). PTX ISA, "ldmatrix". The host's
+// version gathers the offsets by shuffles. (sm_75 and later.)
 template <bool TRANS, typename T>
 __device__ __forceinline__ void ldmatrix_x4(unsigned int r[4], const T *base, unsigned int offset) {
 #ifdef __CUDA_ARCH__
@@ -176,52 +187,70 @@ __device__ __forceinline__ void load_run(RunOperands<T, D> &o, const T *k_head, 
     }
 }
 
-// `mma_staged`: the warp copies the run's K and V rows into `stage` (MMA_KEYS rows of each,
-// D + MMA_KPAD elements a row, K first), then reads the fragments with ldmatrix.
+// `mma_staged`: the warp's copies of a run's MMA_KEYS rows of K or V (`head`) into `rows`
+// (D + MMA_KPAD elements a row), sent as one group without waiting for it. Without `any`
+// (no run left) the group is empty, so that a take can always wait for all groups but the
+// latest.
 template <typename T, unsigned int D>
-__device__ __forceinline__ void stage_run(RunOperands<T, D> &o, T *stage, const T *k_head,
-                                          const T *v_head, unsigned int row_len,
-                                          unsigned int my_slot, unsigned int j0,
-                                          unsigned int end) {
+__device__ __forceinline__ void stage_copy(T *rows, const T *head, unsigned int row_len,
+                                           unsigned int my_slot, unsigned int j0,
+                                           unsigned int end, bool any) {
     constexpr unsigned int ROW = D + MMA_KPAD, PIECES = D / 8;
     const unsigned int lane = threadIdx.x % WARP;
-    T *k_stage = stage, *v_stage = stage + MMA_KEYS * ROW;
-    // The previous run's ldmatrix reads are done before its rows are overwritten.
+    // Every lane has read the previous run's rows (the takes) before they are overwritten.
     __syncwarp();
+    if (any) {
 #pragma unroll
-    for (unsigned int c = lane; c < MMA_KEYS * PIECES; c += WARP) {
-        const unsigned int key = c / PIECES, piece = c % PIECES;
-        const unsigned int slot = __shfl_sync(FULL_MASK, my_slot, key);
-        const bool live = j0 + key < end;
-        const size_t from = (size_t)slot * row_len + 8 * piece;
-        cp_async16(k_stage + key * ROW + 8 * piece, k_head + from, live);
-        cp_async16(v_stage + key * ROW + 8 * piece, v_head + from, live);
+        for (unsigned int c = lane; c < MMA_KEYS * PIECES; c += WARP) {
+            const unsigned int key = c / PIECES, piece = c % PIECES;
+            const unsigned int slot = __shfl_sync(FULL_MASK, my_slot, key);
+            const size_t from = (size_t)slot * row_len + 8 * piece;
+            cp_async16(rows + key * ROW + 8 * piece, head + from, j0 + key < end);
+        }
     }
-    cp_async_wait_all();
+    cp_async_commit();
+}
+
+// `mma_staged`: the scores' B operands of the run whose K rows are `rows`, once their group
+// is in (every group but the latest). Lane 8 i + j points at row j of matrix i: (keys 8 nt..,
+// dimensions 16 ks..), (.., 16 ks + 8..), (.., 16 (ks + 1)..), (.., 16 (ks + 1) + 8..).
+template <typename T, unsigned int D>
+__device__ __forceinline__ void take_k(unsigned int kb[2][D / 16][2], const T *rows) {
+    constexpr unsigned int ROW = D + MMA_KPAD;
+    const unsigned int lane = threadIdx.x % WARP, mi = lane / 8, mr = lane % 8;
+    // Each lane's copies are in; the barrier makes them every lane's.
+    cp_async_wait_all_but_latest();
     __syncwarp();
-    // Lane 8 i + j points at row j of matrix i: for K, matrices (keys 8 nt.., dimensions
-    // 16 ks..), (.., 16 ks + 8..), (.., 16 (ks + 1)..), (.., 16 (ks + 1) + 8..); for V read
-    // transposed, (keys 0.., dimensions 8 nd..), (keys 8.., 8 nd..), (keys 0.., 8 (nd + 1)..),
-    // (keys 8.., 8 (nd + 1)..).
-    const unsigned int mi = lane / 8, mr = lane % 8;
     unsigned int r[4];
 #pragma unroll
     for (unsigned int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (unsigned int ks = 0; ks < D / 16; ks += 2) {
-            ldmatrix_x4<false>(r, k_stage, (8 * nt + mr) * ROW + 16 * (ks + mi / 2) + 8 * (mi % 2));
-            o.kb[nt][ks][0] = r[0];
-            o.kb[nt][ks][1] = r[1];
-            o.kb[nt][ks + 1][0] = r[2];
-            o.kb[nt][ks + 1][1] = r[3];
+            ldmatrix_x4<false>(r, rows, (8 * nt + mr) * ROW + 16 * (ks + mi / 2) + 8 * (mi % 2));
+            kb[nt][ks][0] = r[0];
+            kb[nt][ks][1] = r[1];
+            kb[nt][ks + 1][0] = r[2];
+            kb[nt][ks + 1][1] = r[3];
         }
+}
+
+// `mma_staged`: the values' B operands of the run whose V rows are `rows`, read transposed,
+// once their group is in: matrices (keys 0.., dimensions 8 nd..), (keys 8.., 8 nd..),
+// (keys 0.., 8 (nd + 1)..), (keys 8.., 8 (nd + 1)..).
+template <typename T, unsigned int D>
+__device__ __forceinline__ void take_v(unsigned int vb[D / 8][2], const T *rows) {
+    constexpr unsigned int ROW = D + MMA_KPAD;
+    const unsigned int lane = threadIdx.x % WARP, mi = lane / 8, mr = lane % 8;
+    cp_async_wait_all_but_latest();
+    __syncwarp();
+    unsigned int r[4];
 #pragma unroll
     for (unsigned int nd = 0; nd < D / 8; nd += 2) {
-        ldmatrix_x4<true>(r, v_stage, (8 * (mi % 2) + mr) * ROW + 8 * (nd + mi / 2));
-        o.vb[nd][0] = r[0];
-        o.vb[nd][1] = r[1];
-        o.vb[nd + 1][0] = r[2];
-        o.vb[nd + 1][1] = r[3];
+        ldmatrix_x4<true>(r, rows, (8 * (mi % 2) + mr) * ROW + 8 * (nd + mi / 2));
+        vb[nd][0] = r[0];
+        vb[nd][1] = r[1];
+        vb[nd + 1][0] = r[2];
+        vb[nd + 1][1] = r[3];
     }
 }
 
@@ -235,7 +264,7 @@ __device__ void paged_attention_mma(
     const unsigned int *block_tables, unsigned int heads, unsigned int kv_heads,
     unsigned int block_size, unsigned int table_width, unsigned int split_len, float scale,
     float *part_acc, float *part_max, float *part_sum, T *out) {
-    extern __shared__ float smem[];
+    extern __shared__ __align__(16) float smem[];
     const unsigned int tile = blockIdx.x, kh = blockIdx.y, split = blockIdx.z;
     const unsigned int splits = gridDim.z;
     const unsigned int seq = tiles[4 * tile], first_row = tiles[4 * tile + 1];
@@ -247,7 +276,9 @@ __device__ void paged_attention_mma(
     static_assert(2 * MMA_KEYS * (D + MMA_KPAD) * sizeof(T) <=
                       (2 + D + MMA_PAD) * MMA_ROWS * sizeof(float),
                   "a warp's staged rows fit in its share of the outputs' bytes");
-    T *stage = reinterpret_cast<T *>(smem) + warp * 2 * MMA_KEYS * (D + MMA_KPAD);
+    // `mma_staged`: the warp's staged K rows, then its V rows.
+    T *k_stage = reinterpret_cast<T *>(smem) + warp * 2 * MMA_KEYS * (D + MMA_KPAD);
+    T *v_stage = k_stage + MMA_KEYS * (D + MMA_KPAD);
 
     // The queries as A operands, a product's 16 dimensions each.
     unsigned int qa[D / 16][4];
@@ -282,14 +313,30 @@ __device__ void paged_attention_mma(
         const unsigned int slot = table[at / block_size] * block_size + at % block_size;
         return mine < end ? slot : 0u;
     };
-    unsigned int next_slot = slot_of(start + warp * MMA_KEYS);
-    for (unsigned int j0 = start + warp * MMA_KEYS; j0 < end; j0 += NWARPS * MMA_KEYS) {
-        const unsigned int my_slot = next_slot;
-        next_slot = slot_of(j0 + NWARPS * MMA_KEYS);
-        // The run's K and V go out together.
+    const unsigned int first = start + warp * MMA_KEYS, step = NWARPS * MMA_KEYS;
+    unsigned int next_slot = slot_of(first);
+    // `mma_staged` sends the first run's K and V copies (two groups) before the loop. Each run
+    // then takes its K operands and sends the next run's K copies, which its scores and
+    // softmax overlap; takes its V operands and sends the next run's V copies, which its
+    // value products and the next run's scores overlap; and looks up the slots of the run
+    // after.
+    if constexpr (STAGED) {
+        stage_copy<T, D>(k_stage, k_head, row_len, next_slot, first, end, first < end);
+        stage_copy<T, D>(v_stage, v_head, row_len, next_slot, first, end, first < end);
+        next_slot = slot_of(first + step);
+    }
+    for (unsigned int j0 = first; j0 < end; j0 += step) {
         RunOperands<T, D> o;
-        if constexpr (STAGED) stage_run<T, D>(o, stage, k_head, v_head, row_len, my_slot, j0, end);
-        else load_run<T, D>(o, k_head, v_head, row_len, my_slot, j0, end);
+        const bool more = j0 + step < end;
+        if constexpr (STAGED) {
+            take_k<T, D>(o.kb, k_stage);
+            stage_copy<T, D>(k_stage, k_head, row_len, next_slot, j0 + step, end, more);
+        } else {
+            // The run's K and V loads go out together.
+            const unsigned int my_slot = next_slot;
+            next_slot = slot_of(j0 + step);
+            load_run<T, D>(o, k_head, v_head, row_len, my_slot, j0, end);
+        }
         // Scores: s[nt][i] is pair quad + 8 (i / 2) against key j0 + 8 nt + 2 pos + i % 2.
         float s[2][4];
 #pragma unroll
@@ -342,6 +389,11 @@ __device__ void paged_attention_mma(
                 acc[nd][2 * r] *= alpha;
                 acc[nd][2 * r + 1] *= alpha;
             }
+        }
+        if constexpr (STAGED) {
+            take_v<T, D>(o.vb, v_stage);
+            stage_copy<T, D>(v_stage, v_head, row_len, next_slot, j0 + step, end, more);
+            next_slot = slot_of(j0 + 2 * step);
         }
 #pragma unroll
         for (unsigned int nd = 0; nd < D / 8; ++nd) mma16816<T>(acc[nd], pa, o.vb[nd]);
@@ -403,9 +455,12 @@ __device__ void paged_attention_mma(
     }
 }
 
-// paged_attention_<dtype>_<VARIANT>_d<D>: the attention on tensor cores for head_dim D.
-#define ATTENTION_MMA(NAME, T, D, VARIANT, STAGED)                                             \
-    extern "C" __global__ void __launch_bounds__(THREADS)                                      \
+// paged_attention_<dtype>_<VARIANT>_d<D>: the attention on tensor cores for head_dim D, at
+// least MIN_BLOCKS blocks a multiprocessor (ptxas 13.0, sm_90, bf16: `mma_staged` fits 4 at
+// head_dim 64 in 122 registers and 3 at 128 in 168, 8 bytes spilled; `mma` fits 4 at 64 in
+// 128, and at 128 spills 128 bytes if asked for 3, so it is asked for 2, in 218).
+#define ATTENTION_MMA(NAME, T, D, VARIANT, STAGED, MIN_BLOCKS)                                 \
+    extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)                          \
         paged_attention_##NAME##_##VARIANT##_d##D(                                              \
             const T *q, const T *k_cache, const T *v_cache, const unsigned int *tiles,         \
             const unsigned int *block_tables, unsigned int heads, unsigned int kv_heads,       \
@@ -421,12 +476,12 @@ __device__ void paged_attention_mma(
 // cp.async and ldmatrix need it): an older GPU's module holds no tensor-core kernels, and
 // looking one up fails, naming it.
 #if defined(ATTENTION_VARIANTS) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
-ATTENTION_MMA(bf16, bf16, 64, mma, false)
-ATTENTION_MMA(bf16, bf16, 128, mma, false)
-ATTENTION_MMA(f16, f16, 64, mma, false)
-ATTENTION_MMA(f16, f16, 128, mma, false)
-ATTENTION_MMA(bf16, bf16, 64, mma_staged, true)
-ATTENTION_MMA(bf16, bf16, 128, mma_staged, true)
-ATTENTION_MMA(f16, f16, 64, mma_staged, true)
-ATTENTION_MMA(f16, f16, 128, mma_staged, true)
+ATTENTION_MMA(bf16, bf16, 64, mma, false, 4)
+ATTENTION_MMA(bf16, bf16, 128, mma, false, 2)
+ATTENTION_MMA(f16, f16, 64, mma, false, 4)
+ATTENTION_MMA(f16, f16, 128, mma, false, 2)
+ATTENTION_MMA(bf16, bf16, 64, mma_staged, true, 4)
+ATTENTION_MMA(bf16, bf16, 128, mma_staged, true, 3)
+ATTENTION_MMA(f16, f16, 64, mma_staged, true, 4)
+ATTENTION_MMA(f16, f16, 128, mma_staged, true, 3)
 #endif

@@ -77,7 +77,10 @@ pub struct Case {
 
 impl Case {
     /// `lens[i]` = (cached, new) tokens of sequence `i`. Blocks are drawn from a shuffled
-    /// pool twice the size needed, leaving holes; with `fork`, sequence 1 shares sequence
+    /// pool twice the size needed, leaving holes, and never block 0: the tensor-core kernels
+    /// point a key past a split's end at slot 0 and must not read it, and its NaN rows
+    /// (see [`Case::cached_pool`]) poison the output if they do. With `fork`, sequence 1
+    /// shares sequence
     /// 0's full cached blocks and their contents (a forked sample). Values are rounded by
     /// `round` (to the dtype the check runs in).
     pub fn new(
@@ -90,7 +93,7 @@ impl Case {
         let bs = BLOCK_SIZE;
         let need: usize = lens.iter().map(|(c, n)| (c + n).div_ceil(bs)).sum();
         let num_blocks = 2 * need + 3;
-        let mut free: Vec<u32> = (0..num_blocks as u32).collect();
+        let mut free: Vec<u32> = (1..num_blocks as u32).collect();
         for i in (1..free.len()).rev() {
             free.swap(i, rng.random_range(0..=i));
         }

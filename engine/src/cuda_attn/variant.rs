@@ -257,7 +257,7 @@ mod tests {
                 AttentionKernel::Mma { staged } => ["bf16, bf16", "f16, f16"]
                     .iter()
                     .flat_map(|t| {
-                        MMA_HEAD_DIMS.map(|d| format!("ATTENTION_MMA({t}, {d}, {v}, {staged})"))
+                        MMA_HEAD_DIMS.map(|d| format!("ATTENTION_MMA({t}, {d}, {v}, {staged}, "))
                     })
                     .collect(),
                 AttentionKernel::Scalar {

@@ -222,7 +222,8 @@ impl Emulator {
     }
 }
 
-/// Each `extern __shared__ T name[];` as a pointer to the emulation's dynamic shared memory.
+/// Each `extern __shared__ T name[];` as a pointer to the emulation's dynamic shared memory
+/// (an `__align__(N)` before `T` dropped: the host's copies need no alignment).
 fn rewrite_dynamic_shared(source: &str) -> Result<String, String> {
     const DECL: &str = "extern __shared__ ";
     let mut out = String::with_capacity(source.len());
@@ -233,8 +234,16 @@ fn rewrite_dynamic_shared(source: &str) -> Result<String, String> {
         let end = after
             .find("[];")
             .ok_or("an `extern __shared__` declaration without `[];`")?;
-        let (ty, name) = after[..end]
-            .trim()
+        let decl = after[..end].trim();
+        let decl = match decl.strip_prefix("__align__(") {
+            Some(aligned) => aligned
+                .split_once(')')
+                .ok_or("an `__align__(` without `)`")?
+                .1
+                .trim(),
+            None => decl,
+        };
+        let (ty, name) = decl
             .rsplit_once(' ')
             .ok_or("an `extern __shared__` declaration without a type")?;
         out.push_str(&format!("{ty} *{name} = ({ty} *)emu::dynamic_shared();"));
