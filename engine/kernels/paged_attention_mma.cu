@@ -91,8 +91,7 @@ __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool live
                  :: "r"(to), "l"(__cvta_generic_to_global(src)), "r"(live ? 16 : 0)
                  : "memory");
 #elif !defined(__CUDA_ARCH__)
-    if (live) memcpy(dst, src, 16);
-    else memset(dst, 0, 16);
+    emu::cp_async16(dst, src, live);
 #endif
 }
 
@@ -100,13 +99,17 @@ __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool live
 __device__ __forceinline__ void cp_async_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;" ::: "memory");
+#elif !defined(__CUDA_ARCH__)
+    emu::cp_async_commit();
 #endif
 }
 
-// Waits for this lane's groups but the latest (groups complete in order).
+// Waits until every group of this lane's copies but the latest is complete.
 __device__ __forceinline__ void cp_async_wait_all_but_latest() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_group 1;" ::: "memory");
+#elif !defined(__CUDA_ARCH__)
+    emu::cp_async_wait_group(1);
 #endif
 }
 
@@ -201,8 +204,8 @@ __device__ __forceinline__ void stage_copy(T *rows, const T *head, unsigned int 
     __syncwarp();
     if (any) {
 #pragma unroll
-        for (unsigned int c = lane; c < MMA_KEYS * PIECES; c += WARP) {
-            const unsigned int key = c / PIECES, piece = c % PIECES;
+        for (unsigned int i = 0; i < MMA_KEYS * PIECES / WARP; ++i) {
+            const unsigned int c = lane + i * WARP, key = c / PIECES, piece = c % PIECES;
             const unsigned int slot = __shfl_sync(FULL_MASK, my_slot, key);
             const size_t from = (size_t)slot * row_len + 8 * piece;
             cp_async16(rows + key * ROW + 8 * piece, head + from, j0 + key < end);
@@ -305,7 +308,8 @@ __device__ void paged_attention_mma(
     const unsigned int end = min(start + split_len, keys);
     const unsigned int *table = block_tables + (size_t)seq * table_width;
     const T *k_head = k_cache + kh * D, *v_head = v_cache + kh * D;
-    // Lane i looks up key j0 + i % 16's slot, a run ahead; the others come by shuffles. Keys
+    // Lane i looks up key j0 + i % 16's slot ahead of its use (a run ahead for `mma`, two for
+    // `mma_staged`, whose copies go out a run early); the others come by shuffles. Keys
     // past `end` read nothing and count as zeros. (The lookup itself reads a key before `end`,
     // keys >= 1, so that it needs no branch.)
     const auto slot_of = [&](unsigned int j0) {
@@ -318,8 +322,8 @@ __device__ void paged_attention_mma(
     // `mma_staged` sends the first run's K and V copies (two groups) before the loop. Each run
     // then takes its K operands and sends the next run's K copies, which its scores and
     // softmax overlap; takes its V operands and sends the next run's V copies, which its
-    // value products and the next run's scores overlap; and looks up the slots of the run
-    // after.
+    // value products and the next run's scores overlap; and then looks up the slots of the
+    // run two ahead.
     if constexpr (STAGED) {
         stage_copy<T, D>(k_stage, k_head, row_len, next_slot, first, end, first < end);
         stage_copy<T, D>(v_stage, v_head, row_len, next_slot, first, end, first < end);

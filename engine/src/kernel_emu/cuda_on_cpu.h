@@ -10,6 +10,9 @@
 // filled with 0xff bytes (NaN as floats) in every block and ends at a guard page, so touching a
 // word past the launch's size faults (the test process dies of SIGSEGV, naming no kernel);
 // static __shared__ variables are neither poisoned nor guarded.
+// cp.async copies land when issued in some blocks and only at the wait that completes their
+// group in others (emu::cp_async16); one still in flight at __syncthreads or a thread's return
+// is an error.
 // Not emulated: __launch_bounds__ (ignored), races between blocks (one block at a time), and
 // CUDA's own arithmetic (the host's libm, no FMA contraction).
 // The test harness (kernel_emu/mod.rs) appends the kernel source, with each
@@ -28,6 +31,7 @@
 
 #include <source_location>
 #include <utility>
+#include <vector>
 
 #define __device__
 #define __global__
@@ -103,6 +107,13 @@ constexpr size_t STACK_BYTES = 64 * 1024;
 
 enum State { READY, AT_BLOCK, AT_WARP, DONE };
 
+// One 16-byte cp.async: to `dst` from `src`, or zeros where `live` is false.
+struct AsyncCopy {
+    void *dst;
+    const void *src;
+    bool live;
+};
+
 struct Fiber {
     jmp_buf env;
     ucontext_t context;
@@ -112,6 +123,10 @@ struct Fiber {
     // Shuffles this thread has made: lanes meet at the same count, and the parity picks the
     // exchange buffer.
     unsigned shuffles;
+    // Its cp.async copies in flight in deferred blocks: closed groups, oldest first, and the
+    // copies not yet in a group.
+    std::vector<std::vector<AsyncCopy>> copy_groups;
+    std::vector<AsyncCopy> open_copies;
 };
 
 struct Kernel {
@@ -135,6 +150,8 @@ struct Block {
     void **args;
     // Odd blocks resume the lanes of the warp that just waited before other threads.
     bool warp_first;
+    // cp.async copies land when a wait lets their group complete (else when issued).
+    bool defer_copies;
     // The launch's dynamic shared memory: its last bytes before a guard page.
     unsigned char *shared;
     jmp_buf launcher;
@@ -197,8 +214,49 @@ inline void wait() {
     run_next(block.current);
 }
 
+// cp.async on the host (the kernels' host branches). In eager blocks a copy lands when it is
+// issued, so an overwrite before every lane has read the old rows shows; in deferred blocks
+// only when a wait lets its group complete, so a read before its wait shows. A copy still in
+// flight at __syncthreads or when its thread returns is an error: the kernels wait for their
+// copies before either.
+inline void land(const AsyncCopy &c) {
+    if (c.live) memcpy(c.dst, c.src, 16);
+    else memset(c.dst, 0, 16);
+}
+
+inline void cp_async16(void *dst, const void *src, bool live) {
+    const AsyncCopy c{dst, src, live};
+    if (block.defer_copies) block.fibers[block.current].open_copies.push_back(c);
+    else land(c);
+}
+
+// cp.async.commit_group: the copies issued since the last one become a group.
+inline void cp_async_commit() {
+    Fiber &f = block.fibers[block.current];
+    if (!block.defer_copies) return;
+    f.copy_groups.push_back(std::move(f.open_copies));
+    f.open_copies.clear();
+}
+
+// cp.async.wait_group n: every group but the n latest completes.
+inline void cp_async_wait_group(size_t n) {
+    Fiber &f = block.fibers[block.current];
+    while (f.copy_groups.size() > n) {
+        for (const AsyncCopy &c : f.copy_groups.front()) land(c);
+        f.copy_groups.erase(f.copy_groups.begin());
+    }
+}
+
+inline void check_no_copies_in_flight(const char *where) {
+    const Fiber &f = block.fibers[block.current];
+    bool any = !f.open_copies.empty();
+    for (const auto &g : f.copy_groups) any = any || !g.empty();
+    if (any) fail("cp.async copies in flight %s", where);
+}
+
 inline void entry() {
     block.kernel->thunk(block.args);
+    check_no_copies_in_flight("when the thread returned");
     block.fibers[block.current].state = DONE;
     ++block.done;
     if (block.at_block > 0) fail("returned while %u threads wait at __syncthreads", block.at_block);
@@ -328,6 +386,8 @@ inline int launch(const Kernel *kernels, size_t count, const char *name, const u
             for (unsigned x = 0; x < grid[0] && status == 0; ++x) {
                 blockIdx = {x, y, z};
                 block.warp_first = (launch_parity + x + y + z) % 2 == 1;
+                // The two schedules and the two ways copies land take turns independently.
+                block.defer_copies = (launch_parity + x + y + z) / 2 % 2 == 1;
                 memset(shared_end() - SHARED_BYTES, 0xff, SHARED_BYTES);
                 block.done = block.at_block = 0;
                 memset(block.at_warp, 0, sizeof block.at_warp);
@@ -338,6 +398,8 @@ inline int launch(const Kernel *kernels, size_t count, const char *name, const u
                     f.state = READY;
                     f.started = false;
                     f.shuffles = 0;
+                    f.copy_groups.clear();
+                    f.open_copies.clear();
                     getcontext(&f.context);
                     f.context.uc_stack.ss_sp = stacks + i * each + page;
                     f.context.uc_stack.ss_size = STACK_BYTES;
@@ -361,6 +423,7 @@ inline int launch(const Kernel *kernels, size_t count, const char *name, const u
 __device__ inline void __syncthreads() {
     using namespace emu;
     if (block.done > 0) fail("__syncthreads after %u threads returned", block.done);
+    check_no_copies_in_flight("at __syncthreads");
     if (++block.at_block == block.n) {
         block.at_block = 0;
         for (unsigned i = 0; i < block.n; ++i)
