@@ -8,12 +8,28 @@
 // Threads of an add_rms_norm block (cuda_attn::norm_geometry).
 #define NORM_THREADS 256
 
+// Whether `p` starts a 16-byte vector.
+__device__ __forceinline__ bool aligned16(const void *p) { return ((size_t)p & 15) == 0; }
+
+// 16 bytes of T to `p` (16-byte aligned): one vector store on a GPU, a copy on the host.
+template <typename T>
+__device__ __forceinline__ void store16(T *p, const Pack<T> &v) {
+#ifdef __CUDA_ARCH__
+    *reinterpret_cast<typename Pack<T>::Raw *>(p) = v.raw;
+#else
+    memcpy(p, &v.raw, 16);
+#endif
+}
+
 // The residual sum and the RMSNorm after it (`engine.layer_kernels`): one block per row.
 // `out` is (2, rows, width): first x + r rounded to T, as a separate add rounds it (x itself
-// where !has_residual), then that sum's RMSNorm times `weight`, in f32 and rounded once.
+// where !has_residual), then that sum's RMSNorm times `weight`, in f32 and rounded once. A
+// thread takes 16 bytes of a row at a time where the row's vectors allow (the widths models
+// have), one element otherwise: the same arithmetic, its squares summed in another order.
 template <typename T>
 __device__ void add_rms_norm(const T *x, const T *r, const T *weight, T *out, unsigned int width,
                              unsigned int has_residual, float eps) {
+    constexpr unsigned int N = Pack<T>::N;
     // A warp's sum each (a test holds norm_geometry's block to NORM_THREADS).
     __shared__ float warp_sums[NORM_THREADS / WARP];
     const unsigned int row = blockIdx.x, rows = gridDim.x;
@@ -21,13 +37,28 @@ __device__ void add_rms_norm(const T *x, const T *r, const T *weight, T *out, un
     const T *rs = r + (size_t)row * width;
     T *sum = out + (size_t)row * width;
     T *normed = out + ((size_t)rows + row) * width;
+    const bool vectors = width % N == 0 && aligned16(xs) && aligned16(rs) && aligned16(weight) &&
+                         aligned16(sum) && aligned16(normed);
+    const unsigned int per = vectors ? N : 1, stride = blockDim.x * per;
+    // x + r at element i, rounded to T, and its square added to `squares`.
     float squares = 0.0f;
-    for (unsigned int i = threadIdx.x; i < width; i += blockDim.x) {
+    const auto add = [&](T xv, T rv) {
         T s;
-        from_f32(s, has_residual ? __fadd_rn(to_f32(xs[i]), to_f32(rs[i])) : to_f32(xs[i]));
-        sum[i] = s;
+        from_f32(s, has_residual ? __fadd_rn(to_f32(xv), to_f32(rv)) : to_f32(xv));
         const float v = to_f32(s);
         squares = __fadd_rn(squares, __fmul_rn(v, v));
+        return s;
+    };
+    for (unsigned int i = threadIdx.x * per; i < width; i += stride) {
+        if (vectors) {
+            const Pack<T> xv(xs + i), rv(rs + i);
+            Pack<T> s;
+#pragma unroll
+            for (unsigned int k = 0; k < N; ++k) s.e[k] = add(xv.e[k], rv.e[k]);
+            store16(sum + i, s);
+        } else {
+            sum[i] = add(xs[i], rs[i]);
+        }
     }
     for (unsigned int off = WARP / 2; off > 0; off /= 2)
         squares = __fadd_rn(squares, __shfl_xor_sync(FULL_MASK, squares, off));
@@ -36,25 +67,57 @@ __device__ void add_rms_norm(const T *x, const T *r, const T *weight, T *out, un
     float total = 0.0f;
     for (unsigned int w = 0; w < blockDim.x / WARP; ++w) total = __fadd_rn(total, warp_sums[w]);
     const float scale = __fdiv_rn(1.0f, sqrtf(__fadd_rn(__fdiv_rn(total, (float)width), eps)));
+    const auto norm = [&](T s, T w) {
+        T o;
+        from_f32(o, __fmul_rn(__fmul_rn(to_f32(s), scale), to_f32(w)));
+        return o;
+    };
     // Each thread reads back the sums it wrote itself.
-    for (unsigned int i = threadIdx.x; i < width; i += blockDim.x)
-        from_f32(normed[i], __fmul_rn(__fmul_rn(to_f32(sum[i]), scale), to_f32(weight[i])));
+    for (unsigned int i = threadIdx.x * per; i < width; i += stride) {
+        if (vectors) {
+            const Pack<T> sv(sum + i), wv(weight + i);
+            Pack<T> o;
+#pragma unroll
+            for (unsigned int k = 0; k < N; ++k) o.e[k] = norm(sv.e[k], wv.e[k]);
+            store16(normed + i, o);
+        } else {
+            normed[i] = norm(sum[i], weight[i]);
+        }
+    }
 }
 
 // The gated MLP's product (`engine.layer_kernels`): `out` (rows, width) is silu(gate) * up, gate
 // and up the two halves of each row of `gate_up` (rows, 2 * width). silu is rounded to T as a
 // separate op rounds it, then the product. Blocks stride over columns (x) and rows (y), so
-// that no thread divides to find its element.
+// that no thread divides to find its element; a thread takes 16 bytes of a row at a time
+// where the rows' vectors allow (cuda_attn::silu_geometry sizes the grid for that), one
+// element otherwise, with the same arithmetic.
 template <typename T>
 __device__ void silu_mul(const T *gate_up, T *out, unsigned int width, unsigned int rows) {
+    constexpr unsigned int N = Pack<T>::N;
+    const bool vectors = width % N == 0 && aligned16(gate_up) && aligned16(out);
+    const unsigned int per = vectors ? N : 1, stride = gridDim.x * blockDim.x * per;
+    const auto gated = [](T g, T u) {
+        const float gf = to_f32(g);
+        T s, o;
+        from_f32(s, __fdiv_rn(gf, __fadd_rn(1.0f, expf(-gf))));
+        from_f32(o, __fmul_rn(to_f32(s), to_f32(u)));
+        return o;
+    };
     for (unsigned int row = blockIdx.y; row < rows; row += gridDim.y) {
         const T *gate = gate_up + (size_t)row * 2 * width, *up = gate + width;
-        for (unsigned int j = blockIdx.x * blockDim.x + threadIdx.x; j < width;
-             j += gridDim.x * blockDim.x) {
-            const float g = to_f32(gate[j]), u = to_f32(up[j]);
-            T s;
-            from_f32(s, __fdiv_rn(g, __fadd_rn(1.0f, expf(-g))));
-            from_f32(out[(size_t)row * width + j], __fmul_rn(to_f32(s), u));
+        T *dst = out + (size_t)row * width;
+        for (unsigned int j = (blockIdx.x * blockDim.x + threadIdx.x) * per; j < width;
+             j += stride) {
+            if (vectors) {
+                const Pack<T> g(gate + j), u(up + j);
+                Pack<T> o;
+#pragma unroll
+                for (unsigned int k = 0; k < N; ++k) o.e[k] = gated(g.e[k], u.e[k]);
+                store16(dst + j, o);
+            } else {
+                dst[j] = gated(gate[j], up[j]);
+            }
         }
     }
 }

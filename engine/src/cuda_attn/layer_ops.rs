@@ -264,9 +264,10 @@ mod on_gpu {
             rows: &rows_arg,
         }
         .push_to(&mut launch);
+        let geometry = silu_geometry(rows, width, std::mem::size_of::<T>());
         // SAFETY: the arguments are `silu_mul`'s list in kernels/layer_ops.cu; the
         // projection holds `rows` rows of 2 * width, the output `total` values.
-        unsafe { launch.launch(config(silu_geometry(rows, width))) }.w()?;
+        unsafe { launch.launch(config(geometry)) }.w()?;
         Ok(T::wrap_cuda_slice(out, device.clone()))
     }
 }
@@ -308,7 +309,9 @@ mod tests {
             (DType::BF16, 7.9e-3),
             (DType::F16, 9.8e-4),
         ];
-        for (rows, width) in [(5, 96), (3, 896), (130, 40), (3, 4500), (1100, 40)] {
+        // Widths of whole 16-byte vectors (the kernels' vector path), and 90 and 4500, which
+        // are not (their one-element path; 4500 is whole vectors of f32 only).
+        for (rows, width) in [(5, 96), (3, 896), (130, 40), (4, 90), (3, 4500), (1100, 40)] {
             let x = Tensor::randn(0f32, 1.0, (rows, width), &dev).unwrap();
             let r = Tensor::randn(0f32, 1.0, (rows, width), &dev).unwrap();
             let w = Tensor::randn(1f32, 0.2, width, &dev).unwrap();

@@ -170,12 +170,18 @@ pub fn norm_geometry(rows: usize) -> Geometry {
     }
 }
 
-/// `silu_mul` over `rows` rows of `width` outputs: a thread an output, up to
+/// `silu_mul` over `rows` rows of `width` outputs of `elem_bytes` each: a thread 16 bytes of
+/// outputs where a row is whole 16-byte vectors (the kernel takes them so when they are also
+/// aligned, and strides over whatever the grid leaves), else one output, up to
 /// [`SILU_MAX_COLUMN_BLOCKS`] blocks across a row and [`SILU_MAX_ROW_BLOCKS`] down the rows.
-pub fn silu_geometry(rows: usize, width: usize) -> Geometry {
+pub fn silu_geometry(rows: usize, width: usize, elem_bytes: usize) -> Geometry {
+    let per_thread = match width % (16 / elem_bytes) {
+        0 => 16 / elem_bytes,
+        _ => 1,
+    };
     Geometry {
         grid: (
-            (width as u32)
+            (width.div_ceil(per_thread) as u32)
                 .div_ceil(SILU_THREADS)
                 .clamp(1, SILU_MAX_COLUMN_BLOCKS),
             (rows as u32).clamp(1, SILU_MAX_ROW_BLOCKS),

@@ -94,7 +94,7 @@ fn gated<T: Stored>((s, l): (&CpuStorage, &Layout), width: usize) -> Result<CpuS
     let args = Args::filled(|l| list.push_to(l));
     launch(
         &format!("silu_mul_{}", T::SUFFIX),
-        silu_geometry(rows, width),
+        silu_geometry(rows, width, std::mem::size_of::<T>()),
         &args,
     )?;
     Ok(T::to_cpu_storage_owned(out))
