@@ -144,8 +144,8 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned int r[4], const T *base, un
 
 // A run's operands: kb[nt][ks] the scores' B (keys 8 nt + quad, dimensions 16 ks + 2 pos and
 // + 8), vb[nd] the values' B (keys 2 pos, 2 pos + 1, 8 + 2 pos, 9 + 2 pos of dimension
-// 8 nd + quad), zeros for keys at or past `end`. Lane i of the warp holds key j0 + i % 16's
-// slot.
+// 8 nd + quad), zeros for keys at or past `end`. (Where a function takes a run's `my_slot`,
+// lane i holds key j0 + i % 16's slot.)
 template <typename T, unsigned int D> struct RunOperands {
     unsigned int kb[2][D / 16][2];
     unsigned int vb[D / 8][2];
