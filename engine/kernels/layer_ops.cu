@@ -17,15 +17,17 @@ __device__ __forceinline__ void store16(T *p, const Pack<T> &v) {
 #ifdef __CUDA_ARCH__
     *reinterpret_cast<typename Pack<T>::Raw *>(p) = v.raw;
 #else
+    if ((size_t)p % 16 != 0) emu::fail("a 16-byte store to a misaligned address");
     memcpy(p, &v.raw, 16);
 #endif
 }
 
 // The residual sum and the RMSNorm after it (`engine.layer_kernels`): one block per row.
 // `out` is (2, rows, width): first x + r rounded to T, as a separate add rounds it (x itself
-// where !has_residual), then that sum's RMSNorm times `weight`, in f32 and rounded once. A
-// thread takes 16 bytes of a row at a time where the row's vectors allow (the widths models
-// have), one element otherwise: the same arithmetic, its squares summed in another order.
+// where !has_residual, `r` then x again: it is read either way), then that sum's RMSNorm
+// times `weight`, in f32 and rounded once. A thread takes 16 bytes of a row at a time where
+// the row's vectors allow (the widths models have), one element otherwise: the same
+// arithmetic, its squares summed in another order.
 template <typename T>
 __device__ void add_rms_norm(const T *x, const T *r, const T *weight, T *out, unsigned int width,
                              unsigned int has_residual, float eps) {

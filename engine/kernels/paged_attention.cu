@@ -126,6 +126,8 @@ template <typename T, unsigned int BYTES = 16> struct Pack {
 #ifdef __CUDA_ARCH__
         raw = *reinterpret_cast<const Raw *>(p);
 #else
+        // A GPU faults on a vector load from an address not a multiple of its size.
+        if ((size_t)p % BYTES != 0) emu::fail("a %u-byte load from a misaligned address", BYTES);
         memcpy(&raw, p, BYTES);
 #endif
     }

@@ -309,9 +309,23 @@ mod tests {
             (DType::BF16, 7.9e-3),
             (DType::F16, 9.8e-4),
         ];
-        // Widths of whole 16-byte vectors (the kernels' vector path), and 90 and 4500, which
-        // are not (their one-element path; 4500 is whole vectors of f32 only).
-        for (rows, width) in [(5, 96), (3, 896), (130, 40), (4, 90), (3, 4500), (1100, 40)] {
+        // Widths of whole 16-byte vectors (the kernels' vector path), and 90, 302 and 4500,
+        // which are not (their one-element path; 4500 is whole vectors of f32 only). 302, 1544
+        // and 2056 take a norm thread round its row twice (one element, f32 vectors, bf16 and
+        // f16 vectors); 32776 takes a silu thread across its row twice in every dtype.
+        let cases = [
+            (5, 96),
+            (3, 896),
+            (130, 40),
+            (4, 90),
+            (4, 302),
+            (3, 1544),
+            (2, 2056),
+            (3, 4500),
+            (2, 32776),
+            (1100, 40),
+        ];
+        for (rows, width) in cases {
             let x = Tensor::randn(0f32, 1.0, (rows, width), &dev).unwrap();
             let r = Tensor::randn(0f32, 1.0, (rows, width), &dev).unwrap();
             let w = Tensor::randn(1f32, 0.2, width, &dev).unwrap();
@@ -322,9 +336,9 @@ mod tests {
             } else {
                 &dtypes[..]
             };
-            // The widest case is for the silu kernel's column stride: norms are checked at
+            // The widest cases are for the silu kernel's column stride: norms are checked at
             // hidden sizes, since f32's difference in reduction order grows with the width.
-            let residuals = if width > 2048 { 0 } else { 2 };
+            let residuals = if width > 2100 { 0 } else { 2 };
             for &(dtype, tol) in dtypes {
                 let c = |t: &Tensor| t.to_dtype(dtype).unwrap();
                 for residual in [None, Some(c(&r))].into_iter().take(residuals) {
@@ -357,6 +371,39 @@ mod tests {
                 let d = worst(&got, &want);
                 assert!(d <= tol, "{dtype:?} {rows}x{width} silu_mul: {d}");
             }
+        }
+    }
+
+    /// Rows that do not start on a 16-byte vector (a view one element into its buffer) take
+    /// the kernels' one-element path: the same gated product and residual sum, bit for bit,
+    /// and the same norm within rounding (its squares summed in another order).
+    #[test]
+    fn rows_off_a_vector_boundary_take_the_one_element_path() {
+        let dev = Device::Cpu;
+        let (rows, width) = (3, 896);
+        let ops = LayerOps::default();
+        for dtype in [DType::F32, DType::BF16] {
+            let c = |t: Tensor| t.to_dtype(dtype).unwrap();
+            // A (rows, width) view one element into its buffer, and an aligned copy of it.
+            let shifted = |cols: usize| {
+                let n = rows * cols;
+                let buf = c(Tensor::randn(0f32, 1.0, n + 1, &dev).unwrap());
+                let view = buf.narrow(0, 1, n).unwrap().reshape((rows, cols)).unwrap();
+                let copy = c(view.to_dtype(DType::F32).unwrap());
+                (view, copy)
+            };
+            let (gate_up, aligned) = shifted(2 * width);
+            let got = ops.silu_mul_halves(&gate_up).unwrap();
+            let want = ops.silu_mul_halves(&aligned).unwrap();
+            assert_eq!(worst(&got, &want), 0.0, "{dtype:?} silu_mul");
+            let ((x, x_copy), (r, r_copy)) = (shifted(width), shifted(width));
+            let w = c(Tensor::randn(1f32, 0.2, width, &dev).unwrap());
+            let (sum, normed) = ops.add_rms_norm(&x, Some(&r), &w, 1e-6).unwrap();
+            let (want_sum, want_normed) =
+                ops.add_rms_norm(&x_copy, Some(&r_copy), &w, 1e-6).unwrap();
+            assert_eq!(worst(&sum, &want_sum), 0.0, "{dtype:?} sum");
+            let tol = if dtype == DType::F32 { 2e-6 } else { 1.6e-2 };
+            assert!(worst(&normed, &want_normed) <= tol, "{dtype:?} norm");
         }
     }
 

@@ -175,6 +175,7 @@ pub fn norm_geometry(rows: usize) -> Geometry {
 /// aligned, and strides over whatever the grid leaves), else one output, up to
 /// [`SILU_MAX_COLUMN_BLOCKS`] blocks across a row and [`SILU_MAX_ROW_BLOCKS`] down the rows.
 pub fn silu_geometry(rows: usize, width: usize, elem_bytes: usize) -> Geometry {
+    debug_assert!(matches!(elem_bytes, 2 | 4), "f32, bf16 or f16 elements");
     let per_thread = match width % (16 / elem_bytes) {
         0 => 16 / elem_bytes,
         _ => 1,
