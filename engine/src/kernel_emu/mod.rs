@@ -338,6 +338,18 @@ extern "C" __global__ void out_of_step(float *out) {
     v = __shfl_xor_sync(0xffffffffu, v, 2);
     out[threadIdx.x] = v;
 }
+// Each thread copies 16 bytes into shared memory by cp.async and reads its neighbour's:
+// after its wait (mode 0), before it (1), or never waiting (2).
+extern "C" __global__ void staged_copy(const float *x, float *out, unsigned int mode) {
+    extern __shared__ float rows[];
+    const unsigned int t = threadIdx.x, n = blockDim.x;
+    emu::cp_async16(rows + 4 * t, x + 4 * t, true);
+    emu::cp_async_commit();
+    if (mode == 0) emu::cp_async_wait_group(0);
+    __syncwarp();
+    out[blockIdx.x * n + t] = rows[4 * ((t + 1) % n)];
+    if (mode == 1) emu::cp_async_wait_group(0);
+}
 "#;
 
     fn emulator() -> Emulator {
@@ -350,6 +362,7 @@ extern "C" __global__ void out_of_step(float *out) {
                 "divergent_barrier",
                 "divergent_shuffle",
                 "out_of_step",
+                "staged_copy",
             ],
         )
         .unwrap()
@@ -388,6 +401,44 @@ extern "C" __global__ void out_of_step(float *out) {
         // CUDA's min(int, unsigned) compares as unsigned: -t is large unless t is 0.
         assert_eq!(low[0], 0);
         assert!(low[1..].iter().all(|&x| x == 1), "{low:?}");
+    }
+
+    /// cp.async copies land when issued in some blocks and at their wait in others: read
+    /// after the wait, every block sees them; read before it, the blocks whose copies land
+    /// late see shared memory's poison; a thread returning with copies in flight is an error.
+    #[test]
+    fn async_copies_land_by_their_wait_or_show_that_they_had_not() {
+        let emu = emulator();
+        let x: Vec<f32> = (0..4 * 32).map(|i| i as f32).collect();
+        let (blocks, threads) = (4, 32);
+        let run = |mode: u32| {
+            let mut out = vec![0f32; blocks * threads];
+            let args = Args::default()
+                .arg(x.as_ptr())
+                .arg(out.as_mut_ptr())
+                .arg(mode);
+            emu.launch("staged_copy", (blocks as u32, 1, 1), (32, 1, 1), 512, &args)
+                .map(|()| out)
+        };
+        let want = |t: usize| x[4 * ((t + 1) % threads)];
+        let waited = run(0).unwrap();
+        assert!((0..blocks * threads).all(|i| waited[i] == want(i % threads)));
+        let early = run(1).unwrap();
+        let late: Vec<bool> = early
+            .chunks(threads)
+            .map(|b| b.iter().any(|v| v.is_nan()))
+            .collect();
+        assert!(
+            late.iter().any(|&l| l) && !late.iter().all(|&l| l),
+            "{late:?}"
+        );
+        for (b, block) in early.chunks(threads).enumerate() {
+            if !late[b] {
+                assert!((0..threads).all(|t| block[t] == want(t)), "block {b}");
+            }
+        }
+        let err = run(2).unwrap_err();
+        assert!(err.contains("in flight when the thread returned"), "{err}");
     }
 
     #[test]
