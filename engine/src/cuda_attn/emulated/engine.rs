@@ -102,47 +102,47 @@ fn the_engine_on_the_emulated_kernels_generates_what_the_generic_path_does() {
 }
 
 /// The f16 engine on each tensor-core variant of the attention (the variants' module,
-/// head_dim 64) generates the greedy tokens it generates on the default kernel, logprobs
+/// head_dim 64 and 128) generates the greedy tokens it generates on the default kernel, logprobs
 /// within 0.02 (0.007 apart here; the variants round the probabilities to f16): the variants
 /// as the engine plans, launches and reads them, with preemption, not only on the doctor's
 /// batches. (In bf16 this small model's greedy choices come too close to ties to compare.)
 #[test]
 fn the_tensor_core_variants_generate_the_default_kernels_tokens() {
-    let policy = policy_of(|c| c.head_dim = 64);
-    let reqs = requests(policy.config.vocab_size);
-    let run = |attention_kernel| {
-        let cfg = EngineConfig {
-            block_size: 4,
-            kv_cache_tokens: Some(192),
-            max_num_seqs: 12,
-            max_batched_tokens: 24,
-            attention: AttentionMode::Cuda,
-            dtype: Some(DType::F16),
-            attention_kernel,
-            ..EngineConfig::default()
+    for head_dim in [64, 128] {
+        let policy = policy_of(|c| c.head_dim = head_dim);
+        let reqs = requests(policy.config.vocab_size);
+        let run = |attention_kernel| {
+            let cfg = EngineConfig {
+                block_size: 4,
+                kv_cache_tokens: Some(192),
+                max_num_seqs: 12,
+                max_batched_tokens: 24,
+                attention: AttentionMode::Cuda,
+                dtype: Some(DType::F16),
+                attention_kernel,
+                ..EngineConfig::default()
+            };
+            let engine = Engine::new(&policy, cfg, Device::Cpu).unwrap();
+            let out = engine.generate(reqs.clone()).unwrap();
+            (out, engine.stats().num_preemptions)
         };
-        let engine = Engine::new(&policy, cfg, Device::Cpu).unwrap();
-        let out = engine.generate(reqs.clone()).unwrap();
-        (out, engine.stats().num_preemptions)
-    };
-    let (want, _) = run(crate::AttentionKernel::default());
-    for variant in crate::AttentionKernel::VARIANTS
-        .into_iter()
-        .filter(|v| v.is_mma())
-    {
-        let (got, preemptions) = run(variant);
-        assert!(preemptions > 0, "{variant}: the pool was meant to run out");
-        for (r, (g, w)) in got.iter().zip(&want).enumerate() {
-            for (s, (g, w)) in g.iter().zip(w).enumerate() {
-                assert_eq!(
-                    g.token_ids, w.token_ids,
-                    "{variant}: request {r} sample {s}"
-                );
-                for (t, (a, b)) in g.logprobs.iter().zip(&w.logprobs).enumerate() {
-                    assert!(
-                        (a - b).abs() <= 0.02,
-                        "{variant}: request {r} sample {s} token {t}: {a} vs {b}"
-                    );
+        let (want, _) = run(crate::AttentionKernel::default());
+        let mmas = crate::AttentionKernel::VARIANTS
+            .into_iter()
+            .filter(|v| v.is_mma());
+        for variant in mmas {
+            let (got, preemptions) = run(variant);
+            let what = format!("{variant} at head_dim {head_dim}");
+            assert!(preemptions > 0, "{what}: the pool was meant to run out");
+            for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+                for (s, (g, w)) in g.iter().zip(w).enumerate() {
+                    assert_eq!(g.token_ids, w.token_ids, "{what}: request {r} sample {s}");
+                    for (t, (a, b)) in g.logprobs.iter().zip(&w.logprobs).enumerate() {
+                        assert!(
+                            (a - b).abs() <= 0.02,
+                            "{what}: request {r} sample {s} token {t}: {a} vs {b}"
+                        );
+                    }
                 }
             }
         }
