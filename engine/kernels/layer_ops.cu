@@ -22,6 +22,22 @@ __device__ __forceinline__ void store16(T *p, const Pack<T> &v) {
 #endif
 }
 
+// dst[i] = f(a[i], b[i]) for the 16 bytes of T from i where `vectors` (i then starts one), in
+// element order, else for element i alone.
+template <typename T, typename F>
+__device__ __forceinline__ void map2(T *dst, const T *a, const T *b, unsigned int i, bool vectors,
+                                     F f) {
+    if (vectors) {
+        const Pack<T> av(a + i), bv(b + i);
+        Pack<T> o;
+#pragma unroll
+        for (unsigned int k = 0; k < Pack<T>::N; ++k) o.e[k] = f(av.e[k], bv.e[k]);
+        store16(dst + i, o);
+    } else {
+        dst[i] = f(a[i], b[i]);
+    }
+}
+
 // The residual sum and the RMSNorm after it (`engine.layer_kernels`): one block per row.
 // `out` is (2, rows, width): first x + r rounded to T, as a separate add rounds it (x itself
 // where !has_residual, `r` then x again: it is read either way), then that sum's RMSNorm
@@ -51,17 +67,8 @@ __device__ void add_rms_norm(const T *x, const T *r, const T *weight, T *out, un
         squares = __fadd_rn(squares, __fmul_rn(v, v));
         return s;
     };
-    for (unsigned int i = threadIdx.x * per; i < width; i += stride) {
-        if (vectors) {
-            const Pack<T> xv(xs + i), rv(rs + i);
-            Pack<T> s;
-#pragma unroll
-            for (unsigned int k = 0; k < N; ++k) s.e[k] = add(xv.e[k], rv.e[k]);
-            store16(sum + i, s);
-        } else {
-            sum[i] = add(xs[i], rs[i]);
-        }
-    }
+    for (unsigned int i = threadIdx.x * per; i < width; i += stride)
+        map2(sum, xs, rs, i, vectors, add);
     for (unsigned int off = WARP / 2; off > 0; off /= 2)
         squares = __fadd_rn(squares, __shfl_xor_sync(FULL_MASK, squares, off));
     if (threadIdx.x % WARP == 0) warp_sums[threadIdx.x / WARP] = squares;
@@ -75,17 +82,8 @@ __device__ void add_rms_norm(const T *x, const T *r, const T *weight, T *out, un
         return o;
     };
     // Each thread reads back the sums it wrote itself.
-    for (unsigned int i = threadIdx.x * per; i < width; i += stride) {
-        if (vectors) {
-            const Pack<T> sv(sum + i), wv(weight + i);
-            Pack<T> o;
-#pragma unroll
-            for (unsigned int k = 0; k < N; ++k) o.e[k] = norm(sv.e[k], wv.e[k]);
-            store16(normed + i, o);
-        } else {
-            normed[i] = norm(sum[i], weight[i]);
-        }
-    }
+    for (unsigned int i = threadIdx.x * per; i < width; i += stride)
+        map2(normed, sum, weight, i, vectors, norm);
 }
 
 // The gated MLP's product (`engine.layer_kernels`): `out` (rows, width) is silu(gate) * up, gate
@@ -110,17 +108,8 @@ __device__ void silu_mul(const T *gate_up, T *out, unsigned int width, unsigned 
         const T *gate = gate_up + (size_t)row * 2 * width, *up = gate + width;
         T *dst = out + (size_t)row * width;
         for (unsigned int j = (blockIdx.x * blockDim.x + threadIdx.x) * per; j < width;
-             j += stride) {
-            if (vectors) {
-                const Pack<T> g(gate + j), u(up + j);
-                Pack<T> o;
-#pragma unroll
-                for (unsigned int k = 0; k < N; ++k) o.e[k] = gated(g.e[k], u.e[k]);
-                store16(dst + j, o);
-            } else {
-                dst[j] = gated(gate[j], up[j]);
-            }
-        }
+             j += stride)
+            map2(dst, gate, up, j, vectors, gated);
     }
 }
 

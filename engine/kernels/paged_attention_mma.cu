@@ -214,6 +214,13 @@ __device__ __forceinline__ void stage_copy(T *rows, const T *head, unsigned int 
     cp_async_commit();
 }
 
+// `mma_staged`: waits for this lane's copy groups but the latest; the barrier then makes every
+// lane's copies the warp's.
+__device__ __forceinline__ void stage_wait() {
+    cp_async_wait_all_but_latest();
+    __syncwarp();
+}
+
 // `mma_staged`: the scores' B operands of the run whose K rows are `rows`, once their group
 // is in (every group but the latest). Lane 8 i + j points at row j of matrix i: (keys 8 nt..,
 // dimensions 16 ks..), (.., 16 ks + 8..), (.., 16 (ks + 1)..), (.., 16 (ks + 1) + 8..).
@@ -221,9 +228,7 @@ template <typename T, unsigned int D>
 __device__ __forceinline__ void take_k(unsigned int kb[2][D / 16][2], const T *rows) {
     constexpr unsigned int ROW = D + MMA_KPAD;
     const unsigned int lane = threadIdx.x % WARP, mi = lane / 8, mr = lane % 8;
-    // Each lane's copies are in; the barrier makes them every lane's.
-    cp_async_wait_all_but_latest();
-    __syncwarp();
+    stage_wait();
     unsigned int r[4];
 #pragma unroll
     for (unsigned int nt = 0; nt < 2; ++nt)
@@ -244,8 +249,7 @@ template <typename T, unsigned int D>
 __device__ __forceinline__ void take_v(unsigned int vb[D / 8][2], const T *rows) {
     constexpr unsigned int ROW = D + MMA_KPAD;
     const unsigned int lane = threadIdx.x % WARP, mi = lane / 8, mr = lane % 8;
-    cp_async_wait_all_but_latest();
-    __syncwarp();
+    stage_wait();
     unsigned int r[4];
 #pragma unroll
     for (unsigned int nd = 0; nd < D / 8; nd += 2) {

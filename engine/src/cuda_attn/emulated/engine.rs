@@ -43,6 +43,19 @@ fn policy_of(edit: impl FnOnce(&mut ModelConfig)) -> Policy {
     Policy::new(config, weights, tokenizer).unwrap()
 }
 
+/// The engine these tests run: 4-token blocks, a pool of 192 tokens (small enough to
+/// preempt), 12 sequences and 24 tokens an iteration, on `attention`.
+fn small_engine(attention: AttentionMode) -> EngineConfig {
+    EngineConfig {
+        block_size: 4,
+        kv_cache_tokens: Some(192),
+        max_num_seqs: 12,
+        max_batched_tokens: 24,
+        attention,
+        ..EngineConfig::default()
+    }
+}
+
 /// Greedy requests: prompts of 1 to 58 tokens, 1 to 3 samples each, 10 to 24 new tokens.
 fn requests(vocab: usize) -> Vec<GenerateRequest> {
     (0..10)
@@ -65,16 +78,8 @@ fn requests(vocab: usize) -> Vec<GenerateRequest> {
 fn the_engine_on_the_emulated_kernels_generates_what_the_generic_path_does() {
     let policy = policy();
     let reqs = requests(policy.config.vocab_size);
-    let config = |attention| EngineConfig {
-        block_size: 4,
-        kv_cache_tokens: Some(192),
-        max_num_seqs: 12,
-        max_batched_tokens: 24,
-        attention,
-        ..EngineConfig::default()
-    };
     let run = |attention| {
-        let engine = Engine::new(&policy, config(attention), Device::Cpu).unwrap();
+        let engine = Engine::new(&policy, small_engine(attention), Device::Cpu).unwrap();
         let out = engine.generate(reqs.clone()).unwrap();
         (out, engine.stats().num_preemptions)
     };
@@ -113,14 +118,9 @@ fn the_tensor_core_variants_generate_the_default_kernels_tokens() {
         let reqs = requests(policy.config.vocab_size);
         let run = |attention_kernel| {
             let cfg = EngineConfig {
-                block_size: 4,
-                kv_cache_tokens: Some(192),
-                max_num_seqs: 12,
-                max_batched_tokens: 24,
-                attention: AttentionMode::Cuda,
                 dtype: Some(DType::F16),
                 attention_kernel,
-                ..EngineConfig::default()
+                ..small_engine(AttentionMode::Cuda)
             };
             let engine = Engine::new(&policy, cfg, Device::Cpu).unwrap();
             let out = engine.generate(reqs.clone()).unwrap();
@@ -172,16 +172,11 @@ fn run_qwen2(
     (rope_kernel, layer_kernels): (bool, bool),
 ) -> (Vec<Vec<crate::Completion>>, IterationCost, usize) {
     let cfg = EngineConfig {
-        block_size: 4,
-        kv_cache_tokens: Some(192),
-        max_num_seqs: 12,
-        max_batched_tokens: 24,
-        attention: AttentionMode::Cuda,
         dtype: Some(DType::F32),
         fused_kernels: crate::FusedKernels::On,
         rope_kernel,
         layer_kernels,
-        ..EngineConfig::default()
+        ..small_engine(AttentionMode::Cuda)
     };
     let engine = Engine::new(policy, cfg, Device::Cpu).unwrap();
     let out = engine.generate(requests(policy.config.vocab_size)).unwrap();
