@@ -64,6 +64,7 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
         "rollout-qwen2.5-0.5b-untracked",
         "rollout-qwen2.5-0.5b-no-rope-kernel",
         "rollout-qwen2.5-0.5b-no-layer-kernels",
+        "rollout-qwen2.5-0.5b-rope-writes-kv",
         "rollout-qwen2.5-0.5b-full",
         "rollout-qwen2.5-0.5b-full-cuda-attn",
         "rollout-qwen2.5-0.5b-timed",

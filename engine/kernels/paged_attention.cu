@@ -17,7 +17,8 @@
 //   context has one split the attention writes the output itself and no merge is launched.
 // The block tables stay on the device between iterations; write_table_entries applies an
 // iteration's changed entries. With `engine.rope_kernel`, qkv_rope prepares the layer's q, k
-// and v from its projection first. Compiled after this source, in the same module:
+// and v from its projection first, and with `engine.rope_writes_kv` writes k and v into their
+// slots itself, in place of write_slots. Compiled after this source, in the same module:
 // kernels/layer_ops.cu (`engine.layer_kernels`: the layer's other elementwise steps) and
 // kernels/paged_attention_mma.cu (the attention's tensor-core variant).
 
@@ -61,21 +62,30 @@ __device__ __forceinline__ void from_f32(f16 &o, float v) {
 }
 
 // The q/k/v projection's epilogue (`engine.rope_kernel`): one block per token adds the bias
-// (where `has_bias`), rotates q and k by the token's angles ("rotate half"; cos and sin are
-// (tokens, head_dim / 2) in T) and writes q, k and v as three contiguous segments of `out`,
-// (tokens, heads, head_dim) then (tokens, kv_heads, head_dim) twice, which the attention and
-// write_slots read as they are. The bias sum is rounded to T as a separate add would round
-// it; the rotation is computed in f32 and rounded once (in f32, the CPU's operations).
+// (where `has_bias`) and rotates q and k by the token's angles ("rotate half"; cos and sin are
+// (tokens, head_dim / 2) in T). Without pools (`k_cache` null) it writes q, k and v as three
+// contiguous segments of `out`, (tokens, heads, head_dim) then (tokens, kv_heads, head_dim)
+// twice, which the attention and write_slots read as they are; with them
+// (`engine.rope_writes_kv`) it writes q alone to `out` and k and v straight into the token's
+// slot of each pool, as write_slots would. The bias sum is rounded to T as a separate add
+// would round it; the rotation is computed in f32 and rounded once (in f32, the CPU's
+// operations).
 template <typename T>
 __device__ void qkv_rope(const T *qkv, const T *bias, const T *cos, const T *sin, T *out,
-                         unsigned int heads, unsigned int kv_heads, unsigned int head_dim,
-                         unsigned int has_bias) {
+                         T *k_cache, T *v_cache, const unsigned int *slots, unsigned int heads,
+                         unsigned int kv_heads, unsigned int head_dim, unsigned int has_bias) {
     const unsigned int t = blockIdx.x, tokens = gridDim.x, half = head_dim / 2;
     const unsigned int q_dim = heads * head_dim, kv_dim = kv_heads * head_dim;
     const T *row = qkv + (size_t)t * (q_dim + 2 * kv_dim);
     T *q_out = out + (size_t)t * q_dim;
-    T *k_out = out + (size_t)tokens * q_dim + (size_t)t * kv_dim;
-    T *v_out = out + (size_t)tokens * (q_dim + kv_dim) + (size_t)t * kv_dim;
+    T *k_out, *v_out;
+    if (k_cache) {
+        k_out = k_cache + (size_t)slots[t] * kv_dim;
+        v_out = v_cache + (size_t)slots[t] * kv_dim;
+    } else {
+        k_out = out + (size_t)tokens * q_dim + (size_t)t * kv_dim;
+        v_out = out + (size_t)tokens * (q_dim + kv_dim) + (size_t)t * kv_dim;
+    }
     // q's and k's heads are consecutive in the row: rotate them together.
     for (unsigned int i = threadIdx.x; i < (heads + kv_heads) * half; i += blockDim.x) {
         const unsigned int h = i / half, j = i % half, col = h * head_dim + j;
@@ -453,11 +463,12 @@ extern "C" __global__ void write_table_entries(unsigned int *table, const unsign
     }
 
 #define INSTANTIATE(NAME, T)                                                                    \
-    extern "C" __global__ void qkv_rope_##NAME(const T *qkv, const T *bias, const T *cos,      \
-                                               const T *sin, T *out, unsigned int heads,       \
-                                               unsigned int kv_heads, unsigned int head_dim,   \
-                                               unsigned int has_bias) {                        \
-        qkv_rope<T>(qkv, bias, cos, sin, out, heads, kv_heads, head_dim, has_bias);            \
+    extern "C" __global__ void qkv_rope_##NAME(                                                \
+        const T *qkv, const T *bias, const T *cos, const T *sin, T *out, T *k_cache,           \
+        T *v_cache, const unsigned int *slots, unsigned int heads, unsigned int kv_heads,      \
+        unsigned int head_dim, unsigned int has_bias) {                                         \
+        qkv_rope<T>(qkv, bias, cos, sin, out, k_cache, v_cache, slots, heads, kv_heads,        \
+                    head_dim, has_bias);                                                        \
     }                                                                                           \
     extern "C" __global__ void write_slots_##NAME(const T *src, T *cache,                      \
                                                   const unsigned int *slots, unsigned int row) { \

@@ -56,6 +56,10 @@ pub struct EngineConfig {
     /// kernel of their own instead of candle's ops (`engine.rope_kernel`; on by default: it
     /// passed `dppo doctor` on an H200; the other backends ignore it).
     pub rope_kernel: bool,
+    /// With `rope_kernel`, that kernel also writes k and v straight into their slots of the KV
+    /// pool, in place of two slot-writing launches a layer (`engine.rope_writes_kv`; off by
+    /// default until `dppo doctor` has passed it on a GPU).
+    pub rope_writes_kv: bool,
     /// With the paged CUDA kernels, the residual add with the RMSNorm after it, and the gated
     /// MLP's SiLU product, by kernels of their own (`engine.layer_kernels`; on by default: they
     /// passed `dppo doctor` on an H200; the other backends ignore it).
@@ -93,6 +97,7 @@ impl Default for EngineConfig {
             sampling: SamplingPlace::Auto,
             fused_kernels: FusedKernels::Auto,
             rope_kernel: true,
+            rope_writes_kv: false,
             layer_kernels: true,
             attention_kernel: AttentionKernel::default(),
             time_device: false,
@@ -211,6 +216,7 @@ impl Engine {
             Switches {
                 time_device: cfg.time_device,
                 rope_kernel: cfg.rope_kernel,
+                rope_writes_kv: cfg.rope_writes_kv,
                 layer_kernels: cfg.layer_kernels,
                 attention_kernel: cfg.attention_kernel,
             },

@@ -59,6 +59,12 @@ pub struct RolloutArgs {
     #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true",
           action = clap::ArgAction::Set)]
     rope_kernel: bool,
+    /// With the rope kernel, k and v written into their KV slots by it, as
+    /// `engine.rope_writes_kv`: false (the default, until a GPU has checked it) or true; the
+    /// flag alone means true.
+    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true",
+          action = clap::ArgAction::Set)]
+    rope_writes_kv: bool,
     /// The residual add with its RMSNorm and the gated MLP's product by kernels of dppo's
     /// own, as `engine.layer_kernels`: true (the default; the paged CUDA kernels' path only)
     /// or false; the flag alone means true.
@@ -153,6 +159,7 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
         sampling: args.sampling,
         fused_kernels: args.fused_kernels,
         rope_kernel: args.rope_kernel,
+        rope_writes_kv: args.rope_writes_kv,
         layer_kernels: args.layer_kernels,
         attention_kernel,
         attention: args.attention,
@@ -240,6 +247,7 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
         "complete": num_tokens == args.prompts * args.samples * args.new_tokens,
         "fused_kernels": args.fused_kernels.on(&device),
         "rope_kernel": args.rope_kernel,
+        "rope_writes_kv": args.rope_writes_kv,
         "layer_kernels": args.layer_kernels,
         "attention_kernel": attention_kernel.to_string(),
         "attention": args.attention,

@@ -5,7 +5,9 @@
 //! read on the device besides the pool is `super::device_buffers`'.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaSlice, DevicePtrMut, DeviceRepr,
+};
 use candle_core::cuda_backend::{CudaDType, CudaStorage, WrapErr};
 use candle_core::{
     bail, CpuStorage, CustomOp3, DType, InplaceOp1, InplaceOp2, Layout, Result, Shape, Tensor,
@@ -16,7 +18,8 @@ use super::copies::{self, SlotCopies};
 use super::device_buffers::{cuda, CudaIndex, DeviceTables};
 use super::gpu::{attention_function, config, elements, function};
 use super::params::{self, Scalars};
-use super::{attend_rotated, AttentionKernel, Extras, KernelPlan};
+use super::pools::with_pools;
+use super::{rotated, AttentionKernel, Extras, KernelPlan};
 use crate::generic_attn::TensorKvCache;
 
 /// The backend over the pool's tensors for one iteration.
@@ -35,12 +38,8 @@ impl AttentionBackend for CudaPagedAttention<'_> {
         let (kc, vc) = self.cache.layer(layer_idx);
         kc.inplace_op2(&k.contiguous()?, &WriteSlots(self.index))?;
         vc.inplace_op2(&v.contiguous()?, &WriteSlots(self.index))?;
-        let attend = Attend {
-            index: self.index,
-            tables: &self.tables.table,
-            variant: self.variant,
-        };
-        q.contiguous()?.apply_op3_no_bwd(kc, vc, &attend)
+        self.extras.slot_writes += 2;
+        self.attend_pools(layer_idx, q)
     }
 
     fn takes_projection(&self) -> bool {
@@ -54,14 +53,19 @@ impl AttentionBackend for CudaPagedAttention<'_> {
         bias: Option<&Tensor>,
         rope: &RopeAt,
     ) -> Result<Tensor> {
-        let plan = &self.index.plan;
+        let index = self.index;
         self.extras.rotations += 1;
-        attend_rotated(
-            self,
-            &Rotate { plan, bias },
-            plan.heads,
-            (layer_idx, qkv, rope),
-        )
+        let into_pools = self.extras.rope_writes_kv;
+        let (kc, vc) = self.cache.layer(layer_idx);
+        let rotate = Rotate {
+            index,
+            bias,
+            pools: into_pools.then_some([kc, vc]),
+        };
+        match rotated(&rotate, index.plan.heads, (qkv, rope), into_pools)? {
+            (q, Some((k, v))) => self.attend(layer_idx, &q, &k, &v),
+            (q, None) => self.attend_pools(layer_idx, &q),
+        }
     }
 
     fn layer_kernels(&self) -> Option<&dyn LayerKernels> {
@@ -69,10 +73,25 @@ impl AttentionBackend for CudaPagedAttention<'_> {
     }
 }
 
-/// `qkv_rope` of the projection (the op's first input) by the angles (the other two).
+impl CudaPagedAttention<'_> {
+    /// The attention of `q` over the layer's pools, its K and V already in them.
+    fn attend_pools(&self, layer_idx: usize, q: &Tensor) -> Result<Tensor> {
+        let (kc, vc) = self.cache.layer(layer_idx);
+        let attend = Attend {
+            index: self.index,
+            tables: &self.tables.table,
+            variant: self.variant,
+        };
+        q.contiguous()?.apply_op3_no_bwd(kc, vc, &attend)
+    }
+}
+
+/// `qkv_rope` of the projection (the op's first input) by the angles (the other two), k and
+/// v into the layer's `pools` where given.
 struct Rotate<'a> {
-    plan: &'a KernelPlan,
+    index: &'a CudaIndex,
     bias: Option<&'a Tensor>,
+    pools: Option<[&'a Tensor; 2]>,
 }
 
 impl CustomOp3 for Rotate<'_> {
@@ -101,25 +120,27 @@ impl CustomOp3 for Rotate<'_> {
         sin: &CudaStorage,
         sl: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let out = match qkv.dtype() {
-            DType::F32 => rotate::<f32>(self, (qkv, l), (cos, cl), (sin, sl))?,
-            DType::BF16 => rotate::<half::bf16>(self, (qkv, l), (cos, cl), (sin, sl))?,
-            DType::F16 => rotate::<half::f16>(self, (qkv, l), (cos, cl), (sin, sl))?,
+        let args = ((qkv, l), (cos, cl), (sin, sl));
+        match qkv.dtype() {
+            DType::F32 => rotate::<f32>(self, args),
+            DType::BF16 => rotate::<half::bf16>(self, args),
+            DType::F16 => rotate::<half::f16>(self, args),
             other => bail!("cuda attention: no kernels for {other:?}"),
-        };
-        Ok((out, Shape::from(l.shape().elem_count())))
+        }
     }
 }
 
+/// One storage and its layout.
+type Operand<'a> = (&'a CudaStorage, &'a Layout);
+
 fn rotate<T: CudaDType + DeviceRepr>(
     op: &Rotate<'_>,
-    (qkv, l): (&CudaStorage, &Layout),
-    (cos, cl): (&CudaStorage, &Layout),
-    (sin, sl): (&CudaStorage, &Layout),
-) -> Result<CudaStorage> {
-    let plan = op.plan;
+    ((qkv, l), (cos, cl), (sin, sl)): (Operand<'_>, Operand<'_>, Operand<'_>),
+) -> Result<(CudaStorage, Shape)> {
+    let plan = &op.index.plan;
     let heads = plan.heads;
-    let width = (heads.num_heads + 2 * heads.num_kv_heads) * heads.head_dim;
+    let kv_row = heads.num_kv_heads * heads.head_dim;
+    let width = heads.num_heads * heads.head_dim + 2 * kv_row;
     let half = plan.rows * heads.head_dim / 2;
     if l.shape().elem_count() != plan.rows * width
         || cl.shape().elem_count() != half
@@ -148,27 +169,55 @@ fn rotate<T: CudaDType + DeviceRepr>(
         },
         None => None,
     };
-    // SAFETY: the kernel writes every element: each row's q, k and v segments.
-    let mut out = unsafe { device.alloc::<T>(plan.rows * width) }?;
+    let out_len = match op.pools {
+        Some(_) => plan.rows * (width - 2 * kv_row),
+        None => plan.rows * width,
+    };
+    // SAFETY: the kernel writes every element: each row's q, and its k and v segments where
+    // they are not written into the pools.
+    let mut out = unsafe { device.alloc::<T>(out_len) }?;
     let scalars = Scalars::of(plan);
     let has_bias = u32::from(bias.is_some());
     let stream = device.cuda_stream();
     let func = function(device, "qkv_rope", Some(dtype))?;
-    let mut launch = stream.launch_builder(&func);
-    params::QkvRope {
-        qkv: &qkv,
-        bias: bias.as_ref().unwrap_or(&qkv),
-        cos: &cos,
-        sin: &sin,
-        out: &mut out,
-        scalars: &scalars,
-        has_bias: &has_bias,
+    let launch = |pools: [&u64; 2], out: &mut CudaSlice<T>| -> Result<()> {
+        let mut launch = stream.launch_builder(&func);
+        params::QkvRope {
+            qkv: &qkv,
+            bias: bias.as_ref().unwrap_or(&qkv),
+            cos: &cos,
+            sin: &sin,
+            out,
+            pools,
+            slots: &op.index.slots,
+            scalars: &scalars,
+            has_bias: &has_bias,
+        }
+        .push_to(&mut launch);
+        // SAFETY: the arguments are `qkv_rope`'s list in kernels/paged_attention.cu; the
+        // sizes of the projection, the bias, the angles and the output were checked against
+        // the plan, the pools are null or the layer's whole pools, and every slot of the plan
+        // lies inside them (the scheduler's blocks).
+        unsafe { launch.launch(config(plan.rope_geometry())) }.w()?;
+        Ok(())
+    };
+    match op.pools {
+        None => launch([&0, &0], &mut out)?,
+        Some([k, v]) => with_pools(k, v, |[k, v]: [&mut CudaStorage; 2]| {
+            if k.dtype() != dtype || v.dtype() != dtype {
+                bail!("paged-qkv-rope: the pools and the projection differ in dtype");
+            }
+            let (k, v) = (k.as_cuda_slice_mut::<T>()?, v.as_cuda_slice_mut::<T>()?);
+            // The guards record the writes on the stream once the kernel is queued.
+            let (k, _k_written) = k.device_ptr_mut(&stream);
+            let (v, _v_written) = v.device_ptr_mut(&stream);
+            launch([&k, &v], &mut out)
+        })?,
     }
-    .push_to(&mut launch);
-    // SAFETY: the arguments are `qkv_rope`'s list in kernels/paged_attention.cu; the sizes
-    // of the projection, the bias, the angles and the output were checked against the plan.
-    unsafe { launch.launch(config(plan.rope_geometry())) }.w()?;
-    Ok(T::wrap_cuda_slice(out, device.clone()))
+    Ok((
+        T::wrap_cuda_slice(out, device.clone()),
+        Shape::from(out_len),
+    ))
 }
 
 /// Copy-on-write: `copies` in every layer's pool, one upload and a launch per pool tensor.

@@ -25,6 +25,8 @@ mod launch;
 mod layer_ops;
 #[cfg(any(all(test, target_os = "linux"), feature = "cuda"))]
 mod params;
+#[cfg(any(all(test, target_os = "linux"), feature = "cuda"))]
+mod pools;
 pub mod reference;
 mod state;
 pub mod tables;
@@ -40,7 +42,7 @@ pub use state::{Batch, CudaAttention, Switches};
 pub use variant::AttentionKernel;
 
 use candle_core::{CustomOp3, Tensor};
-use dppo_model::{AttentionBackend, ModelConfig, RopeAt};
+use dppo_model::{ModelConfig, RopeAt};
 
 use crate::paged_attn::{CacheShape, SeqAttnMeta};
 use crate::EngineError;
@@ -78,14 +80,19 @@ const SILU_MAX_COLUMN_BLOCKS: u32 = 16;
 const SILU_MAX_ROW_BLOCKS: u32 = 1024;
 
 /// What a launcher's backend runs besides the attention, as [`Switches`] say: `qkv_rope`
-/// (`engine.rope_kernel`) and the layer kernels (`engine.layer_kernels`), launches counted.
+/// (`engine.rope_kernel`, writing K and V into the pools with `engine.rope_writes_kv`) and the
+/// layer kernels (`engine.layer_kernels`), launches counted.
 #[cfg(any(all(test, target_os = "linux"), feature = "cuda"))]
 #[derive(Debug, Default)]
 pub(crate) struct Extras {
     /// `engine.rope_kernel`.
     pub rope_kernel: bool,
+    /// `engine.rope_writes_kv`.
+    pub rope_writes_kv: bool,
     /// `qkv_rope` launches so far.
     pub rotations: u64,
+    /// `write_slots` launches so far (the K and V writes where `qkv_rope` does not make them).
+    pub slot_writes: u64,
     /// `engine.layer_kernels`: the kernels, where on.
     pub layer_ops: Option<layer_ops::LayerOps>,
 }
@@ -95,7 +102,9 @@ impl Extras {
     pub(crate) fn of(switches: Switches) -> Self {
         Self {
             rope_kernel: switches.rope_kernel,
+            rope_writes_kv: switches.rope_writes_kv,
             rotations: 0,
+            slot_writes: 0,
             layer_ops: switches.layer_kernels.then(layer_ops::LayerOps::default),
         }
     }
@@ -107,40 +116,45 @@ impl Extras {
             .map(|k| k as &dyn dppo_model::LayerKernels)
     }
 
-    /// Adds the launches to `cost`, `qkv_rope`'s to the attention's ops.
+    /// Adds the launches to `cost`, `qkv_rope`'s and the K/V writes' to the attention's ops.
     pub(crate) fn count(self, cost: &mut crate::cost::IterationCost) {
-        cost.attention_ops += self.rotations;
+        cost.attention_ops += self.rotations + self.slot_writes;
         cost.layer_ops += self.layer_ops.map_or(0, |k| k.launches.get());
     }
 }
 
-/// `attend_projected` of both launchers: `rotate` (their `qkv_rope` op) turns the projection
-/// `qkv` and the angles of `rope` into q, k and v as three contiguous segments of one flat
-/// tensor, (tokens, heads, head_dim) then (tokens, kv_heads, head_dim) twice, which
-/// `backend` attends.
-pub fn attend_rotated(
-    backend: &mut impl AttentionBackend,
+/// The layer's q (tokens, heads, head_dim) and, unless the pools took them, its k and v
+/// (tokens, kv_heads, head_dim) from the fused q/k/v projection `qkv`: `rotate` (a launcher's
+/// `qkv_rope` op) turns it and the angles of `rope` into q, k and v as three contiguous
+/// segments of one flat tensor, or into q alone where it writes k and v into the pools.
+pub fn rotated(
     rotate: &impl CustomOp3,
     heads: Heads,
-    (layer_idx, qkv, rope): (usize, &Tensor, &RopeAt),
-) -> candle_core::Result<Tensor> {
+    (qkv, rope): (&Tensor, &RopeAt),
+    into_pools: bool,
+) -> candle_core::Result<(Tensor, Option<(Tensor, Tensor)>)> {
     let (cos, sin) = rope.tables(qkv.dtype())?;
     let out = qkv.contiguous()?.apply_op3_no_bwd(&cos, &sin, rotate)?;
     let (q_dim, kv_dim) = (
         heads.num_heads * heads.head_dim,
         heads.num_kv_heads * heads.head_dim,
     );
-    let tokens = out.elem_count() / (q_dim + 2 * kv_dim);
+    let tokens = qkv.elem_count() / (q_dim + 2 * kv_dim);
     let d = heads.head_dim;
     let q = out.narrow(0, 0, tokens * q_dim)?;
+    let q = q.reshape((tokens, heads.num_heads, d))?;
+    if into_pools {
+        return Ok((q, None));
+    }
     let k = out.narrow(0, tokens * q_dim, tokens * kv_dim)?;
     let v = out.narrow(0, tokens * (q_dim + kv_dim), tokens * kv_dim)?;
-    backend.attend(
-        layer_idx,
-        &q.reshape((tokens, heads.num_heads, d))?,
-        &k.reshape((tokens, heads.num_kv_heads, d))?,
-        &v.reshape((tokens, heads.num_kv_heads, d))?,
-    )
+    Ok((
+        q,
+        Some((
+            k.reshape((tokens, heads.num_kv_heads, d))?,
+            v.reshape((tokens, heads.num_kv_heads, d))?,
+        )),
+    ))
 }
 
 /// Grid, block and dynamic shared memory of one launch, as CUDA's launch configuration
@@ -358,10 +372,10 @@ impl KernelPlan {
         4 * (4 * self.tiles.len() + self.slots.len()) as u64
     }
 
-    /// Launches per layer: the K and V writes, the attention and, where the context is
-    /// split, the merge of its splits (and `qkv_rope` before them with `engine.rope_kernel`).
+    /// Launches per layer of the attention and, where the context is split, the merge of its
+    /// splits (the K and V writes and `qkv_rope` are counted as they launch).
     pub fn launches_per_layer(&self) -> u64 {
-        3 + u64::from(self.splits > 1)
+        1 + u64::from(self.splits > 1)
     }
 
     /// Floats of the partial outputs (rows x heads x splits x head_dim).

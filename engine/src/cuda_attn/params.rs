@@ -165,23 +165,27 @@ impl<'s, I, O> Reduce<'s, I, O> {
     }
 }
 
-/// `qkv_rope_<dtype>(qkv, bias, cos, sin, out, num_heads, num_kv_heads, head_dim, has_bias)`:
-/// the projection biased and rotated, q, k and v out as three segments.
-pub(crate) struct QkvRope<'s, I, O> {
+/// `qkv_rope_<dtype>(qkv, bias, cos, sin, out, k_cache, v_cache, slots, num_heads,
+/// num_kv_heads, head_dim, has_bias)`: the projection biased and rotated, q, k and v out as
+/// three segments, or with pools (`engine.rope_writes_kv`) q out and k and v into their slots.
+pub(crate) struct QkvRope<'s, I, O, P, U> {
     pub qkv: I,
     /// The projection itself where it has no bias (`has_bias` 0; never read then).
     pub bias: I,
     pub cos: I,
     pub sin: I,
     pub out: O,
+    /// The layer's K and V pools, or two null pointers for the segments.
+    pub pools: [P; 2],
+    pub slots: U,
     pub scalars: &'s Scalars,
     pub has_bias: &'s u32,
 }
 
-impl<'s, I, O> QkvRope<'s, I, O> {
+impl<'s, I, O, P, U> QkvRope<'s, I, O, P, U> {
     pub(crate) fn push_to<L>(self, list: &mut L)
     where
-        L: ArgList<I> + ArgList<O> + ArgList<&'s u32>,
+        L: ArgList<I> + ArgList<O> + ArgList<P> + ArgList<U> + ArgList<&'s u32>,
     {
         let s = self.scalars;
         ArgList::push(list, self.qkv);
@@ -189,6 +193,10 @@ impl<'s, I, O> QkvRope<'s, I, O> {
         ArgList::push(list, self.cos);
         ArgList::push(list, self.sin);
         ArgList::push(list, self.out);
+        let [k_cache, v_cache] = self.pools;
+        ArgList::push(list, k_cache);
+        ArgList::push(list, v_cache);
+        ArgList::push(list, self.slots);
         for scalar in [&s.num_heads, &s.num_kv_heads, &s.head_dim, self.has_bias] {
             ArgList::push(list, scalar);
         }

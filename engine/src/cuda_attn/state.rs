@@ -37,6 +37,8 @@ pub struct Switches {
     pub time_device: bool,
     /// `engine.rope_kernel`: the projection's bias and rotation by `qkv_rope`.
     pub rope_kernel: bool,
+    /// `engine.rope_writes_kv`: with `rope_kernel`, `qkv_rope` writes K and V into the pools.
+    pub rope_writes_kv: bool,
     /// `engine.layer_kernels`: the add-and-norm and the gated product by kernels of ours.
     pub layer_kernels: bool,
     /// `EngineConfig::attention_kernel`: the attention kernel's variant.
@@ -139,8 +141,8 @@ impl CudaAttention {
             };
         let copies = SlotCopies::of(batch.block_copies, cache.shape().block_size);
         cost.h2d_bytes += 4 * copies.pairs.len() as u64;
-        // The kernels of every layer, the table's scatter when entries changed, and the
-        // copies in each layer's K and V pools.
+        // The attention kernels of every layer, the table's scatter when entries changed, and
+        // the copies in each layer's K and V pools; the backend counts the K/V writes.
         cost.attention_ops += plan.launches_per_layer() * layers
             + matches!(&upload, TableUpload::Entries(p) if !p.is_empty()) as u64
             + 2 * layers * u64::from(!copies.is_empty());

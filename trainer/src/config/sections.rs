@@ -316,6 +316,9 @@ pub struct EngineSettings {
     /// With the paged CUDA kernels, the q/k/v projection's bias and rotary embedding by one
     /// kernel of dppo's own (on; checked on an H200).
     pub rope_kernel: bool,
+    /// With `rope_kernel`, that kernel also writes k and v into their slots of the KV pool
+    /// (off: not yet checked on a GPU).
+    pub rope_writes_kv: bool,
     /// With the paged CUDA kernels, the residual add with its RMSNorm and the gated MLP's
     /// product by kernels of dppo's own (on; checked on an H200).
     pub layer_kernels: bool,
@@ -330,6 +333,7 @@ impl Default for EngineSettings {
             sampling: SamplingPlace::Auto,
             fused_kernels: FusedKernels::Auto,
             rope_kernel: true,
+            rope_writes_kv: false,
             layer_kernels: true,
         }
     }

@@ -3,7 +3,8 @@
 //! default, then each of its variants); then the engine on
 //! them against the CPU, greedy, with forked samples, 4-token blocks and a pool that
 //! preempts (f32), in bf16 without and with candle-nn's fused kernels, and the same with
-//! `engine.rope_kernel`, then also `engine.layer_kernels`, on a model with q/k/v biases.
+//! `engine.rope_kernel`, then also `engine.layer_kernels`, then also `engine.rope_writes_kv`, on
+//! a model with q/k/v biases.
 
 use candle_core::Device;
 use dppo_engine::{Completion, GenerateRequest};
@@ -164,7 +165,8 @@ fn engine_checks(
         .collect()
 }
 
-/// [`engine_checks`] with `engine.rope_kernel`, then with `engine.layer_kernels` too, on a
+/// [`engine_checks`] with `engine.rope_kernel`, then with `engine.layer_kernels` too, then
+/// with `engine.rope_writes_kv` as well, on a
 /// Qwen2-style variant of the doctor's model (q/k/v biases, no q/k norms: the projections
 /// the rope kernel serves; smaller weights, [`VARIANT_STD`]), against the variant's own CPU
 /// completions; in bf16 with the fused kernels only (the kernels need the projections they
@@ -195,18 +197,23 @@ fn variant_checks(
         Ok(reference) => reference,
         Err(e) => return vec![Check::fail("rope kernel", e.to_string(), BUG_FIX)],
     };
-    [(false, "rope kernel"), (true, "layer kernels")]
-        .into_iter()
-        .flat_map(|(layer_kernels, label)| {
-            let base = EngineConfig {
-                attention,
-                rope_kernel: true,
-                layer_kernels,
-                ..EngineConfig::default()
-            };
-            engine_checks(&variant, device, (reqs, &want), (base, label), &[true])
-        })
-        .collect()
+    [
+        ((false, false), "rope kernel"),
+        ((true, false), "layer kernels"),
+        ((true, true), "rope K/V writes"),
+    ]
+    .into_iter()
+    .flat_map(|((layer_kernels, rope_writes_kv), label)| {
+        let base = EngineConfig {
+            attention,
+            rope_kernel: true,
+            rope_writes_kv,
+            layer_kernels,
+            ..EngineConfig::default()
+        };
+        engine_checks(&variant, device, (reqs, &want), (base, label), &[true])
+    })
+    .collect()
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -259,7 +266,7 @@ mod tests {
             &reqs,
             AttentionMode::Generic,
         ));
-        assert_eq!(checks.len(), 7);
+        assert_eq!(checks.len(), 9);
         for check in &checks {
             assert_eq!(check.status, Status::Ok, "{}: {}", check.name, check.detail);
         }

@@ -52,6 +52,7 @@ pub(super) fn engine_config(
         sampling: cfg.engine.sampling,
         fused_kernels: cfg.engine.fused_kernels,
         rope_kernel: cfg.engine.rope_kernel,
+        rope_writes_kv: cfg.engine.rope_writes_kv,
         layer_kernels: cfg.engine.layer_kernels,
         ..EngineConfig::default()
     };

@@ -4,6 +4,8 @@
 //! bias and rotation as one op before them, and with `layer_kernels` the layer's add-and-norm
 //! and gated product.
 
+use std::any::Any;
+
 use candle_core::backend::BackendStorage;
 use candle_core::{
     bail, CpuStorage, CustomOp3, DType, InplaceOp1, InplaceOp2, Layout, Result, Shape, Tensor,
@@ -12,7 +14,8 @@ use dppo_model::{AttentionBackend, LayerKernels, RopeAt};
 
 use super::{attend, copy_slots, qkv_rope, write_slots, Stored};
 use crate::cuda_attn::copies::{self, SlotCopies};
-use crate::cuda_attn::{attend_rotated, AttentionKernel, Extras, KernelPlan};
+use crate::cuda_attn::pools::with_pools;
+use crate::cuda_attn::{rotated, AttentionKernel, Extras, KernelPlan};
 use crate::generic_attn::TensorKvCache;
 
 /// One iteration's backend (`tables`: the emulation's copy of the block tables).
@@ -31,12 +34,8 @@ impl AttentionBackend for Backend<'_> {
         let (kc, vc) = self.cache.layer(layer_idx);
         kc.inplace_op2(&k.contiguous()?, &WriteSlots(self.plan))?;
         vc.inplace_op2(&v.contiguous()?, &WriteSlots(self.plan))?;
-        let op = Attend {
-            plan: self.plan,
-            tables: self.tables,
-            variant: self.variant,
-        };
-        q.contiguous()?.apply_op3_no_bwd(kc, vc, &op)
+        self.extras.slot_writes += 2;
+        self.attend_pools(layer_idx, q)
     }
 
     fn takes_projection(&self) -> bool {
@@ -52,12 +51,17 @@ impl AttentionBackend for Backend<'_> {
     ) -> Result<Tensor> {
         let plan = self.plan;
         self.extras.rotations += 1;
-        attend_rotated(
-            self,
-            &Rotate { plan, bias },
-            plan.heads,
-            (layer_idx, qkv, rope),
-        )
+        let into_pools = self.extras.rope_writes_kv;
+        let (kc, vc) = self.cache.layer(layer_idx);
+        let rotate = Rotate {
+            plan,
+            bias,
+            pools: into_pools.then_some([kc, vc]),
+        };
+        match rotated(&rotate, plan.heads, (qkv, rope), into_pools)? {
+            (q, Some((k, v))) => self.attend(layer_idx, &q, &k, &v),
+            (q, None) => self.attend_pools(layer_idx, &q),
+        }
     }
 
     fn layer_kernels(&self) -> Option<&dyn LayerKernels> {
@@ -65,10 +69,25 @@ impl AttentionBackend for Backend<'_> {
     }
 }
 
-/// `qkv_rope` of the projection (the op's first input) by the angles (the other two).
+impl Backend<'_> {
+    /// The attention of `q` over the layer's pools, its K and V already in them.
+    fn attend_pools(&self, layer_idx: usize, q: &Tensor) -> Result<Tensor> {
+        let (kc, vc) = self.cache.layer(layer_idx);
+        let op = Attend {
+            plan: self.plan,
+            tables: self.tables,
+            variant: self.variant,
+        };
+        q.contiguous()?.apply_op3_no_bwd(kc, vc, &op)
+    }
+}
+
+/// `qkv_rope` of the projection (the op's first input) by the angles (the other two), k and
+/// v into the layer's `pools` where given.
 struct Rotate<'a> {
     plan: &'a KernelPlan,
     bias: Option<&'a Tensor>,
+    pools: Option<[&'a Tensor; 2]>,
 }
 
 impl Rotate<'_> {
@@ -77,7 +96,7 @@ impl Rotate<'_> {
         (qkv, l): (&CpuStorage, &Layout),
         (cos, cl): (&CpuStorage, &Layout),
         (sin, sl): (&CpuStorage, &Layout),
-    ) -> Result<CpuStorage> {
+    ) -> Result<(CpuStorage, Shape)> {
         let bias = self.bias.map(Tensor::storage_and_layout);
         let bias = match &bias {
             Some((storage, layout)) => match &**storage {
@@ -88,16 +107,20 @@ impl Rotate<'_> {
             },
             None => None,
         };
-        let out = qkv_rope(
-            self.plan,
-            contiguous(T::cpu_storage_as_slice(qkv)?, l)?,
-            bias,
-            (
-                contiguous(T::cpu_storage_as_slice(cos)?, cl)?,
-                contiguous(T::cpu_storage_as_slice(sin)?, sl)?,
-            ),
-        )?;
-        Ok(T::to_cpu_storage_owned(out))
+        let qkv = contiguous(T::cpu_storage_as_slice(qkv)?, l)?;
+        let angles = (
+            contiguous(T::cpu_storage_as_slice(cos)?, cl)?,
+            contiguous(T::cpu_storage_as_slice(sin)?, sl)?,
+        );
+        let out = match self.pools {
+            None => qkv_rope(self.plan, qkv, bias, angles, None)?,
+            Some([k, v]) => with_pools(k, v, |[k, v]: [&mut CpuStorage; 2]| {
+                let pools = [values_mut::<T>(k)?, values_mut::<T>(v)?];
+                qkv_rope(self.plan, qkv, bias, angles, Some(pools))
+            })?,
+        };
+        let shape = Shape::from(out.len());
+        Ok((T::to_cpu_storage_owned(out), shape))
     }
 }
 
@@ -116,13 +139,30 @@ impl CustomOp3 for Rotate<'_> {
         sl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let args = ((qkv, l), (cos, cl), (sin, sl));
-        let out = match qkv.dtype() {
-            DType::F32 => self.run::<f32>(args.0, args.1, args.2)?,
-            DType::BF16 => self.run::<half::bf16>(args.0, args.1, args.2)?,
-            DType::F16 => self.run::<half::f16>(args.0, args.1, args.2)?,
+        match qkv.dtype() {
+            DType::F32 => self.run::<f32>(args.0, args.1, args.2),
+            DType::BF16 => self.run::<half::bf16>(args.0, args.1, args.2),
+            DType::F16 => self.run::<half::f16>(args.0, args.1, args.2),
             other => bail!("cuda attention: no kernels for {other:?}"),
-        };
-        Ok((out, Shape::from(l.shape().elem_count())))
+        }
+    }
+}
+
+/// A pool's values as `T`s, writable.
+fn values_mut<T: Stored>(storage: &mut CpuStorage) -> Result<&mut [T]> {
+    let dtype = storage.dtype();
+    let values: Option<&mut Vec<T>> = match storage {
+        CpuStorage::F32(v) => (v as &mut dyn Any).downcast_mut(),
+        CpuStorage::BF16(v) => (v as &mut dyn Any).downcast_mut(),
+        CpuStorage::F16(v) => (v as &mut dyn Any).downcast_mut(),
+        _ => None,
+    };
+    match values {
+        Some(values) => Ok(values),
+        None => bail!(
+            "emulated qkv_rope: a {dtype:?} pool for {} values",
+            T::SUFFIX
+        ),
     }
 }
 

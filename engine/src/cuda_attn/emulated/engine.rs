@@ -153,28 +153,36 @@ fn the_tensor_core_variants_generate_the_default_kernels_tokens() {
 /// weight buffers of its own and the fused kernels concatenate its projections (the path the
 /// rope and layer kernels serve).
 fn qwen2_policy() -> Policy {
+    qwen2_policy_in(DType::F16)
+}
+
+/// [`qwen2_policy`] with its weights in `dtype`: an engine in another dtype serves it on the
+/// rope and layer kernels.
+fn qwen2_policy_in(dtype: DType) -> Policy {
     let policy = policy_of(|c| {
         c.arch = Arch::Qwen2;
         c.qkv_bias = true;
         c.qk_norm = false;
     });
     Policy {
-        weights: policy.weights.to_dtype(DType::F16).unwrap(),
+        weights: policy.weights.to_dtype(dtype).unwrap(),
         ..policy
     }
 }
 
-/// [`qwen2_policy`]'s greedy completions of [`requests`] by the f32 engine on the emulated
-/// kernels with `rope_kernel` and `layer_kernels`: the completions, the iterations' costs,
-/// and the iterations.
+/// [`qwen2_policy`]'s greedy completions of [`requests`] by the engine in `dtype` on the
+/// emulated kernels with `rope_kernel`, `rope_writes_kv` and `layer_kernels`: the completions,
+/// the iterations' costs, and the iterations.
 fn run_qwen2(
     policy: &Policy,
-    (rope_kernel, layer_kernels): (bool, bool),
+    dtype: DType,
+    (rope_kernel, rope_writes_kv, layer_kernels): (bool, bool, bool),
 ) -> (Vec<Vec<crate::Completion>>, IterationCost, usize) {
     let cfg = EngineConfig {
-        dtype: Some(DType::F32),
+        dtype: Some(dtype),
         fused_kernels: crate::FusedKernels::On,
         rope_kernel,
+        rope_writes_kv,
         layer_kernels,
         ..small_engine(AttentionMode::Cuda)
     };
@@ -190,8 +198,8 @@ fn run_qwen2(
 #[test]
 fn the_rope_kernel_changes_no_token_or_logprob() {
     let policy = qwen2_policy();
-    let (want, plain, iterations) = run_qwen2(&policy, (false, false));
-    let (got, cost, _) = run_qwen2(&policy, (true, false));
+    let (want, plain, iterations) = run_qwen2(&policy, DType::F32, (false, false, false));
+    let (got, cost, _) = run_qwen2(&policy, DType::F32, (true, false, false));
     let layers = policy.config.num_hidden_layers as u64;
     assert_eq!(
         cost.attention_ops - plain.attention_ops,
@@ -206,6 +214,28 @@ fn the_rope_kernel_changes_no_token_or_logprob() {
     }
 }
 
+/// With `engine.rope_writes_kv` the rope kernel writes K and V into the pools itself, and the
+/// engine on the emulated kernels generates exactly what it generates with the separate
+/// writes, in f32 and f16 (with forks and preemption: the pools' rows are the same bits), with
+/// two launches a layer fewer (the two `write_slots`).
+#[test]
+fn the_rope_kernels_kv_writes_change_no_token_or_logprob() {
+    for (dtype, weights) in [(DType::F32, DType::F16), (DType::F16, DType::BF16)] {
+        let policy = qwen2_policy_in(weights);
+        let layers = policy.config.num_hidden_layers as u64;
+        let (want, separate, iterations) = run_qwen2(&policy, dtype, (true, false, true));
+        let (got, cost, _) = run_qwen2(&policy, dtype, (true, true, true));
+        assert_eq!(
+            separate.attention_ops - cost.attention_ops,
+            2 * layers * iterations as u64,
+            "{dtype:?}: two launches a layer fewer"
+        );
+        assert_eq!(got, want, "{dtype:?}");
+        let tokens: usize = got.iter().flatten().map(|c| c.token_ids.len()).sum();
+        assert!(tokens > 100, "{tokens} tokens compared");
+    }
+}
+
 /// With `engine.layer_kernels` (and the rope kernel) the engine on the emulated kernels
 /// generates the tokens it generates without, logprobs within 1e-4 (in f32 the kernels round
 /// as the model's ops do, the RMSNorm's sum of squares taken in another order), and each
@@ -215,8 +245,8 @@ fn the_rope_kernel_changes_no_token_or_logprob() {
 #[test]
 fn the_layer_kernels_keep_every_token() {
     let policy = qwen2_policy();
-    let (want, without, _) = run_qwen2(&policy, (true, false));
-    let (got, cost, iterations) = run_qwen2(&policy, (true, true));
+    let (want, without, _) = run_qwen2(&policy, DType::F32, (true, false, false));
+    let (got, cost, iterations) = run_qwen2(&policy, DType::F32, (true, false, true));
     let layers = policy.config.num_hidden_layers;
     assert_eq!((without.layer_ops, without.layer_host_ns), (0, 0));
     assert_eq!(cost.layer_ops, ((3 * layers + 1) * iterations) as u64);

@@ -253,15 +253,18 @@ pub(super) fn attend<T: Stored>(
 }
 
 /// `qkv_rope`: the batch's projection `qkv` (rows, (heads + 2 kv_heads) * head_dim) biased
-/// and rotated by `cos`, `sin` (rows, head_dim / 2), out as q, k and v segments.
+/// and rotated by `cos`, `sin` (rows, head_dim / 2): q, k and v out as segments, or with the
+/// layer's K and V `pools` q out and k and v into the plan's slots of the pools.
 pub(super) fn qkv_rope<T: Stored>(
     plan: &KernelPlan,
     qkv: &[T],
     bias: Option<&[T]>,
     (cos, sin): (&[T], &[T]),
+    pools: Option<[&mut [T]; 2]>,
 ) -> Result<Vec<T>> {
     let heads = plan.heads;
-    let width = (heads.num_heads + 2 * heads.num_kv_heads) * heads.head_dim;
+    let kv_row = heads.num_kv_heads * heads.head_dim;
+    let width = heads.num_heads * heads.head_dim + 2 * kv_row;
     let half = plan.rows * heads.head_dim / 2;
     if qkv.len() != plan.rows * width || cos.len() != half || sin.len() != half {
         bail!(
@@ -277,7 +280,17 @@ pub(super) fn qkv_rope<T: Stored>(
             bias.map_or(0, <[T]>::len)
         );
     }
-    let mut out = vec![T::of(f32::NAN); qkv.len()];
+    let (out_len, pools) = match pools {
+        Some([k, v]) => {
+            in_pool("qkv_rope", &plan.slots, kv_row, k.len().min(v.len()))?;
+            (
+                qkv.len() - 2 * plan.rows * kv_row,
+                [k.as_mut_ptr(), v.as_mut_ptr()],
+            )
+        }
+        None => (qkv.len(), [std::ptr::null_mut(); 2]),
+    };
+    let mut out = vec![T::of(f32::NAN); out_len];
     let scalars = Scalars::of(plan);
     let has_bias = u32::from(bias.is_some());
     let rope = QkvRope {
@@ -286,6 +299,8 @@ pub(super) fn qkv_rope<T: Stored>(
         cos: cos.as_ptr(),
         sin: sin.as_ptr(),
         out: out.as_mut_ptr(),
+        pools,
+        slots: plan.slots.as_ptr(),
         scalars: &scalars,
         has_bias: &has_bias,
     };

@@ -1,6 +1,7 @@
 //! `qkv_rope` of kernels/paged_attention.cu run on the CPU: held bit for bit to a twin of its
 //! arithmetic in f32, bf16 and f16, and in f32 to the model's own bias add, split and
-//! rotation (the ops it replaces with `engine.rope_kernel`).
+//! rotation (the ops it replaces with `engine.rope_kernel`); with the pools
+//! (`engine.rope_writes_kv`), k and v in their slots as the segments hold them.
 
 use candle_core::{DType, Device, Tensor};
 use dppo_model::rope::Rope;
@@ -10,14 +11,15 @@ use rand::{Rng, SeedableRng};
 use super::{qkv_rope, Stored};
 use crate::cuda_attn::{Heads, KernelPlan, CHUNK};
 
-/// A plan of `rows` decoding rows of `heads` (all `qkv_rope` reads of one).
+/// A plan of `rows` decoding rows of `heads`, in slots 0, 1, ... (all `qkv_rope` reads of
+/// one).
 fn plan(heads: Heads, rows: usize) -> KernelPlan {
     KernelPlan {
         heads,
         block_size: 16,
         tiles: Vec::new(),
         table_width: 1,
-        slots: vec![0; rows],
+        slots: (0..rows as u32).collect(),
         rows,
         splits: 1,
         split_len: CHUNK,
@@ -119,7 +121,7 @@ fn check<T: Stored>(dtype: DType) {
         let (cos, sin) = (stored::<T>(&cos), stored::<T>(&sin));
         for bias in [None, Some(bias.as_slice())] {
             let plan = plan(heads, rows);
-            let got = qkv_rope(&plan, &qkv, bias, (&cos, &sin)).unwrap();
+            let got = qkv_rope(&plan, &qkv, bias, (&cos, &sin), None).unwrap();
             let want = twin(heads, rows, &qkv, bias, (&cos, &sin));
             let differ = got
                 .iter()
@@ -134,6 +136,52 @@ fn check<T: Stored>(dtype: DType) {
             );
         }
     }
+}
+
+/// With the pools, `qkv_rope` writes the segments' q out and their k and v rows into the
+/// plan's slots of the K and V pools, bit for bit, and leaves every other slot as it was.
+fn check_pools<T: Stored>(dtype: DType) {
+    let mut rng = StdRng::seed_from_u64(33);
+    for (group, head_dim, rows) in [(1, 64, 3), (7, 128, 5)] {
+        let heads = Heads {
+            num_heads: 2 * group,
+            num_kv_heads: 2,
+            head_dim,
+        };
+        let inputs = Inputs::new(&mut rng, heads, rows);
+        let (cos, sin) = inputs.angles(head_dim, dtype);
+        let (qkv, bias) = (stored::<T>(&inputs.qkv), stored::<T>(&inputs.bias));
+        let (cos, sin) = (stored::<T>(&cos), stored::<T>(&sin));
+        let mut plan = plan(heads, rows);
+        // Scattered over a pool of 16 slots, none at 0.
+        plan.slots = (0..rows as u32).map(|r| 15 - 3 * r).collect();
+        let segments = qkv_rope(&plan, &qkv, Some(&bias), (&cos, &sin), None).unwrap();
+        let kv_row = heads.num_kv_heads * head_dim;
+        let sentinel = |i: usize| T::of(i as f32 * 0.5 - 7.0);
+        let fresh = || (0..16 * kv_row).map(sentinel).collect::<Vec<T>>();
+        let (mut k_pool, mut v_pool) = (fresh(), fresh());
+        let pools = Some([k_pool.as_mut_slice(), v_pool.as_mut_slice()]);
+        let q = qkv_rope(&plan, &qkv, Some(&bias), (&cos, &sin), pools).unwrap();
+
+        let bits = |xs: &[T]| xs.iter().map(|x| x.bits()).collect::<Vec<_>>();
+        let q_len = rows * heads.num_heads * head_dim;
+        assert_eq!(bits(&q), bits(&segments[..q_len]), "{dtype:?}: q");
+        for (name, pool, start) in [("k", &k_pool, q_len), ("v", &v_pool, q_len + rows * kv_row)] {
+            let mut want = fresh();
+            for (r, &slot) in plan.slots.iter().enumerate() {
+                let row = &segments[start + r * kv_row..start + (r + 1) * kv_row];
+                want[slot as usize * kv_row..][..kv_row].copy_from_slice(row);
+            }
+            assert_eq!(bits(pool), bits(&want), "{dtype:?}, group {group}: {name}");
+        }
+    }
+}
+
+#[test]
+fn qkv_rope_into_the_pools_writes_the_segments_rows_into_their_slots() {
+    check_pools::<f32>(DType::F32);
+    check_pools::<half::bf16>(DType::BF16);
+    check_pools::<half::f16>(DType::F16);
 }
 
 #[test]
@@ -161,6 +209,7 @@ fn qkv_rope_in_f32_is_the_models_bias_split_and_rotation() {
         &inputs.qkv,
         Some(&inputs.bias),
         (&cos, &sin),
+        None,
     )
     .unwrap();
 
