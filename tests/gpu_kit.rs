@@ -93,11 +93,11 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
     }
     assert!(ok && text.contains("all steps run passed"), "{text}");
     // The timed rows split the step: the attention's device time is counted.
-    for timed in &steps[10..12] {
+    for timed in &steps[11..13] {
         let ms = timed["numbers"]["decode_step"]["attention_ms"].as_f64();
         assert!(ms.is_some_and(|ms| ms > 0.0), "{timed}\n{text}");
     }
-    let agree = &steps[13]["numbers"]["shapes"]["smollm2-135m"];
+    let agree = &steps[14]["numbers"]["shapes"]["smollm2-135m"];
     assert_eq!(agree["agreed_tokens"], 8, "{text}");
     assert_eq!(agree["max_logprob_diff"], 0.0, "{text}");
 }
@@ -222,7 +222,7 @@ fn gpu_check_with_its_budget_spent_runs_nothing_and_still_summarises() {
     let dir = tempfile::tempdir().unwrap();
     let (ok, text) = gpu_check(&["--dry-run", "--budget", "1"], dir.path());
     assert!(
-        ok && text.contains("16 not run, the budget spent"),
+        ok && text.contains("17 not run, the budget spent"),
         "{text}"
     );
     let steps = summary_steps(dir.path());
@@ -274,7 +274,7 @@ fn gpu_check_on_a_gpu_packs_its_steps_files() {
             "{file}: {listing}"
         );
     }
-    assert_eq!(summary_steps(dir.path()).len(), 20, "{text}");
+    assert_eq!(summary_steps(dir.path()).len(), 21, "{text}");
 }
 
 /// `gpu_check.py profile` runs the rollout under Nsight Compute (here a stand-in that runs

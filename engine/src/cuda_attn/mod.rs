@@ -317,6 +317,13 @@ impl KernelPlan {
     ) -> Result<Self, EngineError> {
         heads.check()?;
         assert_eq!(seqs.len(), table_rows.len(), "one table row per sequence");
+        // The kernels write the new rows' K and V at their slots unchecked on a GPU.
+        let pool_slots = shape.num_blocks * shape.block_size;
+        if let Some(slot) = slot_mapping.iter().find(|&&s| s >= pool_slots) {
+            return Err(EngineError::InvalidConfig(format!(
+                "cuda attention: slot {slot} outside a pool of {pool_slots}"
+            )));
+        }
         let per_tile = heads.rows_per_tile();
         let mut tiles = Vec::new();
         let mut max_keys = 1;

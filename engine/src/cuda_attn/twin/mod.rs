@@ -403,6 +403,19 @@ mod tests {
         assert_eq!(plan.tile_words().len(), 4 * plan.tiles.len());
     }
 
+    /// A slot outside the pool (which the K/V writes would reach on a GPU unchecked) is
+    /// refused with the plan.
+    #[test]
+    fn a_slot_outside_the_pool_is_refused() {
+        let mut rng = StdRng::seed_from_u64(12);
+        let mut case = Case::new(&mut rng, heads(3, 64), &[(40, 1), (3, 1)], false, |x| x);
+        assert!(case.plan(1).is_ok());
+        let pool_slots = case.shape.num_blocks * case.shape.block_size;
+        case.slots[1] = pool_slots;
+        let err = case.plan(1).unwrap_err().to_string();
+        assert!(err.contains(&format!("slot {pool_slots} outside")), "{err}");
+    }
+
     #[test]
     fn a_head_dim_the_kernels_lack_is_refused_with_its_reason() {
         let err = Heads {
