@@ -203,7 +203,10 @@ def targets(steps):
     floor (at most 2x). A target whose steps did not finish is `not measured`, but for a dppo
     rollout its timeout cut, which has missed the target."""
     by_name = {s["name"]: s for s in steps}
-    shapes = sorted({s["name"].split("-", 2)[2] for s in steps if s["name"].startswith("target-")})
+    # The shapes of the protocol's own rows (the rows after it name more than a kind).
+    kinds = ("target-floor-", "target-rollout-", "target-hf-")
+    shapes = sorted({s["name"][len(k):] for s in steps for k in kinds
+                     if s["name"].startswith(k)})
     result, lines = {}, []
     if by_name.get("doctor", {}).get("status") != "ok":
         lines.append("targets: doctor did not pass, so the paged kernels are unverified on this "

@@ -127,7 +127,15 @@ fn gpu_check_targets_dry_run_measures_each_target() {
             expected.push(format!("attention-{shape}-b1024"));
         }
         expected.extend(
-            ["floor", "rollout", "hf", "timed", "untracked"].map(|s| format!("target-{s}-{shape}")),
+            [
+                "floor",
+                "rollout",
+                "hf",
+                "timed",
+                "untracked",
+                "rope-writes-kv",
+            ]
+            .map(|s| format!("target-{s}-{shape}")),
         );
         assert_eq!(names, expected, "{text}");
         let step = |name: &str| {
@@ -139,11 +147,21 @@ fn gpu_check_targets_dry_run_measures_each_target() {
         let rollout = &step("rollout")["numbers"];
         assert_eq!(rollout["complete"], true, "{text}");
         // Every dppo row runs the kernel chosen, the rows after the protocol included.
-        for name in ["floor", "rollout", "timed", "untracked"] {
+        for name in ["floor", "rollout", "timed", "untracked", "rope-writes-kv"] {
             let row = step(name);
             assert_eq!(row["status"], "ok", "{name}: {text}");
             assert_eq!(row["numbers"]["attention_kernel"], used, "{name}: {text}");
         }
+        // The targets are the protocol's shape's alone (the rows after it name more than a
+        // kind and a shape).
+        let text_json = std::fs::read_to_string(dir.path().join("summary.json")).unwrap();
+        let summary: Value = serde_json::from_str(&text_json).unwrap();
+        let shapes: Vec<&String> = summary["targets"]["shapes"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .collect();
+        assert_eq!(shapes, [shape], "{text}");
         // The floor is measured on the CPU too; the speed over HF only where torch imports.
         assert!(
             text.contains(&format!("target {shape}: decode step")),
