@@ -9,10 +9,10 @@
                                      `dppo bench rollout ARGS` under Nsight Compute: the last
                                      decode steps' device time by kernel, as JSON
     gpu_check.py profile-summary CSV the same from an exported `ncu --csv --page raw`
-    gpu_check.py fastest FILE... [--doctor F]
+    gpu_check.py fastest FILE... [--doctor F --default NAME]
                                      `--attention-kernel NAME` of the attention variant of the fastest
                                      of the rollouts whose JSON outputs are FILE..., leaving out
-                                     the variants whose check failed in doctor's JSON F
+                                     the variants but NAME that doctor's JSON F did not pass
 
 With `--targets`, the summary also sets issue #38's targets against what the steps measured:
 dppo's rollout tokens/s over HF `generate`'s on each shape (at least 5x), and the decode step
@@ -409,19 +409,22 @@ def fastest(args):
     """Prints `--attention-kernel NAME` of the fastest attention kernel in FILES, nothing where
     none of them finished. FILES are all `bench rollout --json` outputs (the variant of the
     highest tokens/s) or all `bench attention --json` ones (the variant of the fewest
-    microseconds a call). With --doctor (`dppo doctor --json`'s output), a variant whose
-    kernel check failed there is not a candidate: a wrong kernel may well be fast."""
-    failed = set()
+    microseconds a call). With --doctor (`dppo doctor --json`'s output), only the --default
+    variant and those whose kernel check passed there are candidates: a wrong kernel may well
+    be fast, and one the doctor did not reach (cut short, or stopped by an earlier error) is
+    unchecked."""
+    passed = None
     if args.doctor:
         try:
             report = last_json(open(args.doctor, errors="replace").read()) or {}
         except OSError:
             report = {}
+        passed = {args.default}
         for section in report.get("sections", []):
             for check in section.get("checks", []):
                 name = check.get("name", "")
-                if check.get("status") == "fail" and ", variant " in name:
-                    failed.add(name.rsplit(", variant ", 1)[1])
+                if check.get("status") == "ok" and ", variant " in name:
+                    passed.add(name.rsplit(", variant ", 1)[1])
     # (speed, variant, kind): tokens/s of a rollout, calls a second of a kernel alone.
     candidates = []
     for path in args.files:
@@ -437,7 +440,7 @@ def fastest(args):
     if len({kind for _, _, kind in candidates}) > 1:
         print("fastest: rollouts and kernel timings are not comparable", file=sys.stderr)
         return 1
-    candidates = [c for c in candidates if c[1] and c[1] not in failed]
+    candidates = [c for c in candidates if c[1] and (passed is None or c[1] in passed)]
     if candidates:
         print(f"--attention-kernel {max(candidates)[1]}")
     return 0
@@ -469,6 +472,8 @@ def main():
     f = sub.add_parser("fastest")
     f.add_argument("files", nargs="+")
     f.add_argument("--doctor")
+    f.add_argument("--default", help="the attention's default variant, a candidate whatever "
+                   "the doctor says (it runs where no other is chosen)")
     # `profile`'s rollout arguments follow `--`, kept from argparse whole.
     argv, rest = sys.argv[1:], []
     if "--" in argv:

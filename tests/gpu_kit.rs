@@ -413,7 +413,8 @@ fn gpu_check_summarises_the_attention_bench_fastest_first() {
 
 /// `gpu_check.py fastest` names the variant of the highest tokens/s among the rollouts'
 /// outputs (of the fewest microseconds among a kernel bench's rows), skipping one that did not
-/// finish or whose kernel check the doctor failed, and prints nothing when none did.
+/// finish and, with the doctor's report, every variant but the default that the doctor did
+/// not pass (failed, or never checked), and prints nothing when none is left.
 #[test]
 fn gpu_check_fastest_picks_the_variant_of_the_highest_rate() {
     let dir = tempfile::tempdir().unwrap();
@@ -445,7 +446,8 @@ fn gpu_check_fastest_picks_the_variant_of_the_highest_rate() {
     assert_eq!(fastest(&files[..4]), "--attention-kernel s8_v32\n");
     assert_eq!(fastest(&files), "--attention-kernel mma\n");
     assert_eq!(fastest(&files[3..4]), "");
-    // A variant whose kernel check failed in the doctor is no candidate, however fast.
+    // With the doctor: a variant whose kernel check failed (mma) or that it never checked
+    // (s8_v32) is no candidate, however fast; the default needs no check of its own.
     let doctor = write(
         "doctor.out",
         concat!(
@@ -456,9 +458,17 @@ fn gpu_check_fastest_picks_the_variant_of_the_highest_rate() {
             "\n"
         ),
     );
-    let mut with_doctor = vec!["--doctor".to_string(), doctor.clone()];
-    with_doctor.extend(files.iter().cloned());
-    assert_eq!(fastest(&with_doctor), "--attention-kernel s8_v32\n");
+    let vet = |report: &str, files: &[String]| {
+        let mut args = vec!["--doctor".to_string(), report.to_string()];
+        args.extend(["--default".to_string(), "s1_v8".to_string()]);
+        args.extend(files.iter().cloned());
+        fastest(&args)
+    };
+    assert_eq!(vet(&doctor, &files), "--attention-kernel s1_v16\n");
+    // A doctor stopped before its variants' checks leaves the default alone.
+    let cut_short = write("cut-short.out", "{\"passed\": false, \"sections\": []}\n");
+    assert_eq!(vet(&cut_short, &files), "--attention-kernel s1_v8\n");
+    assert_eq!(vet(&cut_short, &files[1..]), "");
     // `bench attention`'s rows: the fewest microseconds a call, of the variants that ran and
     // that the doctor passed.
     let bench = write(
@@ -476,8 +486,10 @@ fn gpu_check_fastest_picks_the_variant_of_the_highest_rate() {
         fastest(std::slice::from_ref(&bench)),
         "--attention-kernel mma\n"
     );
-    let vetted = [String::from("--doctor"), doctor, bench.clone()];
-    assert_eq!(fastest(&vetted), "--attention-kernel s1_v16\n");
+    assert_eq!(
+        vet(&doctor, std::slice::from_ref(&bench)),
+        "--attention-kernel s1_v16\n"
+    );
     // A rate in tokens and one in calls do not compare.
     let out = std::process::Command::new("python3")
         .arg(repo_root().join("scripts/gpu_check.py"))

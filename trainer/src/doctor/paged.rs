@@ -1,6 +1,6 @@
 //! The paged attention kernels (`engine.attention = "cuda"`) on the GPU: the kernels alone
 //! against the generic path and the f64 reference, in f32, bf16 and f16 (the attention's
-//! default, then each of its variants); then the engine on
+//! default here, its variants after every other check of the device); then the engine on
 //! them against the CPU, greedy, with forked samples, 4-token blocks and a pool that
 //! preempts (f32), in bf16 without and with candle-nn's fused kernels, and the same with
 //! `engine.rope_kernel`, then also `engine.layer_kernels`, then also `engine.rope_writes_kv`, on
@@ -58,15 +58,9 @@ fn on_gpu(
     reqs: &[GenerateRequest],
     want: &[Completion],
 ) -> Result<Vec<Check>, TrainError> {
-    // The default attention kernel, then its variants (an experiment of `bench rollout`); a
-    // variant that fails to run fails its own check, not the others'.
-    let mut checks: Vec<Check> = AttentionKernel::VARIANTS
-        .into_iter()
-        .map(|variant| {
-            kernels_alone(device, variant)
-                .unwrap_or_else(|e| Check::fail(variant_name(variant), e.to_string(), BUG_FIX))
-        })
-        .collect();
+    // The default attention kernel; its variants come last of all the device's checks
+    // ([`variant_kernels`]).
+    let mut checks = vec![checked_alone(device, AttentionKernel::default())];
     // The attention kernels alone here; the rope and layer kernels have checks of their own.
     let base = EngineConfig {
         attention: AttentionMode::Cuda,
@@ -111,6 +105,30 @@ fn kernels_alone(device: &Device, variant: AttentionKernel) -> Result<Check, Tra
 }
 
 /// The check's name for the attention kernel `variant`.
+/// The attention kernel's variants besides the default (an experiment of `bench rollout`),
+/// each alone on the checked batches: run after every other check of the device, since a
+/// variant that faults can leave the GPU's context unusable (CUDA's sticky errors) for all
+/// that follows it. A variant that fails fails its own check; on the CPU, none.
+pub(super) fn variant_kernels(device: &Device) -> Vec<Check> {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        return AttentionKernel::VARIANTS
+            .into_iter()
+            .filter(|v| !v.is_default())
+            .map(|variant| checked_alone(device, variant))
+            .collect();
+    }
+    let _ = device;
+    Vec::new()
+}
+
+/// [`kernels_alone`], an error failing the variant's check.
+#[cfg(feature = "cuda")]
+fn checked_alone(device: &Device, variant: AttentionKernel) -> Check {
+    kernels_alone(device, variant)
+        .unwrap_or_else(|e| Check::fail(variant_name(variant), e.to_string(), BUG_FIX))
+}
+
 #[cfg(feature = "cuda")]
 fn variant_name(variant: AttentionKernel) -> String {
     match variant.is_default() {
