@@ -73,6 +73,7 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
         "agree",
         "train",
         "rollout-smollm2-135m",
+        "rollout-smollm2-135m-rope-qk-norm",
         "run",
         "run-sync",
     ];
@@ -240,7 +241,7 @@ fn gpu_check_with_its_budget_spent_runs_nothing_and_still_summarises() {
     let dir = tempfile::tempdir().unwrap();
     let (ok, text) = gpu_check(&["--dry-run", "--budget", "1"], dir.path());
     assert!(
-        ok && text.contains("17 not run, the budget spent"),
+        ok && text.contains("18 not run, the budget spent"),
         "{text}"
     );
     let steps = summary_steps(dir.path());
@@ -292,7 +293,7 @@ fn gpu_check_on_a_gpu_packs_its_steps_files() {
             "{file}: {listing}"
         );
     }
-    assert_eq!(summary_steps(dir.path()).len(), 21, "{text}");
+    assert_eq!(summary_steps(dir.path()).len(), 22, "{text}");
 }
 
 /// `gpu_check.py profile` runs the rollout under Nsight Compute (here a stand-in that runs

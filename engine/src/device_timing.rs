@@ -12,7 +12,7 @@ use std::cell::Cell;
 use std::time::Instant;
 
 use candle_core::{Device, Result, Tensor};
-use dppo_model::{AttentionBackend, CausalLm, LayerKernels, RopeAt};
+use dppo_model::{AttentionBackend, CausalLm, LayerKernels, Projection, RopeAt};
 
 use crate::cost::{nanos, IterationCost};
 
@@ -63,18 +63,17 @@ impl<B: AttentionBackend> AttentionBackend for Timed<'_, B> {
         self.time(|b| b.attend(layer_idx, q, k, v))
     }
 
-    fn takes_projection(&self) -> bool {
-        self.inner.takes_projection()
+    fn takes_projection(&self, qk_norms: bool) -> bool {
+        self.inner.takes_projection(qk_norms)
     }
 
     fn attend_projected(
         &mut self,
         layer_idx: usize,
-        qkv: &Tensor,
-        bias: Option<&Tensor>,
+        projection: Projection<'_>,
         rope: &RopeAt,
     ) -> Result<Tensor> {
-        self.time(|b| b.attend_projected(layer_idx, qkv, bias, rope))
+        self.time(|b| b.attend_projected(layer_idx, projection, rope))
     }
 
     fn packed_seqlens(&self) -> Option<&[usize]> {

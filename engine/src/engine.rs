@@ -60,6 +60,10 @@ pub struct EngineConfig {
     /// pool, in place of two slot-writing launches a layer (`engine.rope_writes_kv`; off by
     /// default until `dppo doctor` has passed it on a GPU).
     pub rope_writes_kv: bool,
+    /// With `rope_kernel`, models with q/k norms (Qwen3) take that kernel too, which applies
+    /// each q and k head's RMSNorm itself (`engine.rope_qk_norm`; off by default until `dppo
+    /// doctor` has passed it on a GPU).
+    pub rope_qk_norm: bool,
     /// With the paged CUDA kernels, the residual add with the RMSNorm after it, and the gated
     /// MLP's SiLU product, by kernels of their own (`engine.layer_kernels`; on by default: they
     /// passed `dppo doctor` on an H200; the other backends ignore it).
@@ -98,6 +102,7 @@ impl Default for EngineConfig {
             fused_kernels: FusedKernels::Auto,
             rope_kernel: true,
             rope_writes_kv: false,
+            rope_qk_norm: false,
             layer_kernels: true,
             attention_kernel: AttentionKernel::default(),
             time_device: false,
@@ -217,6 +222,7 @@ impl Engine {
                 time_device: cfg.time_device,
                 rope_kernel: cfg.rope_kernel,
                 rope_writes_kv: cfg.rope_writes_kv,
+                rope_qk_norm: cfg.rope_qk_norm,
                 layer_kernels: cfg.layer_kernels,
                 attention_kernel: cfg.attention_kernel,
             },

@@ -15,21 +15,20 @@ pub trait AttentionBackend {
     /// Returns (tokens, heads, head_dim).
     fn attend(&mut self, layer_idx: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor>;
 
-    /// Whether the backend takes the fused q/k/v projection itself ([`Self::attend_projected`]);
-    /// if not, the model splits, biases and rotates it and calls [`Self::attend`].
-    fn takes_projection(&self) -> bool {
+    /// Whether the backend takes the fused q/k/v projection itself ([`Self::attend_projected`]),
+    /// of a layer with q/k norms where `qk_norms`; if not, the model splits, biases, norms and
+    /// rotates it and calls [`Self::attend`].
+    fn takes_projection(&self, _qk_norms: bool) -> bool {
         false
     }
 
-    /// Attention straight from the fused q/k/v projection `qkv` (tokens, q, k and v widths
-    /// together), before its `bias` and rotary embedding, which the backend applies itself
-    /// (one kernel where the model takes several ops). Called only where
-    /// [`Self::takes_projection`].
+    /// Attention straight from the fused q/k/v projection, before its bias, q/k norms and
+    /// rotary embedding, which the backend applies itself (one kernel where the model takes
+    /// several ops). Called only where [`Self::takes_projection`].
     fn attend_projected(
         &mut self,
         _layer_idx: usize,
-        _qkv: &Tensor,
-        _bias: Option<&Tensor>,
+        _projection: Projection<'_>,
         _rope: &RopeAt,
     ) -> Result<Tensor> {
         candle_core::bail!("this attention backend does not take the q/k/v projection")
@@ -46,6 +45,24 @@ pub trait AttentionBackend {
     fn layer_kernels(&self) -> Option<&dyn LayerKernels> {
         None
     }
+}
+
+/// A layer's fused q/k/v projection as [`AttentionBackend::attend_projected`] takes it.
+#[derive(Debug, Clone, Copy)]
+pub struct Projection<'a> {
+    /// (tokens, q, k and v widths together), before the bias.
+    pub qkv: &'a Tensor,
+    pub bias: Option<&'a Tensor>,
+    /// The RMSNorms of each q and k head (Qwen3), after the bias and before the rotation.
+    pub norms: Option<QkNorms<'a>>,
+}
+
+/// A layer's RMSNorms of each q and k head: their weights (head_dim,) and epsilon.
+#[derive(Debug, Clone, Copy)]
+pub struct QkNorms<'a> {
+    pub q: &'a Tensor,
+    pub k: &'a Tensor,
+    pub eps: f64,
 }
 
 /// A layer's elementwise steps as a backend's kernels take them (no gradient).

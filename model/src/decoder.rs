@@ -7,7 +7,7 @@
 
 use candle_core::{DType, Result, Tensor};
 
-use crate::attention::{AttentionBackend, LayerKernels};
+use crate::attention::{AttentionBackend, LayerKernels, Projection, QkNorms};
 use crate::behaviour::Shaping;
 use crate::config::ModelConfig;
 use crate::fused::{add, rms_norm, silu_mul};
@@ -136,9 +136,24 @@ impl Attention {
         let [q, k, v] = match &self.qkv {
             Some((qkv, bias)) => {
                 let y = projection(x, qkv)?;
-                // A backend may bias, rotate and attend from the projection itself.
-                if self.q_norm.is_none() && backend.takes_projection() {
-                    let attn = backend.attend_projected(layer_idx, &y, bias.as_ref(), rope)?;
+                // A backend may bias, norm, rotate and attend from the projection itself.
+                let norms = match (&self.q_norm, &self.k_norm) {
+                    (Some(q), Some(k)) => Some(Some(QkNorms {
+                        q,
+                        k,
+                        eps: self.eps,
+                    })),
+                    (None, None) => Some(None),
+                    // One norm alone: the model's ops.
+                    _ => None,
+                };
+                if let Some(norms) = norms.filter(|n| backend.takes_projection(n.is_some())) {
+                    let projection = Projection {
+                        qkv: &y,
+                        bias: bias.as_ref(),
+                        norms,
+                    };
+                    let attn = backend.attend_projected(layer_idx, projection, rope)?;
                     return self.output(&attn, tokens);
                 }
                 let y = with_bias(y, bias.as_ref())?;

@@ -32,7 +32,7 @@ pub mod train_layer;
 pub mod uninit;
 pub mod weights;
 
-pub use attention::{AttentionBackend, CausalAttention, LayerKernels};
+pub use attention::{AttentionBackend, CausalAttention, LayerKernels, Projection, QkNorms};
 pub use config::{Arch, ModelConfig};
 pub use cpu_kernel::{cpu_kernel, CpuKernel};
 pub use decoder::CausalLm;

@@ -65,6 +65,12 @@ pub struct RolloutArgs {
     #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true",
           action = clap::ArgAction::Set)]
     rope_writes_kv: bool,
+    /// With the rope kernel, models with q/k norms (Qwen3) take it too, as
+    /// `engine.rope_qk_norm`: false (the default, until a GPU has checked it) or true; the flag
+    /// alone means true.
+    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true",
+          action = clap::ArgAction::Set)]
+    rope_qk_norm: bool,
     /// The residual add with its RMSNorm and the gated MLP's product by kernels of dppo's
     /// own, as `engine.layer_kernels`: true (the default; the paged CUDA kernels' path only)
     /// or false; the flag alone means true.
@@ -160,6 +166,7 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
         fused_kernels: args.fused_kernels,
         rope_kernel: args.rope_kernel,
         rope_writes_kv: args.rope_writes_kv,
+        rope_qk_norm: args.rope_qk_norm,
         layer_kernels: args.layer_kernels,
         attention_kernel,
         attention: args.attention,
@@ -248,6 +255,7 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
         "fused_kernels": args.fused_kernels.on(&device),
         "rope_kernel": args.rope_kernel,
         "rope_writes_kv": args.rope_writes_kv,
+        "rope_qk_norm": args.rope_qk_norm,
         "layer_kernels": args.layer_kernels,
         "attention_kernel": attention_kernel.to_string(),
         "attention": args.attention,

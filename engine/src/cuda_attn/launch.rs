@@ -6,13 +6,13 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaSlice, DevicePtrMut, DeviceRepr,
+    CudaFunction, CudaSlice, CudaView, DevicePtrMut, DeviceRepr,
 };
 use candle_core::cuda_backend::{CudaDType, CudaStorage, WrapErr};
 use candle_core::{
     bail, CpuStorage, CustomOp3, DType, InplaceOp1, InplaceOp2, Layout, Result, Shape, Tensor,
 };
-use dppo_model::{AttentionBackend, LayerKernels, RopeAt};
+use dppo_model::{AttentionBackend, LayerKernels, Projection, QkNorms, RopeAt};
 
 use super::copies::{self, SlotCopies};
 use super::device_buffers::{cuda, CudaIndex, DeviceTables};
@@ -42,15 +42,14 @@ impl AttentionBackend for CudaPagedAttention<'_> {
         self.attend_pools(layer_idx, q)
     }
 
-    fn takes_projection(&self) -> bool {
-        self.extras.rope_kernel
+    fn takes_projection(&self, qk_norms: bool) -> bool {
+        self.extras.takes_projection(qk_norms)
     }
 
     fn attend_projected(
         &mut self,
         layer_idx: usize,
-        qkv: &Tensor,
-        bias: Option<&Tensor>,
+        projection: Projection<'_>,
         rope: &RopeAt,
     ) -> Result<Tensor> {
         let index = self.index;
@@ -59,10 +58,16 @@ impl AttentionBackend for CudaPagedAttention<'_> {
         let (kc, vc) = self.cache.layer(layer_idx);
         let rotate = Rotate {
             index,
-            bias,
+            bias: projection.bias,
+            norms: projection.norms,
             pools: into_pools.then_some([kc, vc]),
         };
-        match rotated(&rotate, index.plan.heads, (qkv, rope), into_pools)? {
+        match rotated(
+            &rotate,
+            index.plan.heads,
+            (projection.qkv, rope),
+            into_pools,
+        )? {
             (q, Some((k, v))) => self.attend(layer_idx, &q, &k, &v),
             (q, None) => self.attend_pools(layer_idx, &q),
         }
@@ -86,11 +91,12 @@ impl CudaPagedAttention<'_> {
     }
 }
 
-/// `qkv_rope` of the projection (the op's first input) by the angles (the other two), k and
-/// v into the layer's `pools` where given.
+/// `qkv_rope` of the projection (the op's first input) by the angles (the other two), its q
+/// and k heads normed by `norms` and k and v into the layer's `pools` where given.
 struct Rotate<'a> {
     index: &'a CudaIndex,
     bias: Option<&'a Tensor>,
+    norms: Option<QkNorms<'a>>,
     pools: Option<[&'a Tensor; 2]>,
 }
 
@@ -161,12 +167,18 @@ fn rotate<T: CudaDType + DeviceRepr>(
     );
     let bias = op.bias.map(Tensor::storage_and_layout);
     let bias = match &bias {
-        Some((storage, layout)) => match &**storage {
-            candle_core::Storage::Cuda(b) if layout.shape().elem_count() == width => {
-                Some(elements::<T>(b, layout, "qkv_rope's bias")?)
-            }
-            _ => bail!("paged-qkv-rope: a bias that is not {width} values on the GPU"),
-        },
+        Some((storage, layout)) => Some(gpu_values::<T>(storage, layout, (width, "bias"))?),
+        None => None,
+    };
+    let norms = op
+        .norms
+        .map(|n| [n.q.storage_and_layout(), n.k.storage_and_layout()]);
+    let d = heads.head_dim;
+    let norms = match &norms {
+        Some([(q, ql), (k, kl)]) => Some([
+            gpu_values::<T>(q, ql, (d, "q norm"))?,
+            gpu_values::<T>(k, kl, (d, "k norm"))?,
+        ]),
         None => None,
     };
     let out_len = match op.pools {
@@ -178,6 +190,8 @@ fn rotate<T: CudaDType + DeviceRepr>(
     let mut out = unsafe { device.alloc::<T>(out_len) }?;
     let scalars = Scalars::of(plan);
     let has_bias = u32::from(bias.is_some());
+    let has_norm = u32::from(norms.is_some());
+    let eps = op.norms.map_or(0.0, |n| n.eps as f32);
     let stream = device.cuda_stream();
     let func = function(device, "qkv_rope", Some(dtype))?;
     let launch = |pools: [&u64; 2], out: &mut CudaSlice<T>| -> Result<()> {
@@ -190,8 +204,14 @@ fn rotate<T: CudaDType + DeviceRepr>(
             out,
             pools,
             slots: &op.index.slots,
+            norms: match &norms {
+                Some([q, k]) => [q, k],
+                None => [&qkv, &qkv],
+            },
             scalars: &scalars,
             has_bias: &has_bias,
+            has_norm: &has_norm,
+            eps: &eps,
         }
         .push_to(&mut launch);
         // SAFETY: the arguments are `qkv_rope`'s list in kernels/paged_attention.cu; the
@@ -218,6 +238,20 @@ fn rotate<T: CudaDType + DeviceRepr>(
         T::wrap_cuda_slice(out, device.clone()),
         Shape::from(out_len),
     ))
+}
+
+/// The `len` values of a tensor's `storage` on the GPU (`what` names it in errors).
+fn gpu_values<'s, T: CudaDType>(
+    storage: &'s candle_core::Storage,
+    layout: &Layout,
+    (len, what): (usize, &str),
+) -> Result<CudaView<'s, T>> {
+    match storage {
+        candle_core::Storage::Cuda(s) if layout.shape().elem_count() == len => {
+            elements::<T>(s, layout, what)
+        }
+        _ => bail!("paged-qkv-rope: a {what} that is not {len} values on the GPU"),
+    }
 }
 
 /// Copy-on-write: `copies` in every layer's pool, one upload and a launch per pool tensor.

@@ -80,8 +80,9 @@ const SILU_MAX_COLUMN_BLOCKS: u32 = 16;
 const SILU_MAX_ROW_BLOCKS: u32 = 1024;
 
 /// What a launcher's backend runs besides the attention, as [`Switches`] say: `qkv_rope`
-/// (`engine.rope_kernel`, writing K and V into the pools with `engine.rope_writes_kv`) and the
-/// layer kernels (`engine.layer_kernels`), launches counted.
+/// (`engine.rope_kernel`, writing K and V into the pools with `engine.rope_writes_kv`, taking
+/// the q/k norms of the models that have them with `engine.rope_qk_norm`) and the layer
+/// kernels (`engine.layer_kernels`), launches counted.
 #[cfg(any(all(test, target_os = "linux"), feature = "cuda"))]
 #[derive(Debug, Default)]
 pub(crate) struct Extras {
@@ -89,6 +90,8 @@ pub(crate) struct Extras {
     pub rope_kernel: bool,
     /// `engine.rope_writes_kv`.
     pub rope_writes_kv: bool,
+    /// `engine.rope_qk_norm`.
+    pub rope_qk_norm: bool,
     /// `qkv_rope` launches so far.
     pub rotations: u64,
     /// `write_slots` launches so far (the K and V writes where `qkv_rope` does not make them).
@@ -103,10 +106,17 @@ impl Extras {
         Self {
             rope_kernel: switches.rope_kernel,
             rope_writes_kv: switches.rope_writes_kv,
+            rope_qk_norm: switches.rope_qk_norm,
             rotations: 0,
             slot_writes: 0,
             layer_ops: switches.layer_kernels.then(layer_ops::LayerOps::default),
         }
+    }
+
+    /// The backend's [`AttentionBackend::takes_projection`]: with the rope kernel, and for a
+    /// layer with q/k norms with `engine.rope_qk_norm` too.
+    pub(crate) fn takes_projection(&self, qk_norms: bool) -> bool {
+        self.rope_kernel && (!qk_norms || self.rope_qk_norm)
     }
 
     /// The backend's [`AttentionBackend::layer_kernels`].

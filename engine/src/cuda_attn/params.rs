@@ -165,9 +165,10 @@ impl<'s, I, O> Reduce<'s, I, O> {
     }
 }
 
-/// `qkv_rope_<dtype>(qkv, bias, cos, sin, out, k_cache, v_cache, slots, num_heads,
-/// num_kv_heads, head_dim, has_bias)`: the projection biased and rotated, q, k and v out as
-/// three segments, or with pools (`engine.rope_writes_kv`) q out and k and v into their slots.
+/// `qkv_rope_<dtype>(qkv, bias, cos, sin, out, k_cache, v_cache, slots, q_norm, k_norm,
+/// num_heads, num_kv_heads, head_dim, has_bias, has_norm, eps)`: the projection biased, its q
+/// and k heads normed where `has_norm`, and rotated; q, k and v out as three segments, or with
+/// pools (`engine.rope_writes_kv`) q out and k and v into their slots.
 pub(crate) struct QkvRope<'s, I, O, P, U> {
     pub qkv: I,
     /// The projection itself where it has no bias (`has_bias` 0; never read then).
@@ -178,14 +179,18 @@ pub(crate) struct QkvRope<'s, I, O, P, U> {
     /// The layer's K and V pools, or two null pointers for the segments.
     pub pools: [P; 2],
     pub slots: U,
+    /// The q and k norms' weights, or the projection twice where `has_norm` is 0.
+    pub norms: [I; 2],
     pub scalars: &'s Scalars,
     pub has_bias: &'s u32,
+    pub has_norm: &'s u32,
+    pub eps: &'s f32,
 }
 
 impl<'s, I, O, P, U> QkvRope<'s, I, O, P, U> {
     pub(crate) fn push_to<L>(self, list: &mut L)
     where
-        L: ArgList<I> + ArgList<O> + ArgList<P> + ArgList<U> + ArgList<&'s u32>,
+        L: ArgList<I> + ArgList<O> + ArgList<P> + ArgList<U> + ArgList<&'s u32> + ArgList<&'s f32>,
     {
         let s = self.scalars;
         ArgList::push(list, self.qkv);
@@ -197,9 +202,19 @@ impl<'s, I, O, P, U> QkvRope<'s, I, O, P, U> {
         ArgList::push(list, k_cache);
         ArgList::push(list, v_cache);
         ArgList::push(list, self.slots);
-        for scalar in [&s.num_heads, &s.num_kv_heads, &s.head_dim, self.has_bias] {
+        let [q_norm, k_norm] = self.norms;
+        ArgList::push(list, q_norm);
+        ArgList::push(list, k_norm);
+        for scalar in [
+            &s.num_heads,
+            &s.num_kv_heads,
+            &s.head_dim,
+            self.has_bias,
+            self.has_norm,
+        ] {
             ArgList::push(list, scalar);
         }
+        ArgList::push(list, self.eps);
     }
 }
 

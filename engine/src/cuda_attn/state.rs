@@ -39,6 +39,9 @@ pub struct Switches {
     pub rope_kernel: bool,
     /// `engine.rope_writes_kv`: with `rope_kernel`, `qkv_rope` writes K and V into the pools.
     pub rope_writes_kv: bool,
+    /// `engine.rope_qk_norm`: with `rope_kernel`, `qkv_rope` takes the q/k norms of the
+    /// models that have them (Qwen3) too.
+    pub rope_qk_norm: bool,
     /// `engine.layer_kernels`: the add-and-norm and the gated product by kernels of ours.
     pub layer_kernels: bool,
     /// `EngineConfig::attention_kernel`: the attention kernel's variant.

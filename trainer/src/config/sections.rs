@@ -319,6 +319,9 @@ pub struct EngineSettings {
     /// With `rope_kernel`, that kernel also writes k and v into their slots of the KV pool
     /// (off: not yet checked on a GPU).
     pub rope_writes_kv: bool,
+    /// With `rope_kernel`, models with q/k norms (Qwen3) take that kernel too, which applies
+    /// the norms itself (off: not yet checked on a GPU).
+    pub rope_qk_norm: bool,
     /// With the paged CUDA kernels, the residual add with its RMSNorm and the gated MLP's
     /// product by kernels of dppo's own (on; checked on an H200).
     pub layer_kernels: bool,
@@ -334,6 +337,7 @@ impl Default for EngineSettings {
             fused_kernels: FusedKernels::Auto,
             rope_kernel: true,
             rope_writes_kv: false,
+            rope_qk_norm: false,
             layer_kernels: true,
         }
     }

@@ -4,7 +4,8 @@
 //! them against the CPU, greedy, with forked samples, 4-token blocks and a pool that
 //! preempts (f32), in bf16 without and with candle-nn's fused kernels, and the same with
 //! `engine.rope_kernel`, then also `engine.layer_kernels`, then also `engine.rope_writes_kv`, on
-//! a model with q/k/v biases.
+//! a model with q/k/v biases; and on the doctor's own model, whose q/k norms the rope kernel
+//! takes with `engine.rope_qk_norm`.
 
 use candle_core::Device;
 use dppo_engine::{Completion, GenerateRequest};
@@ -74,6 +75,23 @@ fn on_gpu(
         (reqs, want),
         (base, "paged kernels"),
         &[false, true],
+    ));
+    // The doctor's model has q/k norms: the rope kernel takes them with
+    // `engine.rope_qk_norm` (bf16 with the fused kernels, which concatenate the projections),
+    // its K and V written into the pool and the layer kernels on too.
+    let qk_norms = EngineConfig {
+        rope_kernel: true,
+        rope_qk_norm: true,
+        rope_writes_kv: true,
+        layer_kernels: true,
+        ..base
+    };
+    checks.extend(engine_checks(
+        policy,
+        device,
+        (reqs, want),
+        (qk_norms, "rope kernel q/k norms"),
+        &[true],
     ));
     checks.extend(variant_checks(policy, device, reqs, AttentionMode::Cuda));
     Ok(checks)

@@ -53,6 +53,7 @@ pub(super) fn engine_config(
         fused_kernels: cfg.engine.fused_kernels,
         rope_kernel: cfg.engine.rope_kernel,
         rope_writes_kv: cfg.engine.rope_writes_kv,
+        rope_qk_norm: cfg.engine.rope_qk_norm,
         layer_kernels: cfg.engine.layer_kernels,
         ..EngineConfig::default()
     };

@@ -10,9 +10,9 @@ use candle_core::backend::BackendStorage;
 use candle_core::{
     bail, CpuStorage, CustomOp3, DType, InplaceOp1, InplaceOp2, Layout, Result, Shape, Tensor,
 };
-use dppo_model::{AttentionBackend, LayerKernels, RopeAt};
+use dppo_model::{AttentionBackend, LayerKernels, Projection, QkNorms, RopeAt};
 
-use super::{attend, copy_slots, qkv_rope, write_slots, Stored};
+use super::{attend, copy_slots, qkv_rope, write_slots, RopeExtras, Stored};
 use crate::cuda_attn::copies::{self, SlotCopies};
 use crate::cuda_attn::pools::with_pools;
 use crate::cuda_attn::{rotated, AttentionKernel, Extras, KernelPlan};
@@ -38,15 +38,14 @@ impl AttentionBackend for Backend<'_> {
         self.attend_pools(layer_idx, q)
     }
 
-    fn takes_projection(&self) -> bool {
-        self.extras.rope_kernel
+    fn takes_projection(&self, qk_norms: bool) -> bool {
+        self.extras.takes_projection(qk_norms)
     }
 
     fn attend_projected(
         &mut self,
         layer_idx: usize,
-        qkv: &Tensor,
-        bias: Option<&Tensor>,
+        projection: Projection<'_>,
         rope: &RopeAt,
     ) -> Result<Tensor> {
         let plan = self.plan;
@@ -55,10 +54,11 @@ impl AttentionBackend for Backend<'_> {
         let (kc, vc) = self.cache.layer(layer_idx);
         let rotate = Rotate {
             plan,
-            bias,
+            bias: projection.bias,
+            norms: projection.norms,
             pools: into_pools.then_some([kc, vc]),
         };
-        match rotated(&rotate, plan.heads, (qkv, rope), into_pools)? {
+        match rotated(&rotate, plan.heads, (projection.qkv, rope), into_pools)? {
             (q, Some((k, v))) => self.attend(layer_idx, &q, &k, &v),
             (q, None) => self.attend_pools(layer_idx, &q),
         }
@@ -82,11 +82,12 @@ impl Backend<'_> {
     }
 }
 
-/// `qkv_rope` of the projection (the op's first input) by the angles (the other two), k and
-/// v into the layer's `pools` where given.
+/// `qkv_rope` of the projection (the op's first input) by the angles (the other two), its q
+/// and k heads normed by `norms` and k and v into the layer's `pools` where given.
 struct Rotate<'a> {
     plan: &'a KernelPlan,
     bias: Option<&'a Tensor>,
+    norms: Option<QkNorms<'a>>,
     pools: Option<[&'a Tensor; 2]>,
 }
 
@@ -98,13 +99,21 @@ impl Rotate<'_> {
         (sin, sl): (&CpuStorage, &Layout),
     ) -> Result<(CpuStorage, Shape)> {
         let bias = self.bias.map(Tensor::storage_and_layout);
+        let norms = self
+            .norms
+            .map(|n| [n.q.storage_and_layout(), n.k.storage_and_layout()]);
+        let norms = match &norms {
+            Some([(q, ql), (k, kl)]) => {
+                let eps = self.norms.map_or(0.0, |n| n.eps as f32);
+                Some((
+                    [cpu_values(q, ql, "q norm")?, cpu_values(k, kl, "k norm")?],
+                    eps,
+                ))
+            }
+            None => None,
+        };
         let bias = match &bias {
-            Some((storage, layout)) => match &**storage {
-                candle_core::Storage::Cpu(b) => {
-                    Some(contiguous(T::cpu_storage_as_slice(b)?, layout)?)
-                }
-                _ => bail!("emulated qkv_rope: a bias off the CPU"),
-            },
+            Some((storage, layout)) => Some(cpu_values(storage, layout, "bias")?),
             None => None,
         };
         let qkv = contiguous(T::cpu_storage_as_slice(qkv)?, l)?;
@@ -113,14 +122,33 @@ impl Rotate<'_> {
             contiguous(T::cpu_storage_as_slice(sin)?, sl)?,
         );
         let out = match self.pools {
-            None => qkv_rope(self.plan, qkv, bias, angles, None)?,
+            None => {
+                let extras = RopeExtras {
+                    bias,
+                    norms,
+                    pools: None,
+                };
+                qkv_rope(self.plan, qkv, angles, extras)?
+            }
             Some([k, v]) => with_pools(k, v, |[k, v]: [&mut CpuStorage; 2]| {
-                let pools = [values_mut::<T>(k)?, values_mut::<T>(v)?];
-                qkv_rope(self.plan, qkv, bias, angles, Some(pools))
+                let pools = Some([values_mut::<T>(k)?, values_mut::<T>(v)?]);
+                qkv_rope(self.plan, qkv, angles, RopeExtras { bias, norms, pools })
             })?,
         };
         let shape = Shape::from(out.len());
         Ok((T::to_cpu_storage_owned(out), shape))
+    }
+}
+
+/// The values of `what`, a tensor's `storage` on the CPU, as `T`s (contiguous).
+fn cpu_values<'s, T: Stored>(
+    storage: &'s candle_core::Storage,
+    layout: &Layout,
+    what: &str,
+) -> Result<&'s [T]> {
+    match storage {
+        candle_core::Storage::Cpu(s) => contiguous(T::cpu_storage_as_slice(s)?, layout),
+        _ => bail!("emulated qkv_rope: a {what} off the CPU"),
     }
 }
 

@@ -170,26 +170,52 @@ fn qwen2_policy_in(dtype: DType) -> Policy {
     }
 }
 
-/// [`qwen2_policy`]'s greedy completions of [`requests`] by the engine in `dtype` on the
-/// emulated kernels with `rope_kernel`, `rope_writes_kv` and `layer_kernels`: the completions,
-/// the iterations' costs, and the iterations.
-fn run_qwen2(
-    policy: &Policy,
-    dtype: DType,
-    (rope_kernel, rope_writes_kv, layer_kernels): (bool, bool, bool),
-) -> (Vec<Vec<crate::Completion>>, IterationCost, usize) {
-    let cfg = EngineConfig {
+/// The engine the kernels' switches are tested on: `dtype`, candle-nn's fused kernels (the
+/// concatenated projections the rope and layer kernels serve), every switch off.
+fn kernels_engine(dtype: DType) -> EngineConfig {
+    EngineConfig {
         dtype: Some(dtype),
         fused_kernels: crate::FusedKernels::On,
-        rope_kernel,
-        rope_writes_kv,
-        layer_kernels,
+        rope_kernel: false,
+        rope_writes_kv: false,
+        rope_qk_norm: false,
+        layer_kernels: false,
         ..small_engine(AttentionMode::Cuda)
-    };
+    }
+}
+
+/// `policy`'s greedy completions of [`requests`] by the engine of `cfg` on the emulated
+/// kernels: the completions, the iterations' costs, and the iterations.
+fn run_engine(
+    policy: &Policy,
+    cfg: EngineConfig,
+) -> (Vec<Vec<crate::Completion>>, IterationCost, usize) {
     let engine = Engine::new(policy, cfg, Device::Cpu).unwrap();
     let out = engine.generate(requests(policy.config.vocab_size)).unwrap();
     let stats = engine.stats();
     (out, stats.cost, stats.num_iterations)
+}
+
+/// `completions` equal `want` in tokens, logprobs within `tolerance`; the tokens compared.
+fn assert_close(
+    got: &[Vec<crate::Completion>],
+    want: &[Vec<crate::Completion>],
+    tolerance: f32,
+) -> usize {
+    let mut tokens = 0;
+    for (r, (g, w)) in got.iter().zip(want).enumerate() {
+        for (s, (g, w)) in g.iter().zip(w).enumerate() {
+            assert_eq!(g.token_ids, w.token_ids, "request {r} sample {s}");
+            for (t, (a, b)) in g.logprobs.iter().zip(&w.logprobs).enumerate() {
+                assert!(
+                    (a - b).abs() <= tolerance,
+                    "request {r} sample {s} token {t}: {a} vs {b}"
+                );
+            }
+            tokens += g.token_ids.len();
+        }
+    }
+    tokens
 }
 
 /// With `engine.rope_kernel` the engine on the emulated kernels generates exactly what it
@@ -198,8 +224,13 @@ fn run_qwen2(
 #[test]
 fn the_rope_kernel_changes_no_token_or_logprob() {
     let policy = qwen2_policy();
-    let (want, plain, iterations) = run_qwen2(&policy, DType::F32, (false, false, false));
-    let (got, cost, _) = run_qwen2(&policy, DType::F32, (true, false, false));
+    let off = kernels_engine(DType::F32);
+    let (want, plain, iterations) = run_engine(&policy, off);
+    let rope = EngineConfig {
+        rope_kernel: true,
+        ..off
+    };
+    let (got, cost, _) = run_engine(&policy, rope);
     let layers = policy.config.num_hidden_layers as u64;
     assert_eq!(
         cost.attention_ops - plain.attention_ops,
@@ -223,10 +254,19 @@ fn the_rope_kernels_kv_writes_change_no_token_or_logprob() {
     for (dtype, weights) in [(DType::F32, DType::F16), (DType::F16, DType::BF16)] {
         let policy = qwen2_policy_in(weights);
         let layers = policy.config.num_hidden_layers as u64;
-        let (want, separate, iterations) = run_qwen2(&policy, dtype, (true, false, true));
-        let (got, cost, _) = run_qwen2(&policy, dtype, (true, true, true));
+        let separate = EngineConfig {
+            rope_kernel: true,
+            layer_kernels: true,
+            ..kernels_engine(dtype)
+        };
+        let (want, separate_cost, iterations) = run_engine(&policy, separate);
+        let into_pools = EngineConfig {
+            rope_writes_kv: true,
+            ..separate
+        };
+        let (got, cost, _) = run_engine(&policy, into_pools);
         assert_eq!(
-            separate.attention_ops - cost.attention_ops,
+            separate_cost.attention_ops - cost.attention_ops,
             2 * layers * iterations as u64,
             "{dtype:?}: two launches a layer fewer"
         );
@@ -245,8 +285,16 @@ fn the_rope_kernels_kv_writes_change_no_token_or_logprob() {
 #[test]
 fn the_layer_kernels_keep_every_token() {
     let policy = qwen2_policy();
-    let (want, without, _) = run_qwen2(&policy, DType::F32, (true, false, false));
-    let (got, cost, iterations) = run_qwen2(&policy, DType::F32, (true, false, true));
+    let rope = EngineConfig {
+        rope_kernel: true,
+        ..kernels_engine(DType::F32)
+    };
+    let (want, without, _) = run_engine(&policy, rope);
+    let layer = EngineConfig {
+        layer_kernels: true,
+        ..rope
+    };
+    let (got, cost, iterations) = run_engine(&policy, layer);
     let layers = policy.config.num_hidden_layers;
     assert_eq!((without.layer_ops, without.layer_host_ns), (0, 0));
     assert_eq!(cost.layer_ops, ((3 * layers + 1) * iterations) as u64);
@@ -258,20 +306,51 @@ fn the_layer_kernels_keep_every_token() {
         cost.layer_host_ns + cost.attention_host_ns < cost.forward_ns,
         "{cost:?}"
     );
-    let mut tokens = 0;
-    for (r, (g, w)) in got.iter().zip(&want).enumerate() {
-        for (s, (g, w)) in g.iter().zip(w).enumerate() {
-            assert_eq!(g.token_ids, w.token_ids, "request {r} sample {s}");
-            for (t, (a, b)) in g.logprobs.iter().zip(&w.logprobs).enumerate() {
-                assert!(
-                    (a - b).abs() <= 1e-4,
-                    "request {r} sample {s} token {t}: {a} vs {b}"
-                );
-            }
-            tokens += g.token_ids.len();
-        }
-    }
+    let tokens = assert_close(&got, &want, 1e-4);
     assert!(tokens > 100, "{tokens} tokens compared");
+}
+
+/// With `engine.rope_qk_norm` a model with q/k norms (Qwen3, its weights in f16 so that the
+/// f32 engine concatenates its projections) takes the rope kernel too, which norms each q
+/// and k head itself: the engine on the emulated kernels generates the tokens it generates on
+/// the model's norms and rotations, logprobs within 1e-4 (the norms' squares summed in
+/// another order), a `qkv_rope` a layer of every iteration; with the K/V writes too, one
+/// launch a layer fewer than the model's ops and their two writes.
+#[test]
+fn the_rope_kernel_takes_the_qk_norms() {
+    let policy = policy();
+    let policy = Policy {
+        weights: policy.weights.to_dtype(DType::F16).unwrap(),
+        ..policy
+    };
+    assert!(policy.config.qk_norm);
+    let layers = policy.config.num_hidden_layers as u64;
+    let ops = EngineConfig {
+        rope_kernel: true,
+        layer_kernels: true,
+        ..kernels_engine(DType::F32)
+    };
+    let (want, plain, iterations) = run_engine(&policy, ops);
+    let normed = EngineConfig {
+        rope_qk_norm: true,
+        ..ops
+    };
+    let (got, cost, _) = run_engine(&policy, normed);
+    let per_run = layers * iterations as u64;
+    assert_eq!(
+        cost.attention_ops - plain.attention_ops,
+        per_run,
+        "a qkv_rope a layer"
+    );
+    let tokens = assert_close(&got, &want, 1e-4);
+    assert!(tokens > 100, "{tokens} tokens compared");
+    let into_pools = EngineConfig {
+        rope_writes_kv: true,
+        ..normed
+    };
+    let (got, cost, _) = run_engine(&policy, into_pools);
+    assert_eq!(plain.attention_ops - cost.attention_ops, per_run);
+    assert_close(&got, &want, 1e-4);
 }
 
 /// One iteration of `seqs` ((sequence, cached tokens, new tokens, block table)) through

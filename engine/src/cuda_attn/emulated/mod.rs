@@ -252,16 +252,29 @@ pub(super) fn attend<T: Stored>(
     Ok(out)
 }
 
-/// `qkv_rope`: the batch's projection `qkv` (rows, (heads + 2 kv_heads) * head_dim) biased
-/// and rotated by `cos`, `sin` (rows, head_dim / 2): q, k and v out as segments, or with the
-/// layer's K and V `pools` q out and k and v into the plan's slots of the pools.
+/// The q and k norms' weights (head_dim each) and their epsilon.
+pub(super) type Norms<'a, T> = ([&'a [T]; 2], f32);
+
+/// `qkv_rope`'s inputs besides the projection and the angles.
+#[derive(Default)]
+pub(super) struct RopeExtras<'a, T> {
+    pub bias: Option<&'a [T]>,
+    pub norms: Option<Norms<'a, T>>,
+    /// The layer's K and V pools, which k and v go into.
+    pub pools: Option<[&'a mut [T]; 2]>,
+}
+
+/// `qkv_rope`: the batch's projection `qkv` (rows, (heads + 2 kv_heads) * head_dim) biased,
+/// its q and k heads normed where `extras` has norms, and rotated by `cos`, `sin` (rows,
+/// head_dim / 2): q, k and v out as segments, or with the layer's K and V pools q out and k
+/// and v into the plan's slots of the pools.
 pub(super) fn qkv_rope<T: Stored>(
     plan: &KernelPlan,
     qkv: &[T],
-    bias: Option<&[T]>,
     (cos, sin): (&[T], &[T]),
-    pools: Option<[&mut [T]; 2]>,
+    extras: RopeExtras<'_, T>,
 ) -> Result<Vec<T>> {
+    let RopeExtras { bias, norms, pools } = extras;
     let heads = plan.heads;
     let kv_row = heads.num_kv_heads * heads.head_dim;
     let width = heads.num_heads * heads.head_dim + 2 * kv_row;
@@ -280,6 +293,12 @@ pub(super) fn qkv_rope<T: Stored>(
             bias.map_or(0, <[T]>::len)
         );
     }
+    if norms.is_some_and(|([q, k], _)| q.len() != heads.head_dim || k.len() != heads.head_dim) {
+        bail!(
+            "qkv_rope: norms' weights that are not head_dim {} long",
+            heads.head_dim
+        );
+    }
     let (out_len, pools) = match pools {
         Some([k, v]) => {
             in_pool("qkv_rope", &plan.slots, kv_row, k.len().min(v.len()))?;
@@ -293,6 +312,10 @@ pub(super) fn qkv_rope<T: Stored>(
     let mut out = vec![T::of(f32::NAN); out_len];
     let scalars = Scalars::of(plan);
     let has_bias = u32::from(bias.is_some());
+    let (has_norm, eps) = (
+        u32::from(norms.is_some()),
+        norms.map_or(0.0, |(_, eps)| eps),
+    );
     let rope = QkvRope {
         qkv: qkv.as_ptr(),
         bias: bias.unwrap_or(qkv).as_ptr(),
@@ -301,8 +324,11 @@ pub(super) fn qkv_rope<T: Stored>(
         out: out.as_mut_ptr(),
         pools,
         slots: plan.slots.as_ptr(),
+        norms: norms.map_or([qkv.as_ptr(); 2], |([q, k], _)| [q.as_ptr(), k.as_ptr()]),
         scalars: &scalars,
         has_bias: &has_bias,
+        has_norm: &has_norm,
+        eps: &eps,
     };
     let args = Args::filled(|list| rope.push_to(list));
     launch(

@@ -230,7 +230,7 @@ fn block(
 
 /// A warp's butterfly sum (`__shfl_xor_sync` over offsets 16, 8, ..., 1): every lane ends
 /// with the same value, lane 0's order of additions.
-fn butterfly_sum(mut lanes: [f32; WARP]) -> f32 {
+pub(in crate::cuda_attn) fn butterfly_sum(mut lanes: [f32; WARP]) -> f32 {
     let mut off = WARP / 2;
     while off > 0 {
         let before = lanes;
