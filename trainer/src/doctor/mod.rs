@@ -57,6 +57,10 @@ pub struct Check {
     /// The likely fix of a failure.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fix: Option<String>,
+    /// A check of a feature that is off by default until a GPU has passed it: reported, its
+    /// failure named in the verdict, but not failing the doctor (the defaults do not use it).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub experiment: bool,
 }
 
 impl Check {
@@ -104,6 +108,15 @@ impl Check {
             status,
             detail: detail.into(),
             fix,
+            experiment: false,
+        }
+    }
+
+    /// This check marked as an experiment's ([`Check::experiment`]).
+    pub fn of_experiment(self) -> Self {
+        Self {
+            experiment: true,
+            ..self
         }
     }
 }
@@ -122,28 +135,42 @@ pub struct Report {
 }
 
 impl Report {
-    /// The failed checks with their sections.
+    /// The failed checks with their sections, experiments' aside.
     pub fn failures(&self) -> impl Iterator<Item = (&'static str, &Check)> {
-        self.sections.iter().flat_map(|s| {
+        self.failed(false)
+    }
+
+    /// The failed checks (`experiments`' alone, or the others) with their sections.
+    fn failed(&self, experiments: bool) -> impl Iterator<Item = (&'static str, &Check)> {
+        self.sections.iter().flat_map(move |s| {
             s.checks
                 .iter()
-                .filter(|c| c.status == Status::Fail)
+                .filter(move |c| c.status == Status::Fail && c.experiment == experiments)
                 .map(move |c| (s.name, c))
         })
     }
 
-    /// Whether no check failed.
+    /// Whether every check but the experiments' passed or was skipped.
     pub fn passed(&self) -> bool {
         self.failures().next().is_none()
     }
 
-    /// The one-line verdict: `doctor: OK (N checks)` or the first failure and its fix.
+    /// One line: OK and the checks passed (and any experiment that failed), or the first
+    /// failure, how many more, and its fix.
     pub fn verdict(&self) -> String {
         match self.failures().next() {
             None => {
                 let n = self.sections.iter().flat_map(|s| &s.checks);
                 let passed = n.filter(|c| c.status == Status::Ok).count();
-                format!("doctor: OK ({passed} checks)")
+                let experiments: Vec<&str> =
+                    self.failed(true).map(|(_, c)| c.name.as_str()).collect();
+                match experiments.is_empty() {
+                    true => format!("doctor: OK ({passed} checks)"),
+                    false => format!(
+                        "doctor: OK ({passed} checks; failed, of features off by default: {})",
+                        experiments.join(", ")
+                    ),
+                }
             }
             Some((section, check)) => {
                 let more = self.failures().count() - 1;
@@ -181,9 +208,14 @@ impl fmt::Display for Report {
                     Status::Fail => "FAIL",
                     Status::Skip => "skip",
                 };
+                let off = if check.experiment {
+                    " (off by default)"
+                } else {
+                    ""
+                };
                 writeln!(
                     f,
-                    "{:<7} {status:<4} {}: {}",
+                    "{:<7} {status:<4} {}{off}: {}",
                     section.name, check.name, check.detail
                 )?;
             }
@@ -261,6 +293,26 @@ mod tests {
             "doctor: FAILED: device greedy f32: 3 tokens differ (and 1 more) — report it"
         );
         let json = bad.to_json();
+        // An experiment's failure is named, and fails nothing.
+        let trying = report(vec![
+            Check::ok("a", "fine"),
+            Check::fail("rope K/V writes bf16", "2 tokens differ", "report it").of_experiment(),
+        ]);
+        assert!(trying.passed());
+        assert_eq!(
+            trying.verdict(),
+            "doctor: OK (1 checks; failed, of features off by default: rope K/V writes bf16)"
+        );
+        assert_eq!(
+            trying.to_json()["sections"][0]["checks"][1]["experiment"],
+            true
+        );
+        assert!(trying.to_json()["sections"][0]["checks"][0]
+            .get("experiment")
+            .is_none());
+        assert!(trying
+            .to_string()
+            .contains("rope K/V writes bf16 (off by default): 2 tokens"));
         assert_eq!(json["passed"], false);
         assert_eq!(json["sections"][0]["checks"][1]["status"], "fail");
         assert!(json["sections"][0]["checks"][0].get("fix").is_none());

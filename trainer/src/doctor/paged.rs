@@ -86,13 +86,17 @@ fn on_gpu(
         layer_kernels: true,
         ..base
     };
-    checks.extend(engine_checks(
-        policy,
-        device,
-        (reqs, want),
-        (qk_norms, "rope kernel q/k norms"),
-        &[true],
-    ));
+    checks.extend(
+        engine_checks(
+            policy,
+            device,
+            (reqs, want),
+            (qk_norms, "rope kernel q/k norms"),
+            &[true],
+        )
+        .into_iter()
+        .map(Check::of_experiment),
+    );
     checks.extend(variant_checks(policy, device, reqs, AttentionMode::Cuda));
     Ok(checks)
 }
@@ -133,7 +137,7 @@ pub(super) fn variant_kernels(device: &Device) -> Vec<Check> {
         return AttentionKernel::VARIANTS
             .into_iter()
             .filter(|v| !v.is_default())
-            .map(|variant| checked_alone(device, variant))
+            .map(|variant| checked_alone(device, variant).of_experiment())
             .collect();
     }
     let _ = device;
@@ -202,7 +206,7 @@ fn engine_checks(
 }
 
 /// [`engine_checks`] with `engine.rope_kernel`, then with `engine.layer_kernels` too, then
-/// with `engine.rope_writes_kv` as well, on a
+/// with `engine.rope_writes_kv` as well (an experiment's checks), on a
 /// Qwen2-style variant of the doctor's model (q/k/v biases, no q/k norms: the projections
 /// the rope kernel serves; smaller weights, [`VARIANT_STD`]), against the variant's own CPU
 /// completions; in bf16 with the fused kernels only (the kernels need the projections they
@@ -247,7 +251,12 @@ fn variant_checks(
             layer_kernels,
             ..EngineConfig::default()
         };
-        engine_checks(&variant, device, (reqs, &want), (base, label), &[true])
+        let checks = engine_checks(&variant, device, (reqs, &want), (base, label), &[true]);
+        // `engine.rope_writes_kv` is off by default until a GPU has passed it.
+        checks.into_iter().map(move |c| match rope_writes_kv {
+            true => c.of_experiment(),
+            false => c,
+        })
     })
     .collect()
 }
