@@ -19,6 +19,25 @@ static VARIANTS: crate::nvrtc::Module = crate::nvrtc::Module::with_options(
     &["-DATTENTION_VARIANTS"],
 );
 
+/// `CustomOp3::cpu_fwd` of an op of these kernels, which runs on a GPU only: an error naming
+/// the op.
+macro_rules! gpu_only_cpu_fwd {
+    ($op:literal) => {
+        fn cpu_fwd(
+            &self,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+            _: &candle_core::CpuStorage,
+            _: &candle_core::Layout,
+        ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+            candle_core::bail!(concat!($op, " runs on a GPU only"))
+        }
+    };
+}
+pub(super) use gpu_only_cpu_fwd;
+
 /// `g` as cudarc takes it.
 pub(super) fn config(g: Geometry) -> LaunchConfig {
     LaunchConfig {

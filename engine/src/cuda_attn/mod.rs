@@ -28,6 +28,8 @@ mod params;
 #[cfg(any(all(test, target_os = "linux"), feature = "cuda"))]
 mod pools;
 pub mod reference;
+#[cfg(feature = "cuda")]
+mod rotate;
 mod state;
 pub mod tables;
 #[cfg(test)]
@@ -48,11 +50,12 @@ use crate::paged_attn::{CacheShape, SeqAttnMeta};
 use crate::EngineError;
 
 /// The kernels' CUDA source, compiled by NVRTC at run time (and in CI by
-/// `scripts/check-kernels`): kernels/paged_attention.cu, then the layer kernels'
-/// kernels/layer_ops.cu and the tensor-core attention's kernels/paged_attention_mma.cu, which
-/// use its definitions.
+/// `scripts/check-kernels`): kernels/paged_attention.cu, then the rope kernel's
+/// kernels/qkv_rope.cu, the layer kernels' kernels/layer_ops.cu and the tensor-core
+/// attention's kernels/paged_attention_mma.cu, which use its definitions.
 pub const SOURCE: &str = concat!(
     include_str!("../../kernels/paged_attention.cu"),
+    include_str!("../../kernels/qkv_rope.cu"),
     include_str!("../../kernels/layer_ops.cu"),
     include_str!("../../kernels/paged_attention_mma.cu")
 );

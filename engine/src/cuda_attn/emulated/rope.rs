@@ -1,4 +1,4 @@
-//! `qkv_rope` of kernels/paged_attention.cu run on the CPU: held bit for bit to a twin of its
+//! `qkv_rope` of kernels/qkv_rope.cu run on the CPU: held bit for bit to a twin of its
 //! arithmetic in f32, bf16 and f16, and in f32 to the model's own bias add, split and
 //! rotation (the ops it replaces with `engine.rope_kernel`); with the pools
 //! (`engine.rope_writes_kv`), k and v in their slots as the segments hold them.
