@@ -20,6 +20,16 @@ pub struct Rule {
 /// Every rule, checked in order once the keys' own constraints hold.
 pub const RULES: &[Rule] = &[
     Rule {
+        key: "engine.rope_writes_kv",
+        says: "only with engine.rope_kernel, whose kernel it changes",
+        broken: |cfg| without_rope_kernel(cfg.engine.rope_writes_kv, cfg.engine.rope_kernel),
+    },
+    Rule {
+        key: "engine.rope_qk_norm",
+        says: "only with engine.rope_kernel, whose kernel it changes",
+        broken: |cfg| without_rope_kernel(cfg.engine.rope_qk_norm, cfg.engine.rope_kernel),
+    },
+    Rule {
         key: "logger",
         says: "including \"jsonl\" (the plot, dppo compare and resume read metrics.jsonl)",
         broken: |cfg| {
@@ -208,4 +218,13 @@ fn unknown_reward<'a>(
         "names {unknown:?}, which is not defined (defined: {})",
         names.join(", ")
     ))
+}
+
+/// Why a switch of the rope kernel is on (`on`) while the kernel is not, if it is.
+fn without_rope_kernel(on: bool, rope_kernel: bool) -> Option<String> {
+    (on && !rope_kernel).then(|| {
+        "is true with engine.rope_kernel = false: it changes what that kernel does, so it \
+         needs engine.rope_kernel = true"
+            .into()
+    })
 }
