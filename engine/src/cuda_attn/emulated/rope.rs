@@ -53,22 +53,21 @@ fn twin<T: Stored>(
                 true => (t * q_dim + h * d, h * d),
                 false => (rows * q_dim + t * kv_dim + (h - heads.num_heads) * d, h * d),
             };
-            let normed = |x: f32, j: usize| match norms {
-                Some(([q, k], eps)) => {
-                    let mut lanes = [0f32; 32];
-                    for (lane, sum) in lanes.iter_mut().enumerate() {
-                        for j in (lane..half).step_by(32) {
-                            let (x1, x2) = (biased(t, base + j), biased(t, base + j + half));
-                            *sum += x1 * x1;
-                            *sum += x2 * x2;
-                        }
+            // The head's RMSNorm scale and weight, where it has a norm.
+            let norm = norms.map(|([q, k], eps)| {
+                let mut lanes = [0f32; 32];
+                for (lane, sum) in lanes.iter_mut().enumerate() {
+                    for j in (lane..half).step_by(32) {
+                        let (x1, x2) = (biased(t, base + j), biased(t, base + j + half));
+                        *sum += x1 * x1;
+                        *sum += x2 * x2;
                     }
-                    let squares = butterfly_sum(lanes);
-                    let scale = 1.0 / (squares / d as f32 + eps).sqrt();
-                    let weight = if h < heads.num_heads { q } else { k };
-                    T::of(x * scale * weight[j].value()).value()
                 }
-                None => x,
+                let scale = 1.0 / (butterfly_sum(lanes) / d as f32 + eps).sqrt();
+                (scale, if h < heads.num_heads { q } else { k })
+            });
+            let normed = |x: f32, j: usize| {
+                norm.map_or(x, |(scale, w)| T::of(x * scale * w[j].value()).value())
             };
             for j in 0..half {
                 let x1 = normed(biased(t, base + j), j);
