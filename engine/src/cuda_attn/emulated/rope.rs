@@ -126,6 +126,35 @@ fn stored<T: Stored>(xs: &[f32]) -> Vec<T> {
     xs.iter().map(|&x| T::of(x)).collect()
 }
 
+/// Random [`Inputs`] stored in `T`: `group` query heads a KV head (2 KV heads) of
+/// `head_dim`, `rows` rows; the projection, its bias and the angles.
+struct StoredInputs<T> {
+    heads: Heads,
+    qkv: Vec<T>,
+    bias: Vec<T>,
+    cos: Vec<T>,
+    sin: Vec<T>,
+}
+
+impl<T: Stored> StoredInputs<T> {
+    fn new(rng: &mut StdRng, (group, head_dim, rows): (usize, usize, usize), dtype: DType) -> Self {
+        let heads = Heads {
+            num_heads: 2 * group,
+            num_kv_heads: 2,
+            head_dim,
+        };
+        let inputs = Inputs::new(rng, heads, rows);
+        let (cos, sin) = inputs.angles(head_dim, dtype);
+        Self {
+            heads,
+            qkv: stored(&inputs.qkv),
+            bias: stored(&inputs.bias),
+            cos: stored(&cos),
+            sin: stored(&sin),
+        }
+    }
+}
+
 /// Norm weights (head_dim each, around 1) for q and k.
 fn norm_weights(rng: &mut StdRng, head_dim: usize) -> [Vec<f32>; 2] {
     [(); 2].map(|_| (0..head_dim).map(|_| rng.random_range(0.5..1.5)).collect())
@@ -136,15 +165,13 @@ fn norm_weights(rng: &mut StdRng, head_dim: usize) -> [Vec<f32>; 2] {
 fn check<T: Stored>(dtype: DType) {
     let mut rng = StdRng::seed_from_u64(31);
     for (group, head_dim, rows) in [(1, 64, 3), (3, 32, 5), (7, 128, 4)] {
-        let heads = Heads {
-            num_heads: 2 * group,
-            num_kv_heads: 2,
-            head_dim,
-        };
-        let inputs = Inputs::new(&mut rng, heads, rows);
-        let (cos, sin) = inputs.angles(head_dim, dtype);
-        let (qkv, bias) = (stored::<T>(&inputs.qkv), stored::<T>(&inputs.bias));
-        let (cos, sin) = (stored::<T>(&cos), stored::<T>(&sin));
+        let StoredInputs::<T> {
+            heads,
+            qkv,
+            bias,
+            cos,
+            sin,
+        } = StoredInputs::new(&mut rng, (group, head_dim, rows), dtype);
         let [qn, kn] = norm_weights(&mut rng, head_dim).map(|w| stored::<T>(&w));
         let norms = ([qn.as_slice(), kn.as_slice()], 1e-6);
         for (bias, norms) in [
@@ -182,15 +209,13 @@ fn check<T: Stored>(dtype: DType) {
 fn check_pools<T: Stored>(dtype: DType) {
     let mut rng = StdRng::seed_from_u64(33);
     for (group, head_dim, rows) in [(1, 64, 3), (7, 128, 5)] {
-        let heads = Heads {
-            num_heads: 2 * group,
-            num_kv_heads: 2,
-            head_dim,
-        };
-        let inputs = Inputs::new(&mut rng, heads, rows);
-        let (cos, sin) = inputs.angles(head_dim, dtype);
-        let (qkv, bias) = (stored::<T>(&inputs.qkv), stored::<T>(&inputs.bias));
-        let (cos, sin) = (stored::<T>(&cos), stored::<T>(&sin));
+        let StoredInputs::<T> {
+            heads,
+            qkv,
+            bias,
+            cos,
+            sin,
+        } = StoredInputs::new(&mut rng, (group, head_dim, rows), dtype);
         let mut plan = plan(heads, rows);
         // Scattered over a pool of 16 slots, none at 0.
         plan.slots = (0..rows as u32).map(|r| 15 - 3 * r).collect();
