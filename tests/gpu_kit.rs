@@ -65,6 +65,7 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
         "rollout-qwen2.5-0.5b-no-rope-kernel",
         "rollout-qwen2.5-0.5b-no-layer-kernels",
         "rollout-qwen2.5-0.5b-rope-writes-kv",
+        "rollout-qwen2.5-0.5b-full-lazy-noise",
         "rollout-qwen2.5-0.5b-full",
         "rollout-qwen2.5-0.5b-full-cuda-attn",
         "rollout-qwen2.5-0.5b-timed",
@@ -94,11 +95,11 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
     }
     assert!(ok && text.contains("all steps run passed"), "{text}");
     // The timed rows split the step: the attention's device time is counted.
-    for timed in &steps[11..13] {
+    for timed in &steps[12..14] {
         let ms = timed["numbers"]["decode_step"]["attention_ms"].as_f64();
         assert!(ms.is_some_and(|ms| ms > 0.0), "{timed}\n{text}");
     }
-    let agree = &steps[14]["numbers"]["shapes"]["smollm2-135m"];
+    let agree = &steps[15]["numbers"]["shapes"]["smollm2-135m"];
     assert_eq!(agree["agreed_tokens"], 8, "{text}");
     assert_eq!(agree["max_logprob_diff"], 0.0, "{text}");
 }
@@ -135,6 +136,7 @@ fn gpu_check_targets_dry_run_measures_each_target() {
                 "timed",
                 "untracked",
                 "rope-writes-kv",
+                "lazy-noise",
             ]
             .map(|s| format!("target-{s}-{shape}")),
         );
@@ -148,7 +150,14 @@ fn gpu_check_targets_dry_run_measures_each_target() {
         let rollout = &step("rollout")["numbers"];
         assert_eq!(rollout["complete"], true, "{text}");
         // Every dppo row runs the kernel chosen, the rows after the protocol included.
-        for name in ["floor", "rollout", "timed", "untracked", "rope-writes-kv"] {
+        for name in [
+            "floor",
+            "rollout",
+            "timed",
+            "untracked",
+            "rope-writes-kv",
+            "lazy-noise",
+        ] {
             let row = step(name);
             assert_eq!(row["status"], "ok", "{name}: {text}");
             assert_eq!(row["numbers"]["attention_kernel"], used, "{name}: {text}");
@@ -241,7 +250,7 @@ fn gpu_check_with_its_budget_spent_runs_nothing_and_still_summarises() {
     let dir = tempfile::tempdir().unwrap();
     let (ok, text) = gpu_check(&["--dry-run", "--budget", "1"], dir.path());
     assert!(
-        ok && text.contains("18 not run, the budget spent"),
+        ok && text.contains("19 not run, the budget spent"),
         "{text}"
     );
     let steps = summary_steps(dir.path());
@@ -293,7 +302,7 @@ fn gpu_check_on_a_gpu_packs_its_steps_files() {
             "{file}: {listing}"
         );
     }
-    assert_eq!(summary_steps(dir.path()).len(), 22, "{text}");
+    assert_eq!(summary_steps(dir.path()).len(), 23, "{text}");
 }
 
 /// `gpu_check.py profile` runs the rollout under Nsight Compute (here a stand-in that runs

@@ -18,6 +18,10 @@
 // The largest Gumbel noise a draw can add: -ln(-ln(u)) for the largest u, 1 - 2^-24, is
 // 16.64. Rounding is monotone, so a score with s + GUMBEL_BOUND below the best cannot reach it.
 #define GUMBEL_BOUND 17.0f
+// The lazy noise's margin: the gap between a score and the best, widened by LAZY_ABS plus
+// LAZY_REL of their magnitudes, covers logf's, __expf's and the score's rounding many times.
+#define LAZY_ABS 1e-3f
+#define LAZY_REL 1e-5f
 // No headers under NVRTC: -inf from its bits, NaN as the value unequal to itself.
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -54,6 +58,16 @@ __device__ Best best_merge(Best a, Best b) {
 }
 
 
+// Whether the noisy score s - ln(-ln(u)) of u, a word's uniform, surely stays below `best`
+// (lazy noise): it reaches best only where -ln(u) <= exp(s - best), and -ln(u) >= 1 - u,
+// which is exact in f32 for these uniforms. One fast exp where the exact noise takes two
+// logs; the margin makes it skip only scores whose exact noise could not reach best either.
+// A NaN gap (infinite scores) skips nothing.
+__device__ __forceinline__ bool surely_below(float u, float s, float best) {
+    const float gap = s - best + LAZY_ABS + LAZY_REL * (fabsf(s) + fabsf(best));
+    return 1.0f - u > __expf(gap);
+}
+
 // Floats as unsigned integers in the same order (-inf lowest).
 __device__ __forceinline__ unsigned int order_key(float x) {
     unsigned int b = __float_as_uint(x);
@@ -82,6 +96,12 @@ __device__ __forceinline__ Best shfl_down(Best b, int o) {
 __device__ __forceinline__ Lse shfl_down(Lse a, int o) {
     Lse r; r.max = shfl_down(a.max, o); r.sum = shfl_down(a.sum, o);
     return r;
+}
+
+// The largest of the warp's values, in every lane.
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
 }
 
 struct Add {
@@ -161,7 +181,9 @@ __device__ unsigned int truncation_cut(const T *row, unsigned int vocab, float s
 
 // logits: (rows, vocab) f32 or bf16. Per draw d: rows[d], keys[2d..2d+2] (low word first),
 // counters[2d..2d+2] = (position, sample index), inv_temps[d] (0 for greedy), top_ks[d] (0:
-// off), top_ps[d] (1: off), min_ps[d] (0: off), n_tops[d] (top logprobs wanted, <= MAX_TOP). Out per draw: the
+// off), top_ps[d] (1: off), min_ps[d] (0: off), n_tops[d] (top logprobs wanted, <= MAX_TOP);
+// lazy_noise (0: off) computes a score's exact noise only where [`surely_below`] cannot rule
+// it out, which draws the same tokens (`engine.lazy_noise`). Out per draw: the
 // token, its logprob under the tempered, truncated and renormalised distribution (untempered
 // when greedy), its untempered logprob, and the n_tops[d] most likely untempered tokens with
 // their logprobs (top_ids and top_logprobs, MAX_TOP slots a draw).
@@ -170,7 +192,7 @@ __device__ void gumbel_sample(
     const T *logits, unsigned int vocab, const unsigned int *rows,
     const unsigned int *keys, const unsigned int *counters, const float *inv_temps,
     const unsigned int *top_ks, const float *top_ps, const float *min_ps,
-    const unsigned int *n_tops,
+    const unsigned int *n_tops, unsigned int lazy_noise,
     unsigned int *tokens, float *logprobs, float *model_logprobs, unsigned int *top_ids,
     float *top_logprobs) {
     const unsigned int d = blockIdx.x;
@@ -205,36 +227,47 @@ __device__ void gumbel_sample(
     Best best; best.score = NEG_INF; best.index = 0xFFFFFFFFu;
     Lse kept; kept.max = NEG_INF; kept.sum = 0.0f;
     const unsigned int groups = (vocab + 3) / 4;
-    for (unsigned int g = threadIdx.x; g < groups; g += THREADS) {
-        // A score whose noise, at most GUMBEL_BOUND, cannot lift it to this thread's best is
-        // not drawn: the draw is the same, and Philox runs only for a group where one might.
-        float ls[4], ss[4];
-        bool any = false;
-        for (unsigned int lane = 0; lane < 4; ++lane) {
-            const unsigned int i = 4 * g + lane;
-            ls[lane] = i < vocab ? clean(row[i]) : NEG_INF;
-            ss[lane] = ls[lane] * scale;
-            any = any || (i < vocab && order_key(ss[lane]) >= cut &&
-                          !(ss[lane] + GUMBEL_BOUND < best.score));
-        }
-        unsigned int words[4] = {g, counters[2 * d], counters[2 * d + 1], 0u};
-        if (!greedy && any) philox(words, keys[2 * d], keys[2 * d + 1]);
-        for (unsigned int lane = 0; lane < 4; ++lane) {
-            const unsigned int i = 4 * g + lane;
-            if (i >= vocab) break;
-            const float l = ls[lane], s = ss[lane];
-            if (order_key(s) < cut) continue;
-            if (!truncates) lse_push(raw, l);
-            if (!kept_is_raw) lse_push(kept, s);
-            float score = l;
-            if (!greedy) {
-                if (s + GUMBEL_BOUND < best.score) continue;
-                const float u = ((float)(words[lane] >> 9) + 0.5f) * (1.0f / 8388608.0f);
-                score = s - logf(-logf(u));
+    // With lazy noise a warp's threads share their best scores after each round of groups:
+    // a score surely below any score already drawn cannot be the draw, so each thread skips
+    // below `bar`, the warp's best, and keeps its own best. Without, bar stays -inf.
+    const bool share = lazy_noise && !greedy;
+    float bar = NEG_INF;
+    for (unsigned int g0 = 0; g0 < groups; g0 += THREADS) {
+        const unsigned int g = g0 + threadIdx.x;
+        if (g < groups) {
+            // A score whose noise, at most GUMBEL_BOUND, cannot lift it to the best is not
+            // drawn: the draw is the same, and Philox runs only for a group where one might.
+            float ls[4], ss[4];
+            bool any = false;
+            for (unsigned int lane = 0; lane < 4; ++lane) {
+                const unsigned int i = 4 * g + lane;
+                ls[lane] = i < vocab ? clean(row[i]) : NEG_INF;
+                ss[lane] = ls[lane] * scale;
+                any = any || (i < vocab && order_key(ss[lane]) >= cut &&
+                              !(ss[lane] + GUMBEL_BOUND < fmaxf(bar, best.score)));
             }
-            Best here; here.score = score; here.index = i;
-            best = best_merge(best, here);
+            unsigned int words[4] = {g, counters[2 * d], counters[2 * d + 1], 0u};
+            if (!greedy && any) philox(words, keys[2 * d], keys[2 * d + 1]);
+            for (unsigned int lane = 0; lane < 4; ++lane) {
+                const unsigned int i = 4 * g + lane;
+                if (i >= vocab) break;
+                const float l = ls[lane], s = ss[lane];
+                if (order_key(s) < cut) continue;
+                if (!truncates) lse_push(raw, l);
+                if (!kept_is_raw) lse_push(kept, s);
+                float score = l;
+                if (!greedy) {
+                    const float above = fmaxf(bar, best.score);
+                    if (s + GUMBEL_BOUND < above) continue;
+                    const float u = ((float)(words[lane] >> 9) + 0.5f) * (1.0f / 8388608.0f);
+                    if (lazy_noise && surely_below(u, s, above)) continue;
+                    score = s - logf(-logf(u));
+                }
+                Best here; here.score = score; here.index = i;
+                best = best_merge(best, here);
+            }
         }
+        if (share) bar = warp_max(fmaxf(bar, best.score));
     }
     best = block_reduce(best, MergeBest());
     if (!truncates) raw = block_reduce(raw, MergeLse());
@@ -276,11 +309,11 @@ __device__ void gumbel_sample(
         const T *logits, unsigned int vocab, const unsigned int *rows,                         \
         const unsigned int *keys, const unsigned int *counters, const float *inv_temps,        \
         const unsigned int *top_ks, const float *top_ps, const float *min_ps,                  \
-        const unsigned int *n_tops, unsigned int *tokens, float *logprobs,                     \
-        float *model_logprobs, unsigned int *top_ids, float *top_logprobs) {                   \
+        const unsigned int *n_tops, unsigned int lazy_noise, unsigned int *tokens,             \
+        float *logprobs, float *model_logprobs, unsigned int *top_ids, float *top_logprobs) {  \
         gumbel_sample<T>(logits, vocab, rows, keys, counters, inv_temps, top_ks, top_ps,       \
-                         min_ps, n_tops, tokens, logprobs, model_logprobs, top_ids,            \
-                         top_logprobs);                                                        \
+                         min_ps, n_tops, lazy_noise, tokens, logprobs, model_logprobs,         \
+                         top_ids, top_logprobs);                                               \
     }
 
 INSTANTIATE(f32, float)

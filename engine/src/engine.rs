@@ -17,7 +17,7 @@ use parking_lot::Mutex;
 
 use crate::cuda_attn::AttentionKernel;
 use crate::cuda_attn::Switches;
-use crate::device_sample::SamplingPlace;
+use crate::device_sample::{Noise, SamplingPlace};
 use crate::kv_pool::KvPool;
 use crate::paged_attn::CacheShape;
 use crate::publish::Publication;
@@ -47,6 +47,10 @@ pub struct EngineConfig {
     pub dtype: Option<DType>,
     /// Where tokens are drawn (`engine.sampling`).
     pub sampling: SamplingPlace,
+    /// With sampling on the device, each score's exact Gumbel noise only where it could win
+    /// (`engine.lazy_noise`: the same draws; off by default until `dppo doctor` has passed it
+    /// on a GPU).
+    pub lazy_noise: bool,
     /// candle-nn's fused kernels for RMSNorm, rotary embedding, SiLU and the attention
     /// softmax, where the CPU's own fused ops do not apply, and q/k/v and gate/up as one
     /// GEMM each where the engine keeps its own weight buffers (`engine.fused_kernels`;
@@ -99,6 +103,7 @@ impl Default for EngineConfig {
             attention: AttentionMode::Auto,
             dtype: None,
             sampling: SamplingPlace::Auto,
+            lazy_noise: false,
             fused_kernels: FusedKernels::Auto,
             rope_kernel: true,
             rope_writes_kv: false,
@@ -235,7 +240,10 @@ impl Engine {
             ..EngineStats::default()
         }));
         let (tx, rx) = mpsc::channel();
-        let device_sampling = cfg.sampling.on_device(&device);
+        let device_sampling = cfg
+            .sampling
+            .on_device(&device)
+            .then_some(Noise::lazy(cfg.lazy_noise));
         let worker = Worker::new(scheduler, runner, policy, stats.clone(), device_sampling);
         let handle = std::thread::Builder::new()
             .name("dppo-engine".into())

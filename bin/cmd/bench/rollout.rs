@@ -71,6 +71,12 @@ pub struct RolloutArgs {
     #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true",
           action = clap::ArgAction::Set)]
     rope_qk_norm: bool,
+    /// With sampling on a GPU, each score's exact Gumbel noise only where it could win, as
+    /// `engine.lazy_noise` (the same draws): false (the default, until a GPU has checked it)
+    /// or true; the flag alone means true.
+    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true",
+          action = clap::ArgAction::Set)]
+    lazy_noise: bool,
     /// The residual add with its RMSNorm and the gated MLP's product by kernels of dppo's
     /// own, as `engine.layer_kernels`: true (the default; the paged CUDA kernels' path only)
     /// or false; the flag alone means true.
@@ -163,6 +169,7 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
         block_size: args.block_size,
         kv_cache_tokens: args.kv_cache_tokens,
         sampling: args.sampling,
+        lazy_noise: args.lazy_noise,
         fused_kernels: args.fused_kernels,
         rope_kernel: args.rope_kernel,
         rope_writes_kv: args.rope_writes_kv,
@@ -256,6 +263,7 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
         "rope_kernel": args.rope_kernel,
         "rope_writes_kv": args.rope_writes_kv,
         "rope_qk_norm": args.rope_qk_norm,
+        "lazy_noise": args.lazy_noise,
         "layer_kernels": args.layer_kernels,
         "attention_kernel": attention_kernel.to_string(),
         "attention": args.attention,

@@ -5,7 +5,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::{
-    checked_draws, push_args, Agreement, DeviceDraw, DrawInputs, DrawOutputs, SOURCE, THREADS,
+    checked_draws, push_args, Agreement, DeviceDraw, DrawInputs, DrawOutputs, Noise, SOURCE,
+    THREADS,
 };
 use crate::gumbel::Drawn;
 use crate::kernel_emu::{Args, Emulator};
@@ -13,11 +14,18 @@ use crate::sampler::MAX_TOP_LOGPROBS;
 
 /// `draws` from `rows` (each `vocab` long) by the emulated kernel, launched as
 /// [`super::sample`] launches it on a GPU: on the rows in f32, or in bf16 (`bf16`, the rows
-/// then being bf16 values already).
-fn emulate(emu: &Emulator, rows: &[Vec<f32>], draws: &[DeviceDraw], bf16: bool) -> Vec<Drawn> {
+/// then being bf16 values already), with `noise`.
+fn emulate(
+    emu: &Emulator,
+    rows: &[Vec<f32>],
+    draws: &[DeviceDraw],
+    bf16: bool,
+    noise: Noise,
+) -> Vec<Drawn> {
     let logits: Vec<f32> = rows.concat();
     let halves: Vec<half::bf16> = logits.iter().map(|&x| half::bf16::from_f32(x)).collect();
     let vocab = rows[0].len() as u32;
+    let lazy = noise.kernel_arg();
     let inputs = DrawInputs::of(draws);
     let n = draws.len();
     let mut out = DrawOutputs {
@@ -31,11 +39,11 @@ fn emulate(emu: &Emulator, rows: &[Vec<f32>], draws: &[DeviceDraw], bf16: bool) 
     };
     let (kernel, args) = if bf16 {
         let ptr = halves.as_ptr();
-        let args = Args::filled(|list| push_args(list, ptr, &vocab, &inputs, &mut out));
+        let args = Args::filled(|list| push_args(list, ptr, (&vocab, &lazy), &inputs, &mut out));
         ("gumbel_sample_bf16", args)
     } else {
         let ptr = logits.as_ptr();
-        let args = Args::filled(|list| push_args(list, ptr, &vocab, &inputs, &mut out));
+        let args = Args::filled(|list| push_args(list, ptr, (&vocab, &lazy), &inputs, &mut out));
         ("gumbel_sample_f32", args)
     };
     emu.launch(kernel, (n as u32, 1, 1), (THREADS, 1, 1), 0, &args)
@@ -65,9 +73,15 @@ fn the_kernel_draws_what_its_host_reference_draws() {
     // Qwen's vocabulary, as the doctor checks it, and one that is no multiple of the groups
     // of four or of the block's threads, with a NaN and an infinity among the logits; in f32,
     // and in bf16 as the model computes them (the reference reads their f32 values). Logits
-    // as spread as a trained model's (std 12) leave most scores too low to draw noise for.
+    // as spread as a trained model's (std 12) leave most scores too low to draw noise for;
+    // an untrained model's (std 0.3) leave none, and lazy noise skips most of their logs.
     for bf16 in [false, true] {
-        for (rows, vocab, std) in [(16, 151_936, 3.0), (6, 32_003, 3.0), (16, 151_936, 12.0)] {
+        for (rows, vocab, std) in [
+            (16, 151_936, 3.0),
+            (6, 32_003, 3.0),
+            (16, 151_936, 12.0),
+            (6, 151_936, 0.3),
+        ] {
             let mut logits = logits(&mut rng, rows, vocab, std);
             logits[1][7] = f32::NAN;
             logits[2][vocab - 1] = f32::NEG_INFINITY;
@@ -77,7 +91,7 @@ fn the_kernel_draws_what_its_host_reference_draws() {
                 }
             }
             let draws = checked_draws(rows);
-            let got = emulate(&emu, &logits, &draws, bf16);
+            let got = emulate(&emu, &logits, &draws, bf16, Noise::Every);
             // The doctor allows a near-tie to part a draw on a GPU; here the host's own libm
             // computes both sides, so every draw agrees.
             let what = format!("vocabulary {vocab}, std {std}, bf16 {bf16}");
@@ -89,6 +103,138 @@ fn the_kernel_draws_what_its_host_reference_draws() {
                 assert!((g.token as usize) < vocab, "{what}: {d:?}: {g:?}");
                 assert_eq!(g.top_logprobs.len(), d.params.top_logprobs as usize);
             }
+            // Lazy noise skips only scores that could not win: the same draws, bit for bit.
+            let lazy = emulate(&emu, &logits, &draws, bf16, Noise::Lazy);
+            assert_eq!(lazy, got, "{what}, lazy noise");
         }
     }
+}
+
+#[test]
+fn lazy_noise_takes_a_fraction_of_the_logs() {
+    // The kernel with its logs counted, and a kernel (test only) that reads and resets the count.
+    let counted = "static unsigned long long emu_logs = 0;
+        static inline float emu_counted_logf(float x) { ++emu_logs; return logf(x); }
+        #define logf(x) emu_counted_logf(x)";
+    let read = "extern \"C\" __global__ void read_logs(unsigned long long *out) {
+        if (threadIdx.x == 0) { *out = emu_logs; emu_logs = 0; }
+    }";
+    let source = format!("{counted}\n{SOURCE}\n{read}\n");
+    let kernels = ["gumbel_sample_bf16", "read_logs"];
+    let emu = Emulator::build("kernels/sample.cu", &source, &kernels).unwrap();
+    let logs = || {
+        let mut n = 0u64;
+        let args = Args::default().arg(&mut n as *mut u64);
+        emu.launch("read_logs", (1, 1, 1), (32, 1, 1), 0, &args)
+            .unwrap();
+        n
+    };
+    // An untrained model's logits (close together): without lazy noise nearly every score of
+    // a draw at a temperature takes two logs.
+    let mut rng = StdRng::seed_from_u64(29);
+    let rows = logits(&mut rng, 6, 151_936, 0.3);
+    let draws = checked_draws(6);
+    logs();
+    emulate(&emu, &rows, &draws, true, Noise::Every);
+    let every = logs();
+    emulate(&emu, &rows, &draws, true, Noise::Lazy);
+    let lazy = logs();
+    // Each draw at a temperature that truncates nothing takes the noise of every score.
+    let plain = draws
+        .iter()
+        .filter(|d| d.params.inv_temperature > 0.0 && d.params.top_k == 0)
+        .filter(|d| d.params.top_p == 1.0 && d.params.min_p == 0.0)
+        .count() as u64;
+    assert!(
+        plain > 0 && every > 2 * 151_936 * plain,
+        "{every} logs, {plain} plain draws"
+    );
+    eprintln!("logs: {every} with every score's noise, {lazy} with lazy noise");
+    // Each thread's own best alone leaves about 60x fewer; the warp's shared bar halves
+    // that again.
+    assert!(
+        lazy * 80 < every,
+        "{lazy} logs with lazy noise, {every} without"
+    );
+}
+
+/// `surely_below` of kernels/sample.cu over `(u, s, best)` triples, by a kernel that exists
+/// only in this test.
+fn surely_below(emu: &Emulator, cases: &[(f32, f32, f32)]) -> Vec<bool> {
+    let unzip = |f: fn(&(f32, f32, f32)) -> f32| cases.iter().map(f).collect::<Vec<f32>>();
+    let (u, s, best) = (unzip(|c| c.0), unzip(|c| c.1), unzip(|c| c.2));
+    let mut out = vec![2u32; cases.len()];
+    let n = cases.len() as u32;
+    let args = Args::default()
+        .arg(u.as_ptr())
+        .arg(s.as_ptr())
+        .arg(best.as_ptr())
+        .arg(n)
+        .arg(out.as_mut_ptr());
+    emu.launch("probe_surely_below", (1, 1, 1), (THREADS, 1, 1), 0, &args)
+        .unwrap();
+    out.into_iter().map(|b| b == 1).collect()
+}
+
+#[test]
+fn lazy_noise_skips_only_scores_that_stay_below_the_best() {
+    let probe = "extern \"C\" __global__ void probe_surely_below(const float *u, const float *s,
+        const float *best, unsigned int n, unsigned int *out) {
+        for (unsigned int i = threadIdx.x; i < n; i += THREADS) out[i] = surely_below(u[i], s[i], best[i]);
+    }";
+    let source = format!("{SOURCE}\n{probe}\n");
+    let emu = Emulator::build("kernels/sample.cu", &source, &["probe_surely_below"]).unwrap();
+    let mut rng = StdRng::seed_from_u64(5);
+    // The uniforms the kernel makes: word k's (k + 0.5) / 2^23. Its noisy score, in f32 as
+    // the kernel computes it and in f64.
+    let uniform = |k: u32| crate::gumbel::uniform(k << 9);
+    let score32 = |k: u32, s: f32| s - (-(uniform(k).ln())).ln();
+    let score64 = |k: u32, s: f32| s as f64 - (-(uniform(k) as f64).ln()).ln();
+    let top = 1u32 << 23;
+    for s in [0.0f32, 3.5, -40.25, 1234.5, -1.0e5] {
+        for gap in [-30.0f32, -16.0, -10.0, -7.0, -3.0, -1.0, 0.0, 1.5] {
+            let best = s - gap;
+            // The first word whose f64 score reaches best (`top` where none does), and words
+            // around it and anywhere.
+            let (mut lo, mut hi) = (0u32, top);
+            while lo < hi {
+                let mid = lo + (hi - lo) / 2;
+                if score64(mid, s) >= best as f64 {
+                    hi = mid
+                } else {
+                    lo = mid + 1
+                }
+            }
+            let edge = lo;
+            let mut words: Vec<u32> = (edge.saturating_sub(3000)..(edge + 3000).min(top)).collect();
+            words.extend((0..3000).map(|_| rng.random_range(0..top)));
+            words.extend([0, top - 1]);
+            let cases: Vec<(f32, f32, f32)> =
+                words.iter().map(|&k| (uniform(k), s, best)).collect();
+            let skipped = surely_below(&emu, &cases);
+            let what = |k: u32| format!("s {s}, best {best}, word {k} (first reaching {edge})");
+            for (&k, &skip) in words.iter().zip(&skipped) {
+                if skip {
+                    assert!(score64(k, s) < best as f64, "{}", what(k));
+                    assert!(score32(k, s) < best, "{}", what(k));
+                }
+                // Where the scores are moderate, the margin is small: a word whose 1 - u is
+                // 1% past the least that reaches best in exact arithmetic is skipped.
+                let v = 1.0 - uniform(k) as f64;
+                if s.abs() + best.abs() < 100.0 && v > 1.01 * (gap as f64).exp() {
+                    assert!(skip, "not skipped: {}", what(k));
+                }
+            }
+        }
+    }
+    // A gap that is NaN or infinite skips nothing it cannot be sure of.
+    let inf = f32::INFINITY;
+    let edges = [
+        (0.5, -inf, 0.0),
+        (0.5, 0.0, -inf),
+        (0.5, -inf, -inf),
+        (0.5, inf, inf),
+        (0.99, f32::NAN, 0.0),
+    ];
+    assert_eq!(surely_below(&emu, &edges), [false; 5]);
 }

@@ -49,6 +49,36 @@ impl SamplingPlace {
     }
 }
 
+/// How the kernel computes each score's Gumbel noise (`engine.lazy_noise`). Both draw the
+/// same tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Noise {
+    /// Every score's noise, exactly (two logs each).
+    #[default]
+    Every,
+    /// A score's exact noise only where one fast exp cannot show that it stays below the
+    /// thread's best: far fewer logs where many scores are close (an untrained model's).
+    /// Off by default until `dppo doctor` has passed it on a GPU.
+    Lazy,
+}
+
+impl Noise {
+    /// `engine.lazy_noise`'s setting.
+    pub fn lazy(on: bool) -> Self {
+        if on {
+            Self::Lazy
+        } else {
+            Self::Every
+        }
+    }
+
+    /// The kernel's `lazy_noise` argument.
+    #[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
+    fn kernel_arg(self) -> u32 {
+        (self == Self::Lazy) as u32
+    }
+}
+
 /// One draw: the logits row it reads, its noise and what it asks.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DeviceDraw {
@@ -152,10 +182,10 @@ impl Agreement {
 }
 
 /// Draws `draws` from `logits` ((rows, vocab); on a GPU f32 or bf16 as they are, another
-/// dtype cast to f32). On a GPU by the kernel; on the CPU by
-/// its reference, [`crate::gumbel::draw`], so that the CPU tests run every other step of
-/// this path.
-pub fn sample(logits: &Tensor, draws: &[DeviceDraw]) -> Result<Vec<Drawn>> {
+/// dtype cast to f32). On a GPU by the kernel, computing the noise lazily where `noise`
+/// says so; on the CPU by its reference, [`crate::gumbel::draw`], so that the CPU tests run
+/// every other step of this path.
+pub fn sample(logits: &Tensor, draws: &[DeviceDraw], noise: Noise) -> Result<Vec<Drawn>> {
     if draws.is_empty() {
         return Ok(Vec::new());
     }
@@ -166,12 +196,12 @@ pub fn sample(logits: &Tensor, draws: &[DeviceDraw]) -> Result<Vec<Drawn>> {
             .map(|d| gumbel::draw(&rows[d.row as usize], &d.params, &d.key))
             .collect());
     }
-    on_gpu(logits, draws)
+    on_gpu(logits, draws, noise)
 }
 
 /// [`sample`] by the kernel.
 #[cfg(feature = "cuda")]
-fn on_gpu(logits: &Tensor, draws: &[DeviceDraw]) -> Result<Vec<Drawn>> {
+fn on_gpu(logits: &Tensor, draws: &[DeviceDraw], noise: Noise) -> Result<Vec<Drawn>> {
     use candle_core::{bail, DType, Storage};
 
     let candle_core::Device::Cuda(device) = logits.device() else {
@@ -194,11 +224,11 @@ fn on_gpu(logits: &Tensor, draws: &[DeviceDraw]) -> Result<Vec<Drawn>> {
     match logits.dtype() {
         DType::BF16 => {
             let slice = storage.as_cuda_slice::<half::bf16>()?.slice(start..end);
-            launch(device, "gumbel_sample_bf16", &slice, vocab, draws)
+            launch(device, "gumbel_sample_bf16", &slice, vocab, draws, noise)
         }
         _ => {
             let slice = storage.as_cuda_slice::<f32>()?.slice(start..end);
-            launch(device, "gumbel_sample_f32", &slice, vocab, draws)
+            launch(device, "gumbel_sample_f32", &slice, vocab, draws, noise)
         }
     }
 }
@@ -212,6 +242,7 @@ fn launch<T: DeviceRepr>(
     logits: &candle_core::cuda_backend::cudarc::driver::CudaView<'_, T>,
     vocab: u32,
     draws: &[DeviceDraw],
+    noise: Noise,
 ) -> Result<Vec<Drawn>> {
     use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
 
@@ -245,7 +276,8 @@ fn launch<T: DeviceRepr>(
         shared_mem_bytes: 0,
     };
     let mut launch = stream.launch_builder(&func);
-    push_args(&mut launch, logits, &vocab, &on_device, &mut out);
+    let lazy = noise.kernel_arg();
+    push_args(&mut launch, logits, (&vocab, &lazy), &on_device, &mut out);
     // SAFETY: the arguments are the kernel's list in kernels/sample.cu; every buffer holds
     // `n` draws (rows: `rows * vocab` floats; top logprobs MAX_TOP_LOGPROBS slots each, the
     // kernel's MAX_TOP), and each block writes only its own draw's outputs.
@@ -325,12 +357,12 @@ pub(crate) struct DrawOutputs<U = Vec<u32>, F = Vec<f32>> {
 }
 
 /// Pushes `gumbel_sample`'s arguments in the order of its signature in kernels/sample.cu:
-/// logits, vocab, the inputs, then the outputs ([`crate::kernel_args`]).
+/// logits, vocab, the inputs, `lazy_noise`, then the outputs ([`crate::kernel_args`]).
 #[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
 pub(crate) fn push_args<'s, A, L, U, F, OU, OF>(
     list: &mut A,
     logits: L,
-    vocab: &'s u32,
+    (vocab, lazy_noise): (&'s u32, &'s u32),
     inputs: &'s DrawInputs<U, F>,
     outputs: &'s mut DrawOutputs<OU, OF>,
 ) where
@@ -348,6 +380,7 @@ pub(crate) fn push_args<'s, A, L, U, F, OU, OF>(
     ArgList::push(list, &i.top_ps);
     ArgList::push(list, &i.min_ps);
     ArgList::push(list, &i.n_tops);
+    ArgList::push(list, lazy_noise);
     let DrawOutputs {
         tokens,
         logprobs,
@@ -390,7 +423,7 @@ static MODULE: crate::nvrtc::Module =
 
 /// Without CUDA the only device is the CPU, which [`sample`] serves itself.
 #[cfg(not(feature = "cuda"))]
-fn on_gpu(logits: &Tensor, _draws: &[DeviceDraw]) -> Result<Vec<Drawn>> {
+fn on_gpu(logits: &Tensor, _draws: &[DeviceDraw], _noise: Noise) -> Result<Vec<Drawn>> {
     candle_core::bail!(
         "device sampling: no kernel for {:?} in this build",
         logits.device()

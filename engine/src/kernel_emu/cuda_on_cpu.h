@@ -60,6 +60,8 @@ __device__ inline unsigned int __float_as_uint(float f) {
     memcpy(&u, &f, 4);
     return u;
 }
+// CUDA's fast exp is approximate (a few ulps); the CPU's exact one stands in for it.
+__device__ inline float __expf(float x) { return expf(x); }
 __device__ inline unsigned int __umulhi(unsigned int a, unsigned int b) {
     return (unsigned int)(((uint64_t)a * b) >> 32);
 }

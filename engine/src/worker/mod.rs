@@ -12,6 +12,7 @@ use dppo_model::{CausalLm, Policy, TextTokenizer};
 use parking_lot::Mutex;
 
 use crate::cost::{nanos, IterationCost};
+use crate::device_sample::Noise;
 use crate::plan::Plan;
 use crate::request::{find_stop, Event, GenerateRequest};
 use crate::runner::Runner;
@@ -103,8 +104,8 @@ pub(crate) struct Worker {
     held: Option<(Box<CausalLm>, u64)>,
     /// Set by `Command::Shutdown`: return once no work is left.
     stopping: bool,
-    /// Draw on the GPU where the iteration's requests allow it.
-    device_sampling: bool,
+    /// Draw on the GPU where the iteration's requests allow it, computing the noise so.
+    device_sampling: Option<Noise>,
 }
 
 impl Worker {
@@ -114,7 +115,7 @@ impl Worker {
         runner: Runner,
         policy: &Policy,
         stats: Arc<Mutex<EngineStats>>,
-        device_sampling: bool,
+        device_sampling: Option<Noise>,
     ) -> Self {
         Self {
             scheduler,
@@ -281,10 +282,10 @@ impl Worker {
         let on_device = self.device_sampling;
         let logits = self
             .runner
-            .run(&plan, &self.scheduler, &mut cost, on_device)?;
+            .run(&plan, &self.scheduler, &mut cost, on_device.is_some())?;
         let sampling = Instant::now();
-        let sampled = if on_device {
-            self.draw_on_device(&plan, &logits, &mut cost)?
+        let sampled = if let Some(noise) = on_device {
+            self.draw_on_device(&plan, &logits, noise, &mut cost)?
         } else {
             logits.with_rows(|rows| self.draw_all(&plan, rows))?
         };

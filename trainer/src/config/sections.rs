@@ -309,6 +309,9 @@ pub struct EngineSettings {
     /// Where tokens are drawn: `auto` (the device kernel on a GPU, the host elsewhere),
     /// `host`, or `device` (one GPU kernel; on the CPU its host reference).
     pub sampling: SamplingPlace,
+    /// With sampling on a GPU, each score's exact Gumbel noise only where it could win: the
+    /// same draws (off: not yet checked on a GPU).
+    pub lazy_noise: bool,
     /// candle-nn's fused kernels for RMSNorm, rotary embedding, SiLU and the attention
     /// softmax in the engine: `auto` (on a GPU, where they are checked and faster; not on
     /// the CPU), `true` or `false`.
@@ -334,6 +337,7 @@ impl Default for EngineSettings {
             attention: AttentionMode::Auto,
             dtype: DtypeChoice::Auto,
             sampling: SamplingPlace::Auto,
+            lazy_noise: false,
             fused_kernels: FusedKernels::Auto,
             rope_kernel: true,
             rope_writes_kv: false,

@@ -2,10 +2,13 @@
 //! `kernels/sample.cu` on the GPU and by `dppo_engine::gumbel::draw` on the host.
 
 use candle_core::{DType, Device, Tensor};
-use dppo_engine::device_sample::{self, checked_draws, Agreement, LOGPROB_TOL, MIN_AGREEMENT};
+use dppo_engine::device_sample::{
+    self, checked_draws, Agreement, Noise, LOGPROB_TOL, MIN_AGREEMENT,
+};
+use dppo_engine::gumbel::Drawn;
 
 use super::compare::BUG_FIX;
-use super::Check;
+use super::{Check, Status};
 use crate::TrainError;
 
 /// Rows and vocabulary of the check (Qwen's vocabulary size, so the block's strided loop
@@ -25,17 +28,57 @@ pub(super) fn device_sampling(device: &Device) -> Result<Vec<Check>, TrainError>
     }
     [DType::F32, DType::BF16]
         .into_iter()
-        .map(|dtype| draws_from(device, dtype))
+        .map(|dtype| Ok(draws_from(device, &logits(dtype)?, Noise::Every)?.0))
         .collect()
 }
 
-/// The check on logits in `dtype` (the host reference reads their f32 values).
-fn draws_from(device: &Device, dtype: DType) -> Result<Check, TrainError> {
-    let host = Tensor::randn(0f32, 3.0, (ROWS, VOCAB), &Device::Cpu)?.to_dtype(dtype)?;
+/// `engine.lazy_noise`'s checks (an experiment's, run after the defaults'): from the same
+/// logits, the same draws as with every score's exact noise, bit for bit, and so the host
+/// reference's.
+pub(super) fn lazy_noise(device: &Device) -> Result<Vec<Check>, TrainError> {
+    if device.is_cpu() {
+        return Ok(Vec::new());
+    }
+    [DType::F32, DType::BF16]
+        .into_iter()
+        .map(|dtype| {
+            let host = logits(dtype)?;
+            let (_, every) = draws_from(device, &host, Noise::Every)?;
+            let (lazy, got) = draws_from(device, &host, Noise::Lazy)?;
+            let same = got == every;
+            let detail = format!(
+                "{}; {} the exact noise's draws",
+                lazy.detail,
+                if same {
+                    "identical to"
+                } else {
+                    "NOT identical to"
+                }
+            );
+            let passed = lazy.status == Status::Ok && same;
+            let name = format!("device sampling, lazy noise, {dtype:?} logits");
+            Ok(Check::expect(passed, name, detail, BUG_FIX).of_experiment())
+        })
+        .collect()
+}
+
+/// Logits as the checks draw them, on the host in `dtype`: normal(0, 3).
+fn logits(dtype: DType) -> Result<Tensor, TrainError> {
+    Ok(Tensor::randn(0f32, 3.0, (ROWS, VOCAB), &Device::Cpu)?.to_dtype(dtype)?)
+}
+
+/// The check of draws with `noise` from `host` (copied to `device`; the host reference reads
+/// their f32 values), and the draws.
+fn draws_from(
+    device: &Device,
+    host: &Tensor,
+    noise: Noise,
+) -> Result<(Check, Vec<Drawn>), TrainError> {
+    let dtype = host.dtype();
     let logits = host.to_device(device)?;
     let rows = host.to_dtype(DType::F32)?.to_vec2::<f32>()?;
     let draws = checked_draws(ROWS);
-    let got = device_sample::sample(&logits, &draws)?;
+    let got = device_sample::sample(&logits, &draws, noise)?;
     let agreement = Agreement::of(&rows, &draws, &got);
     let Agreement {
         agreed,
@@ -55,10 +98,11 @@ fn draws_from(device: &Device, dtype: DType) -> Result<Check, TrainError> {
             draws[i], got[i]
         );
     }
-    Ok(Check::expect(
+    let check = Check::expect(
         agreement.passed(),
         format!("device sampling, {dtype:?} logits"),
         detail,
         BUG_FIX,
-    ))
+    );
+    Ok((check, got))
 }
