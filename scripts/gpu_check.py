@@ -13,6 +13,8 @@
                                      `--attention-kernel NAME` of the attention variant of the fastest
                                      of the rollouts whose JSON outputs are FILE..., leaving out
                                      the variants but NAME that doctor's JSON F did not pass
+    gpu_check.py switches --doctor F     the `bench rollout` flags of the switches off by default
+                                     whose every check passed in doctor's JSON F (SWITCHES)
 
 With `--targets`, the summary also sets issue #38's targets against what the steps measured:
 dppo's rollout tokens/s over HF `generate`'s on each shape (at least 5x), and the decode step
@@ -127,7 +129,7 @@ def key_numbers(name, text, outdir):
     keys = ["tokens_per_s", "fraction_of_compute_limit", "train_tokens_per_s", "step_s",
             "rollout_s", "prompts", "samples", "new_tokens", "compute_dtype", "gpu", "steps",
             "seconds", "decode_step", "memory_floor", "prompt_tokens_mean", "prompt_len",
-            "complete", "attention_kernel"]
+            "complete", "attention_kernel", "lazy_noise"]
     return {k: data[k] for k in keys if data.get(k) is not None}
 
 
@@ -219,12 +221,15 @@ def targets(steps):
         kernel = dppo.get("numbers", {}).get("attention_kernel")
         if kernel:
             row["attention_kernel"] = kernel
+        lazy = dppo.get("numbers", {}).get("lazy_noise")
+        if lazy:
+            row["lazy_noise"] = True
         ours = dppo.get("numbers", {}).get("tokens_per_s") if dppo.get("status") == "ok" else None
         theirs = hf.get("numbers", {}).get("tokens_per_s") if hf.get("status") == "ok" else None
         if ours and theirs:
             row["speedup_over_hf"] = ours / theirs
             row["speedup_met"] = ours / theirs >= 5
-            on = f" (attention kernel {kernel})" if kernel else ""
+            on = f" (attention kernel {kernel}{', lazy noise' if lazy else ''})" if kernel else ""
             lines.append(f"target {shape}: dppo{on} {ours:,.0f} tok/s, HF generate {theirs:,.0f} "
                          f"tok/s: {ours / theirs:.2f}x (at least 5x: "
                          f"{'met' if row['speedup_met'] else 'MISSED'})")
@@ -405,6 +410,35 @@ def summary(args):
     return 0 if report["passed"] else 1
 
 
+# Switches off by default that the targets' rows take once the doctor has passed them in the
+# same call: (the prefix of their checks' names, the `bench rollout` flag). Only those that
+# change no result: lazy noise draws what the exact noise draws, bit for bit.
+SWITCHES = [("device sampling, lazy noise, ", "--lazy-noise")]
+
+
+def doctor_checks(path):
+    """Every check of `dppo doctor --json`'s output at PATH (none where it did not finish)."""
+    try:
+        report = last_json(open(path, errors="replace").read()) or {}
+    except OSError:
+        report = {}
+    return [check for section in report.get("sections", []) for check in section.get("checks", [])]
+
+
+def switches(args):
+    """Prints the flags of SWITCHES whose checks all passed in the doctor's report, and which
+    it checked at all (a doctor cut short, or on the CPU, checks none)."""
+    checks = doctor_checks(args.doctor)
+    flags = []
+    for prefix, flag in SWITCHES:
+        statuses = [c.get("status") for c in checks if c.get("name", "").startswith(prefix)]
+        if statuses and all(s == "ok" for s in statuses):
+            flags.append(flag)
+    if flags:
+        print(" ".join(flags))
+    return 0
+
+
 def fastest(args):
     """Prints `--attention-kernel NAME` of the fastest attention kernel in FILES, nothing where
     none of them finished. FILES are all `bench rollout --json` outputs (the variant of the
@@ -415,16 +449,11 @@ def fastest(args):
     unchecked."""
     passed = None
     if args.doctor:
-        try:
-            report = last_json(open(args.doctor, errors="replace").read()) or {}
-        except OSError:
-            report = {}
         passed = {args.default}
-        for section in report.get("sections", []):
-            for check in section.get("checks", []):
-                name = check.get("name", "")
-                if check.get("status") == "ok" and ", variant " in name:
-                    passed.add(name.rsplit(", variant ", 1)[1])
+        for check in doctor_checks(args.doctor):
+            name = check.get("name", "")
+            if check.get("status") == "ok" and ", variant " in name:
+                passed.add(name.rsplit(", variant ", 1)[1])
     # (speed, variant, kind): tokens/s of a rollout, calls a second of a kernel alone.
     candidates = []
     for path in args.files:
@@ -474,6 +503,8 @@ def main():
     f.add_argument("--doctor")
     f.add_argument("--default", help="the attention's default variant, a candidate whatever "
                    "the doctor says (it runs where no other is chosen)")
+    w = sub.add_parser("switches")
+    w.add_argument("--doctor", required=True)
     # `profile`'s rollout arguments follow `--`, kept from argparse whole.
     argv, rest = sys.argv[1:], []
     if "--" in argv:
@@ -482,7 +513,8 @@ def main():
     args = parser.parse_args(argv)
     args.rest = rest
     commands = {"agree": agree, "prompt-len": prompt_len, "summary": summary,
-                "profile": profile, "profile-summary": profile_summary, "fastest": fastest}
+                "profile": profile, "profile-summary": profile_summary, "fastest": fastest,
+                "switches": switches}
     sys.exit(commands[args.command](args))
 
 

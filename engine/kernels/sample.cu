@@ -242,7 +242,8 @@ __device__ void gumbel_sample(
             for (unsigned int lane = 0; lane < 4; ++lane) {
                 const unsigned int i = 4 * g + lane;
                 ls[lane] = i < vocab ? clean(row[i]) : NEG_INF;
-                ss[lane] = ls[lane] * scale;
+                // Rounded as the host reference rounds it, never fused into a later add.
+                ss[lane] = __fmul_rn(ls[lane], scale);
                 any = any || (i < vocab && order_key(ss[lane]) >= cut &&
                               !(ss[lane] + GUMBEL_BOUND < fmaxf(bar, best.score)));
             }

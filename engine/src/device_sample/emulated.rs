@@ -110,6 +110,37 @@ fn the_kernel_draws_what_its_host_reference_draws() {
     }
 }
 
+/// Rows of ties and infinities: +inf at ids in other threads, warps and rounds (the lowest id
+/// wins the tie), every logit -inf, every logit equal. Lazy noise draws what the exact
+/// noise draws, and both the host reference's tokens.
+#[test]
+fn lazy_noise_keeps_ties_and_infinities() {
+    let emu = Emulator::build("kernels/sample.cu", SOURCE, &["gumbel_sample_f32"]).unwrap();
+    let vocab = 4099;
+    let mut infs = vec![0.5f32; vocab];
+    // Thread 0's first group, thread 5's, warp 1's thread 40, and thread 0's third round.
+    for id in [3, 21, 163, 2051] {
+        infs[id] = f32::INFINITY;
+    }
+    let rows = vec![infs, vec![f32::NEG_INFINITY; vocab], vec![1.25f32; vocab]];
+    let draws = checked_draws(rows.len());
+    let exact = emulate(&emu, &rows, &draws, false, Noise::Every);
+    let lazy = emulate(&emu, &rows, &draws, false, Noise::Lazy);
+    for (d, (e, l)) in draws.iter().zip(exact.iter().zip(&lazy)) {
+        let want = crate::gumbel::draw(&rows[d.row as usize], &d.params, &d.key);
+        assert_eq!((e.token, l.token), (want.token, want.token), "{d:?}");
+    }
+    assert!(exact
+        .iter()
+        .zip(&draws)
+        .all(|(e, d)| d.row != 0 || e.token == 3));
+    assert_eq!(
+        format!("{lazy:?}"),
+        format!("{exact:?}"),
+        "lazy noise, bit for bit"
+    );
+}
+
 #[test]
 fn lazy_noise_takes_a_fraction_of_the_logs() {
     // The kernel with its logs counted, and a kernel (test only) that reads and resets the count.

@@ -57,7 +57,8 @@ pub enum Noise {
     #[default]
     Every,
     /// A score's exact noise only where one fast exp cannot show that it stays below the
-    /// thread's best: far fewer logs where many scores are close (an untrained model's).
+    /// best score its warp has drawn: far fewer logs where many scores are close (an
+    /// untrained model's).
     /// Off by default until `dppo doctor` has passed it on a GPU.
     Lazy,
 }
