@@ -126,6 +126,8 @@ def key_numbers(name, text, outdir):
         return dict(data, kernels=data.get("kernels", [])[:20])
     if name.startswith("attention"):
         return {"attention_rows": data.get("rows", [])}
+    if name.startswith("sample"):
+        return {"sample_rows": data.get("results", [])}
     keys = ["tokens_per_s", "fraction_of_compute_limit", "train_tokens_per_s", "step_s",
             "rollout_s", "prompts", "samples", "new_tokens", "compute_dtype", "gpu", "steps",
             "seconds", "decode_step", "memory_floor", "prompt_tokens_mean", "prompt_len",
@@ -162,6 +164,14 @@ def brief(numbers):
         return "; ".join(f"{r['attention_kernel']} {r['us_per_call']:.0f} us "
                          f"({r['kv_gb_per_s']:,.0f} GB/s, "
                          f"{100 * r.get('fraction_of_bandwidth', 0):.0f}%)" for r in rows)[:170]
+    if "sample_rows" in numbers:
+        # Per spread: the exact noise's time a call, then lazy noise's (with a mark where its
+        # tokens differ, which they must not).
+        cells = {}
+        for r in numbers["sample_rows"]:
+            mark = "" if r.get("same_tokens", True) else " DIFFERENT TOKENS"
+            cells.setdefault(r["std"], []).append(f"{r['noise']} {r['us_per_call']:.0f} us{mark}")
+        return "; ".join(f"std {std:g}: " + ", ".join(v) for std, v in cells.items())[:170]
     if "step_device_ms" in numbers:
         groups = ", ".join(f"{k} {v:.2f}" for k, v in numbers["groups_ms"].items())
         return (f"device {numbers['step_device_ms']:.2f} ms a decode step, "

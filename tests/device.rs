@@ -10,7 +10,7 @@ fn dppo(args: &[&str]) -> (Option<i32>, String) {
 
 /// Every command that takes `--device`, asking for `device`.
 fn every_command(device: &str, out: &str) -> Vec<Vec<String>> {
-    let cmds: [&[&str]; 8] = [
+    let cmds: [&[&str]; 9] = [
         &["generate", "--prompt", "hi", "--device", device],
         &[
             "eval",
@@ -32,6 +32,7 @@ fn every_command(device: &str, out: &str) -> Vec<Vec<String>> {
         ],
         &["bench", "rollout", "--skip-naive", "--device", device],
         &["bench", "train", "--device", device],
+        &["bench", "sample", "--device", device],
         &["run", "--out", out, "--device", device],
         &["run", "--out", out, "--set", &format!("device={device}")],
         // The flag wins over the key.

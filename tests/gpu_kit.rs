@@ -66,6 +66,7 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
         "rollout-qwen2.5-0.5b-no-layer-kernels",
         "rollout-qwen2.5-0.5b-rope-writes-kv",
         "rollout-qwen2.5-0.5b-full-lazy-noise",
+        "sample-b1024",
         "rollout-qwen2.5-0.5b-full",
         "rollout-qwen2.5-0.5b-full-cuda-attn",
         "rollout-qwen2.5-0.5b-timed",
@@ -83,7 +84,8 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
         // The baseline needs torch and transformers, which CI does not install; the CUDA
         // kernels need a GPU.
         let name = step["name"].as_str().unwrap();
-        let allowed: &[&str] = if name == "baseline" || name.ends_with("cuda-attn") {
+        let gpu_only = name.ends_with("cuda-attn") || name.starts_with("sample-");
+        let allowed: &[&str] = if name == "baseline" || gpu_only {
             &["ok", "skipped"]
         } else {
             &["ok"]
@@ -95,11 +97,11 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
     }
     assert!(ok && text.contains("all steps run passed"), "{text}");
     // The timed rows split the step: the attention's device time is counted.
-    for timed in &steps[12..14] {
+    for timed in &steps[13..15] {
         let ms = timed["numbers"]["decode_step"]["attention_ms"].as_f64();
         assert!(ms.is_some_and(|ms| ms > 0.0), "{timed}\n{text}");
     }
-    let agree = &steps[15]["numbers"]["shapes"]["smollm2-135m"];
+    let agree = &steps[16]["numbers"]["shapes"]["smollm2-135m"];
     assert_eq!(agree["agreed_tokens"], 8, "{text}");
     assert_eq!(agree["max_logprob_diff"], 0.0, "{text}");
 }
@@ -128,17 +130,11 @@ fn gpu_check_targets_dry_run_measures_each_target() {
         if bench {
             expected.push(format!("attention-{shape}-b1024"));
         }
+        expected.extend(["floor", "rollout", "hf"].map(|s| format!("target-{s}-{shape}")));
+        expected.push("sample-b1024".to_string());
         expected.extend(
-            [
-                "floor",
-                "rollout",
-                "hf",
-                "timed",
-                "untracked",
-                "rope-writes-kv",
-                "exact-noise",
-            ]
-            .map(|s| format!("target-{s}-{shape}")),
+            ["timed", "untracked", "rope-writes-kv", "exact-noise"]
+                .map(|s| format!("target-{s}-{shape}")),
         );
         assert_eq!(names, expected, "{text}");
         let step = |name: &str| {
@@ -253,7 +249,8 @@ fn gpu_check_with_its_budget_spent_runs_nothing_and_still_summarises() {
     let steps = summary_steps(dir.path());
     for step in &steps {
         // The CUDA kernels' steps are skipped on the CPU before the budget is looked at.
-        let expected = match step["name"].as_str().unwrap().ends_with("cuda-attn") {
+        let name = step["name"].as_str().unwrap();
+        let expected = match name.ends_with("cuda-attn") || name.starts_with("sample-") {
             true => "skipped",
             false => "no_time",
         };
@@ -299,7 +296,7 @@ fn gpu_check_on_a_gpu_packs_its_steps_files() {
             "{file}: {listing}"
         );
     }
-    assert_eq!(summary_steps(dir.path()).len(), 23, "{text}");
+    assert_eq!(summary_steps(dir.path()).len(), 24, "{text}");
 }
 
 /// `gpu_check.py profile` runs the rollout under Nsight Compute (here a stand-in that runs
@@ -415,6 +412,31 @@ fn gpu_check_summarises_the_attention_bench_fastest_first() {
     assert_eq!(
         text.trim(),
         "mma 210 us (2,650 GB/s, 63%); s1_v8 900 us (620 GB/s, 15%)"
+    );
+}
+
+/// A `bench sample` step's cell: per spread, the exact noise's time a call and lazy noise's,
+/// marked where lazy noise drew other tokens.
+#[test]
+fn gpu_check_summarises_the_sample_bench_by_spread() {
+    let out = r#"{"results": [{"std": 0.3, "noise": "exact", "us_per_call": 850.2, "same_tokens": true}, {"std": 0.3, "noise": "lazy", "us_per_call": 480.0, "same_tokens": true}, {"std": 12.0, "noise": "exact", "us_per_call": 300.0, "same_tokens": true}, {"std": 12.0, "noise": "lazy", "us_per_call": 310.0, "same_tokens": false}]}"#;
+    let code = format!(
+        "import sys; sys.path.insert(0, 'scripts'); import gpu_check as g; \
+         print(g.brief(g.key_numbers('sample-b1024', {out:?}, '.')))"
+    );
+    let run = std::process::Command::new("python3")
+        .current_dir(repo_root())
+        .args(["-c", &code])
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&run.stdout).trim(),
+        "std 0.3: exact 850 us, lazy 480 us; std 12: exact 300 us, lazy 310 us DIFFERENT TOKENS"
     );
 }
 

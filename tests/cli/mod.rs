@@ -96,6 +96,39 @@ fn generate_runs_a_random_weight_shape_from_its_spec() {
     );
 }
 
+/// `bench sample` on the CPU times the kernel's host reference: a row for each spread and
+/// noise, the lazy noise's tokens the exact noise's.
+#[test]
+fn bench_sample_json_reports_each_spread_and_noise() {
+    let (ok, stdout, stderr) = dppo(&[
+        "bench", "sample", "--device", "cpu", "--rows", "4", "--vocab", "3000", "--std", "0.3,12",
+        "--iters", "1", "--json",
+    ]);
+    assert!(ok, "{stderr}");
+    let report: Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(report["on_device"], false, "{report}");
+    let results = report["results"].as_array().unwrap();
+    let settings: Vec<(f64, &str)> = results
+        .iter()
+        .map(|r| (r["std"].as_f64().unwrap(), r["noise"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        settings,
+        [
+            (0.3, "exact"),
+            (0.3, "lazy"),
+            (12.0, "exact"),
+            (12.0, "lazy")
+        ]
+    );
+    for r in results {
+        assert!(r["us_per_call"].as_f64().unwrap() > 0.0, "{r}");
+        assert_eq!(r["same_tokens"], true, "{r}");
+    }
+    let (ok, _, stderr) = dppo(&["bench", "sample", "--device", "cpu", "--std", "0"]);
+    assert!(!ok && stderr.contains("--std"), "{stderr}");
+}
+
 #[test]
 fn bench_rollout_json_reports_both_engines() {
     let (ok, stdout, stderr) = dppo(&[

@@ -8,10 +8,12 @@ use dppo_model::ModelConfig;
 mod attention;
 mod bandwidth;
 mod rollout;
+mod sample;
 mod train;
 
 pub use attention::AttentionArgs;
 pub use rollout::RolloutArgs;
+pub use sample::SampleArgs;
 pub use train::TrainArgs;
 
 /// Benchmarks.
@@ -24,6 +26,9 @@ pub enum Bench {
     /// The paged attention kernels alone on a GPU: each variant's time a call on a decode
     /// batch of a model shape's heads.
     Attention(AttentionArgs),
+    /// Device sampling alone on a GPU: a call's time on synthetic logits, with the exact
+    /// Gumbel noise and with lazy noise.
+    Sample(SampleArgs),
     /// Load and soak test of `dppo serve`: concurrent clients, errors, latency, leaks.
     Serve(super::bench_serve::Args),
 }
@@ -34,6 +39,7 @@ pub fn run(bench: Bench) -> anyhow::Result<()> {
         Bench::Rollout(args) => rollout::run(args),
         Bench::Train(args) => train::run(args),
         Bench::Attention(args) => attention::run(args),
+        Bench::Sample(args) => sample::run(args),
         Bench::Serve(args) => super::bench_serve::run(args),
     }
 }
