@@ -127,6 +127,24 @@ fn bench_sample_json_reports_each_spread_and_noise() {
     }
     let (ok, _, stderr) = dppo(&["bench", "sample", "--device", "cpu", "--std", "0"]);
     assert!(!ok && stderr.contains("--std"), "{stderr}");
+    // Truncated draws: every draw takes the top-p and top-k asked.
+    let (ok, stdout, stderr) = dppo(&[
+        "bench", "sample", "--device", "cpu", "--rows", "2", "--vocab", "3000", "--std", "3",
+        "--iters", "1", "--top-p", "0.9", "--top-k", "20", "--json",
+    ]);
+    assert!(ok, "{stderr}");
+    let report: Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(
+        (report["top_p"].as_f64(), report["top_k"].as_u64()),
+        (Some(0.9f32 as f64), Some(20))
+    );
+    assert!(report["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|r| r["same_tokens"] == true));
+    let (ok, _, stderr) = dppo(&["bench", "sample", "--device", "cpu", "--top-p", "0"]);
+    assert!(!ok && stderr.contains("--top-p"), "{stderr}");
 }
 
 #[test]

@@ -29,6 +29,13 @@ pub struct SampleArgs {
     /// model's) to spread ones (a trained model's).
     #[arg(long, default_value = "0.3,3,12", value_delimiter = ',')]
     std: Vec<f64>,
+    /// Every draw's top-p (1: off). Truncated draws find their threshold by bisection, a
+    /// pass over the row a step (up to 32 steps).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Every draw's top-k (0: off).
+    #[arg(long, default_value_t = 0)]
+    top_k: u32,
     /// Timed calls of each setting (after three untimed ones).
     #[arg(long, default_value_t = 20)]
     iters: usize,
@@ -44,6 +51,11 @@ pub(super) fn run(args: SampleArgs) -> anyhow::Result<()> {
         "--rows, --vocab and --iters must be at least 1"
     );
     anyhow::ensure!(
+        args.top_p > 0.0 && args.top_p <= 1.0,
+        "--top-p must be in (0, 1], got {}",
+        args.top_p
+    );
+    anyhow::ensure!(
         args.std.iter().all(|s| s.is_finite() && *s > 0.0),
         "--std: every standard deviation must be positive, got {:?}",
         args.std
@@ -55,7 +67,7 @@ pub(super) fn run(args: SampleArgs) -> anyhow::Result<()> {
     } else {
         DType::F32
     };
-    // The targets' draws: temperature 1, nothing truncated, no top logprobs.
+    // The targets' draws by default: temperature 1, nothing truncated, no top logprobs.
     let draws: Vec<DeviceDraw> = (0..args.rows as u32)
         .map(|row| DeviceDraw {
             row,
@@ -66,8 +78,8 @@ pub(super) fn run(args: SampleArgs) -> anyhow::Result<()> {
             },
             params: DrawParams {
                 inv_temperature: 1.0,
-                top_k: 0,
-                top_p: 1.0,
+                top_k: args.top_k,
+                top_p: args.top_p,
                 min_p: 0.0,
                 top_logprobs: 0,
             },
@@ -108,6 +120,8 @@ pub(super) fn run(args: SampleArgs) -> anyhow::Result<()> {
         "vocab": args.vocab,
         "dtype": format!("{dtype:?}").to_lowercase(),
         "iters": args.iters,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
         "results": results,
     });
     if args.json {
@@ -115,8 +129,8 @@ pub(super) fn run(args: SampleArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "{} draws of {} logits ({dtype:?}) a call, on {}",
-        args.rows, args.vocab, args.device
+        "{} draws of {} logits ({dtype:?}) a call, top-p {}, top-k {}, on {}",
+        args.rows, args.vocab, args.top_p, args.top_k, args.device
     );
     for r in &results {
         println!(
