@@ -91,6 +91,16 @@ pub fn default_dtype(device: &Device) -> DType {
     }
 }
 
+impl EngineConfig {
+    /// How the worker draws on `device`: on the device, computing the noise so, or on the
+    /// host (`None`).
+    pub(crate) fn device_sampling(&self, device: &Device) -> Option<Noise> {
+        self.sampling
+            .on_device(device)
+            .then_some(Noise::lazy(self.lazy_noise))
+    }
+}
+
 impl Default for EngineConfig {
     fn default() -> Self {
         Self {
@@ -240,10 +250,7 @@ impl Engine {
             ..EngineStats::default()
         }));
         let (tx, rx) = mpsc::channel();
-        let device_sampling = cfg
-            .sampling
-            .on_device(&device)
-            .then_some(Noise::lazy(cfg.lazy_noise));
+        let device_sampling = cfg.device_sampling(&device);
         let worker = Worker::new(scheduler, runner, policy, stats.clone(), device_sampling);
         let handle = std::thread::Builder::new()
             .name("dppo-engine".into())

@@ -144,6 +144,10 @@ fn prompts(policy: &Policy, num: usize) -> anyhow::Result<Vec<Vec<u32>>> {
 
 /// Runs the rollout benchmark and prints its report.
 pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !(args.lazy_noise && args.sampling == SamplingPlace::Host),
+        "--lazy-noise changes the device sampling kernel, which --sampling host does not run"
+    );
     let device = args.device.open()?;
     let policy = Policy::load(&args.model, &device)
         .with_context(|| format!("loading --model {}", args.model))?;

@@ -126,13 +126,29 @@ pub(super) fn run(args: SampleArgs) -> anyhow::Result<()> {
     });
     if args.json {
         println!("{report}");
-        return Ok(());
+    } else {
+        print_table(&args, dtype, &results);
     }
+    // Lazy noise must draw the exact noise's tokens: a difference is a failure, not a number.
+    let differ: Vec<f64> = results
+        .iter()
+        .filter(|r| r["same_tokens"] != true)
+        .filter_map(|r| r["std"].as_f64())
+        .collect();
+    anyhow::ensure!(
+        differ.is_empty(),
+        "lazy noise drew other tokens than the exact noise at std {differ:?}"
+    );
+    Ok(())
+}
+
+/// The report as a table, a row for each spread and noise.
+fn print_table(args: &SampleArgs, dtype: DType, results: &[serde_json::Value]) {
     println!(
         "{} draws of {} logits ({dtype:?}) a call, top-p {}, top-k {}, on {}",
         args.rows, args.vocab, args.top_p, args.top_k, args.device
     );
-    for r in &results {
+    for r in results {
         println!(
             "std {:>5}  {:<5} noise {:>9.1} us a call  {:>7.0} GB/s of logits  same tokens: {}",
             r["std"],
@@ -142,5 +158,4 @@ pub(super) fn run(args: SampleArgs) -> anyhow::Result<()> {
             r["same_tokens"]
         );
     }
-    Ok(())
 }

@@ -438,6 +438,23 @@ mod emulated;
 mod tests {
     use super::*;
 
+    /// `engine.lazy_noise` reaches the worker with device sampling, and host sampling draws
+    /// without the kernel.
+    #[test]
+    fn the_engine_draws_with_the_noise_its_config_names() {
+        let cfg = |sampling, lazy_noise| crate::EngineConfig {
+            sampling,
+            lazy_noise,
+            ..Default::default()
+        };
+        let cpu = Device::Cpu;
+        let device = SamplingPlace::Device;
+        assert_eq!(cfg(device, true).device_sampling(&cpu), Some(Noise::Lazy));
+        assert_eq!(cfg(device, false).device_sampling(&cpu), Some(Noise::Every));
+        assert_eq!(cfg(SamplingPlace::Host, true).device_sampling(&cpu), None);
+        assert_eq!(cfg(SamplingPlace::Auto, true).device_sampling(&cpu), None);
+    }
+
     #[test]
     fn a_nan_or_another_token_never_agrees() {
         let rows = vec![(0..64)

@@ -28,43 +28,58 @@ pub(super) fn device_sampling(device: &Device) -> Result<Vec<Check>, TrainError>
     }
     [DType::F32, DType::BF16]
         .into_iter()
-        .map(|dtype| Ok(draws_from(device, &logits(dtype)?, Noise::Every)?.0))
+        .map(|dtype| Ok(draws_from(device, &logits(dtype, 3.0)?, Noise::Every)?.0))
         .collect()
 }
 
-/// `engine.lazy_noise`'s checks (an experiment's, run after the defaults'): from the same
-/// logits, the same draws as with every score's exact noise, bit for bit, and so the host
+/// `engine.lazy_noise`'s checks (an experiment's, run after the defaults'; an error fails its
+/// check alone): from the same logits, spread (std 3) and close (std 0.3, an untrained
+/// model's), the same draws as with every score's exact noise, bit for bit, and so the host
 /// reference's.
-pub(super) fn lazy_noise(device: &Device) -> Result<Vec<Check>, TrainError> {
+pub(super) fn lazy_noise(device: &Device) -> Vec<Check> {
     if device.is_cpu() {
-        return Ok(Vec::new());
+        return Vec::new();
     }
-    [DType::F32, DType::BF16]
-        .into_iter()
-        .map(|dtype| {
-            let host = logits(dtype)?;
-            let (_, every) = draws_from(device, &host, Noise::Every)?;
-            let (lazy, got) = draws_from(device, &host, Noise::Lazy)?;
-            let same = got == every;
-            let detail = format!(
-                "{}; {} the exact noise's draws",
-                lazy.detail,
-                if same {
-                    "identical to"
-                } else {
-                    "NOT identical to"
-                }
-            );
-            let passed = lazy.status == Status::Ok && same;
-            let name = format!("device sampling, lazy noise, {dtype:?} logits");
-            Ok(Check::expect(passed, name, detail, BUG_FIX).of_experiment())
-        })
-        .collect()
+    let mut checks = Vec::new();
+    for dtype in [DType::F32, DType::BF16] {
+        for std in [3.0, 0.3] {
+            let name = format!("device sampling, lazy noise, {dtype:?} logits, std {std}");
+            let check = match lazy_against_exact(device, dtype, std) {
+                Ok((passed, detail)) => Check::expect(passed, name, detail, BUG_FIX),
+                Err(e) => Check::fail(name, e.to_string(), BUG_FIX),
+            };
+            checks.push(check.of_experiment());
+        }
+    }
+    checks
 }
 
-/// Logits as the checks draw them, on the host in `dtype`: normal(0, 3).
-fn logits(dtype: DType) -> Result<Tensor, TrainError> {
-    Ok(Tensor::randn(0f32, 3.0, (ROWS, VOCAB), &Device::Cpu)?.to_dtype(dtype)?)
+/// Whether lazy noise drew the exact noise's draws and the host reference's from the same
+/// logits in `dtype` at `std`, and what was found.
+fn lazy_against_exact(
+    device: &Device,
+    dtype: DType,
+    std: f32,
+) -> Result<(bool, String), TrainError> {
+    let host = logits(dtype, std)?;
+    let (_, every) = draws_from(device, &host, Noise::Every)?;
+    let (lazy, got) = draws_from(device, &host, Noise::Lazy)?;
+    let same = got == every;
+    let detail = format!(
+        "{}; {} the exact noise's draws",
+        lazy.detail,
+        if same {
+            "identical to"
+        } else {
+            "NOT identical to"
+        }
+    );
+    Ok((lazy.status == Status::Ok && same, detail))
+}
+
+/// Logits as the checks draw them, on the host in `dtype`: normal(0, `std`).
+fn logits(dtype: DType, std: f32) -> Result<Tensor, TrainError> {
+    Ok(Tensor::randn(0f32, std, (ROWS, VOCAB), &Device::Cpu)?.to_dtype(dtype)?)
 }
 
 /// The check of draws with `noise` from `host` (copied to `device`; the host reference reads
