@@ -79,6 +79,7 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
         "rollout-qwen2.5-0.5b-full-lazy-noise",
         "sample-b1024",
         "sample-b1024-top-p",
+        "sample-b1024-top-k",
     ];
     assert_eq!(names, expected, "{text}");
     for step in &steps {
@@ -297,7 +298,7 @@ fn gpu_check_on_a_gpu_packs_its_steps_files() {
             "{file}: {listing}"
         );
     }
-    assert_eq!(summary_steps(dir.path()).len(), 25, "{text}");
+    assert_eq!(summary_steps(dir.path()).len(), 26, "{text}");
 }
 
 /// `gpu_check.py profile` runs the rollout under Nsight Compute (here a stand-in that runs
