@@ -151,7 +151,7 @@ fn print_table(args: &SampleArgs, dtype: DType, results: &[serde_json::Value]) {
     for r in results {
         println!(
             "std {:>5}  {:<5} noise {:>9.1} us a call  {:>7.0} GB/s of logits  same tokens: {}",
-            r["std"],
+            r["std"].as_f64().unwrap_or(f64::NAN),
             r["noise"].as_str().unwrap_or(""),
             r["us_per_call"].as_f64().unwrap_or(f64::NAN),
             r["logits_gb_per_s"].as_f64().unwrap_or(f64::NAN),
