@@ -449,6 +449,12 @@ def switches(args):
     return 0
 
 
+# The doctor's check of the scalar attention kernel, the default where tensor cores do not
+# serve; the other variants' checks name them.
+KERNELS_CHECK = "paged attention kernels"
+SCALAR_KERNEL = "s1_v8"
+
+
 def fastest(args):
     """Prints `--attention-kernel NAME` of the fastest attention kernel in FILES, nothing where
     none of them finished. FILES are all `bench rollout --json` outputs (the variant of the
@@ -462,8 +468,12 @@ def fastest(args):
         passed = {args.default}
         for check in doctor_checks(args.doctor):
             name = check.get("name", "")
-            if check.get("status") == "ok" and ", variant " in name:
+            if check.get("status") != "ok":
+                continue
+            if ", variant " in name:
                 passed.add(name.rsplit(", variant ", 1)[1])
+            elif name == KERNELS_CHECK:
+                passed.add(SCALAR_KERNEL)
     # (speed, variant, kind): tokens/s of a rollout, calls a second of a kernel alone.
     candidates = []
     for path in args.files:

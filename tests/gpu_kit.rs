@@ -1,7 +1,7 @@
 //! The GPU kit on the CPU: `scripts/gpu-kit --from` packs the test binary, and
 //! `scripts/gpu-check --dry-run` runs every step with it and records each in summary.json.
 
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use crate::util::repo_root;
 
@@ -117,11 +117,11 @@ fn summary_steps(out: &std::path::Path) -> Vec<Value> {
 
 /// The targets' protocol, dppo's side on the attention variant `--attention-kernel` names;
 /// with `fastest`, each shape's on the fastest variant of its kernels' bench (skipped on the
-/// CPU, so the default).
+/// CPU, so the engine's default, and no kernel runs there to name).
 #[test]
 fn gpu_check_targets_dry_run_measures_each_target() {
     let shape = "smollm2-135m";
-    for (kernel, bench, used) in [("mma", false, "mma"), ("fastest", true, "s1_v8")] {
+    for (kernel, bench, used) in [("mma", false, json!("mma")), ("fastest", true, Value::Null)] {
         let dir = tempfile::tempdir().unwrap();
         let args = ["--dry-run", "--targets", "--attention-kernel", kernel];
         let (ok, text) = gpu_check(&args, dir.path());
@@ -198,10 +198,10 @@ fn gpu_check_profile_dry_run_runs_the_rollouts_and_skips_the_profiles() {
         .iter()
         .map(|s| (s["name"].as_str().unwrap(), s["status"].as_str().unwrap()))
         .collect();
-    // Every variant of the attention but the default, which the target rows run.
+    // Every variant of the attention but the shapes' default, which the target rows run.
     let variants: Vec<String> = dppo_engine::AttentionKernel::VARIANTS
         .iter()
-        .skip(1)
+        .filter(|v| **v != dppo_engine::AttentionKernel::TENSOR_CORE)
         .map(|v| format!("variant-smollm2-135m-{v}"))
         .collect();
     let mut want = vec![
@@ -478,7 +478,8 @@ fn gpu_check_fastest_picks_the_variant_of_the_highest_rate() {
     assert_eq!(fastest(&files), "--attention-kernel mma\n");
     assert_eq!(fastest(&files[3..4]), "");
     // With the doctor: a variant whose kernel check failed (mma) or that it never checked
-    // (s8_v32) is no candidate, however fast; the default needs no check of its own.
+    // (s8_v32) is no candidate, however fast; the default (mma_staged) needs no check of its
+    // own, and the scalar kernel's is the plain one.
     let doctor = write(
         "doctor.out",
         concat!(
@@ -491,15 +492,29 @@ fn gpu_check_fastest_picks_the_variant_of_the_highest_rate() {
     );
     let vet = |report: &str, files: &[String]| {
         let mut args = vec!["--doctor".to_string(), report.to_string()];
-        args.extend(["--default".to_string(), "s1_v8".to_string()]);
+        args.extend(["--default".to_string(), "mma_staged".to_string()]);
         args.extend(files.iter().cloned());
         fastest(&args)
     };
     assert_eq!(vet(&doctor, &files), "--attention-kernel s1_v16\n");
+    let scalar_only = write(
+        "scalar-only.out",
+        concat!(
+            r#"{"passed": false, "sections": [{"name": "paged", "checks": ["#,
+            r#"{"name": "paged attention kernels", "status": "ok"}]}]}"#,
+            "\n"
+        ),
+    );
+    assert_eq!(vet(&scalar_only, &files), "--attention-kernel s1_v8\n");
     // A doctor stopped before its variants' checks leaves the default alone.
     let cut_short = write("cut-short.out", "{\"passed\": false, \"sections\": []}\n");
-    assert_eq!(vet(&cut_short, &files), "--attention-kernel s1_v8\n");
-    assert_eq!(vet(&cut_short, &files[1..]), "");
+    assert_eq!(vet(&cut_short, &files), "");
+    let staged = [
+        files.as_slice(),
+        &[write("staged.out", &rollout(60_000.0, "mma_staged"))],
+    ]
+    .concat();
+    assert_eq!(vet(&cut_short, &staged), "--attention-kernel mma_staged\n");
     // `bench attention`'s rows: the fewest microseconds a call, of the variants that ran and
     // that the doctor passed.
     let bench = write(

@@ -434,8 +434,8 @@ INSTANTIATE(f32, float)
 INSTANTIATE(bf16, bf16)
 INSTANTIATE(f16, f16)
 
-// The other variants, compiled only into the module of that name (`-DATTENTION_VARIANTS`),
-// so that the default's start-up compile stays small.
+// The other scalar variants, compiled only into the module of that name
+// (`-DATTENTION_VARIANTS`), so that the defaults' start-up compile stays small.
 // check-kernels: -DATTENTION_VARIANTS
 #ifdef ATTENTION_VARIANTS
 #define VARIANTS(NAME, T)                                                                       \

@@ -480,16 +480,19 @@ __device__ void paged_attention_mma(
                                           part_acc, part_max, part_sum, out);                   \
     }
 
-// The variants' module only (`-DATTENTION_VARIANTS`). Tensor cores take bf16 from sm_80 (and
-// cp.async and ldmatrix need it): an older GPU's module holds no tensor-core kernels, and
-// looking one up fails, naming it.
-#if defined(ATTENTION_VARIANTS) && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800)
-ATTENTION_MMA(bf16, bf16, 64, mma, false, 4)
-ATTENTION_MMA(bf16, bf16, 128, mma, false, 2)
-ATTENTION_MMA(f16, f16, 64, mma, false, 4)
-ATTENTION_MMA(f16, f16, 128, mma, false, 2)
+// Tensor cores take bf16 from sm_80 (and cp.async and ldmatrix need it): an older GPU's
+// modules hold no tensor-core kernels (the engine's default is then the scalar kernel), and
+// looking one up fails, naming it. `mma_staged`, the default where it serves, is in the main
+// module; `mma` in the variants' module only (`-DATTENTION_VARIANTS`).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 ATTENTION_MMA(bf16, bf16, 64, mma_staged, true, 4)
 ATTENTION_MMA(bf16, bf16, 128, mma_staged, true, 3)
 ATTENTION_MMA(f16, f16, 64, mma_staged, true, 4)
 ATTENTION_MMA(f16, f16, 128, mma_staged, true, 3)
+#ifdef ATTENTION_VARIANTS
+ATTENTION_MMA(bf16, bf16, 64, mma, false, 4)
+ATTENTION_MMA(bf16, bf16, 128, mma, false, 2)
+ATTENTION_MMA(f16, f16, 64, mma, false, 4)
+ATTENTION_MMA(f16, f16, 128, mma, false, 2)
+#endif
 #endif

@@ -73,9 +73,9 @@ pub struct EngineConfig {
     /// passed `dppo doctor` on an H200; the other backends ignore it).
     pub layer_kernels: bool,
     /// With the paged CUDA kernels, the attention kernel's variant (`bench rollout
-    /// --attention-kernel`, an experiment; the default is the one measured on GPUs, and the
-    /// only one a run uses).
-    pub attention_kernel: AttentionKernel,
+    /// --attention-kernel`, an experiment); `None`, what a run uses, picks
+    /// [`AttentionKernel::default_for`] the model and GPU.
+    pub attention_kernel: Option<AttentionKernel>,
     /// Synchronise the device around each layer's attention and after the forward pass, so
     /// that the iteration costs split the device's time between attention, the rest of the
     /// forward pass and sampling (`bench rollout --time-device`); slows the step.
@@ -119,7 +119,7 @@ impl Default for EngineConfig {
             rope_writes_kv: false,
             rope_qk_norm: false,
             layer_kernels: true,
-            attention_kernel: AttentionKernel::default(),
+            attention_kernel: None,
             time_device: false,
         }
     }
@@ -247,6 +247,7 @@ impl Engine {
             num_blocks,
             block_size: cfg.block_size,
             block_bytes: shape.bytes_per_token(dtype) * cfg.block_size,
+            attention_kernel: runner.attention_kernel(),
             ..EngineStats::default()
         }));
         let (tx, rx) = mpsc::channel();

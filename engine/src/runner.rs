@@ -128,6 +128,11 @@ impl Runner {
         })
     }
 
+    /// The paged attention kernel's variant, where the CUDA kernels run.
+    pub fn attention_kernel(&self) -> Option<crate::AttentionKernel> {
+        self.cuda.as_ref().map(CudaAttention::variant)
+    }
+
     /// Replaces the model (same architecture); called between iterations only.
     pub fn set_model(&mut self, model: CausalLm) {
         self.model = model;

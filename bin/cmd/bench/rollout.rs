@@ -84,12 +84,13 @@ pub struct RolloutArgs {
           action = clap::ArgAction::Set)]
     layer_kernels: bool,
     /// An experiment with the paged CUDA kernels (ignored elsewhere): the attention kernel's
-    /// variant. `s<K>_v<V>` keeps K 16-byte K loads and V loads of V in flight a thread
-    /// (`s1_v8`, the default, is the one measured on GPUs), `_split` splits the value pass
-    /// over key groups, `mma` runs scores and values on tensor cores (bf16 and f16), and
-    /// `mma_staged` does so on operands staged through shared memory; docs/gpu.md has each.
-    #[arg(long, default_value = "s1_v8")]
-    attention_kernel: AttentionKernel,
+    /// variant. `s<K>_v<V>` keeps K 16-byte K loads and V loads of V in flight a thread,
+    /// `_split` splits the value pass over key groups, `mma` runs scores and values on tensor
+    /// cores (bf16 and f16), and `mma_staged` does so on operands staged through shared
+    /// memory; docs/gpu.md has each. Without it, the engine's default: `mma_staged` where it
+    /// serves the model (bf16 or f16, head_dim 64 or 128, sm_80 on), `s1_v8` elsewhere.
+    #[arg(long)]
+    attention_kernel: Option<AttentionKernel>,
     /// The attention backend, as `engine.attention`: auto, cpu, generic or cuda.
     #[arg(long, default_value = "auto", value_parser = parse_attention)]
     attention: AttentionMode,
@@ -168,7 +169,6 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
         })
         .collect();
     let num_tokens = args.prompts * args.samples * args.new_tokens;
-    let attention_kernel = args.attention_kernel;
     let cfg = EngineConfig {
         block_size: args.block_size,
         kv_cache_tokens: args.kv_cache_tokens,
@@ -179,7 +179,7 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
         rope_writes_kv: args.rope_writes_kv,
         rope_qk_norm: args.rope_qk_norm,
         layer_kernels: args.layer_kernels,
-        attention_kernel,
+        attention_kernel: args.attention_kernel,
         attention: args.attention,
         time_device: args.time_device,
         max_num_seqs: (args.prompts * args.samples).max(1),
@@ -269,7 +269,8 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
         "rope_qk_norm": args.rope_qk_norm,
         "lazy_noise": args.lazy_noise,
         "layer_kernels": args.layer_kernels,
-        "attention_kernel": attention_kernel.to_string(),
+        // The variant the kernels ran, else the one asked for (the kernels did not run).
+        "attention_kernel": stats.attention_kernel.or(args.attention_kernel).map(|k| k.to_string()),
         "attention": args.attention,
         "attention_resolved": attention_resolved,
         "sampling_on_device": args.sampling.on_device(&device),

@@ -5,6 +5,7 @@
 
 use std::cell::RefCell;
 
+use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
 use candle_core::cuda_backend::cudarc::driver::CudaSlice;
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaDevice, Device, Result};
@@ -111,10 +112,15 @@ pub(super) fn cuda(device: &Device) -> Result<&CudaDevice> {
 
 /// Multiprocessors of `device`: the plan splits contexts until the grid fills them twice.
 pub fn multiprocessors(device: &CudaDevice) -> Result<usize> {
-    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
     let context = device.cuda_stream().context().clone();
     let n = context
         .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .w()?;
     Ok(n as usize)
+}
+
+/// Whether `device` runs the tensor-core kernels, which the module holds from sm_80 on.
+pub fn tensor_cores(device: &CudaDevice) -> Result<bool> {
+    let (major, _) = device.cuda_stream().context().compute_capability().w()?;
+    Ok(major >= 8)
 }

@@ -37,7 +37,7 @@ mod twin;
 mod variant;
 
 #[cfg(feature = "cuda")]
-pub use device_buffers::{multiprocessors, CudaIndex, DeviceTables};
+pub use device_buffers::{multiprocessors, tensor_cores, CudaIndex, DeviceTables};
 #[cfg(feature = "cuda")]
 pub use launch::CudaPagedAttention;
 pub use state::{Batch, CudaAttention, Switches};
@@ -262,7 +262,7 @@ impl Heads {
                 self.num_heads, self.num_kv_heads
             ));
         }
-        if AttentionKernel::default().shared_bytes(self.group(), self.head_dim) > MAX_SHARED_BYTES {
+        if AttentionKernel::SCALAR.shared_bytes(self.group(), self.head_dim) > MAX_SHARED_BYTES {
             return refuse(format!(
                 "{} query heads per KV head at head_dim {} need more than 48 KiB of shared \
                  memory a block",

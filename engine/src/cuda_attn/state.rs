@@ -8,7 +8,7 @@ use super::copies::SlotCopies;
 use super::tables::{TableMirror, TableUpload};
 #[cfg(any(all(test, target_os = "linux"), feature = "cuda"))]
 use super::Extras;
-use super::{Heads, KernelPlan};
+use super::{AttentionKernel, Heads, KernelPlan};
 use crate::cost::IterationCost;
 #[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
 use crate::device_timing;
@@ -44,8 +44,9 @@ pub struct Switches {
     pub rope_qk_norm: bool,
     /// `engine.layer_kernels`: the add-and-norm and the gated product by kernels of ours.
     pub layer_kernels: bool,
-    /// `EngineConfig::attention_kernel`: the attention kernel's variant.
-    pub attention_kernel: super::AttentionKernel,
+    /// `EngineConfig::attention_kernel`: the attention kernel's variant, `None` the default
+    /// for the model and GPU.
+    pub attention_kernel: Option<super::AttentionKernel>,
 }
 
 /// What the CUDA backend keeps between iterations.
@@ -55,6 +56,8 @@ pub struct CudaAttention {
     /// contexts until it does.
     min_blocks: usize,
     switches: Switches,
+    /// The attention kernel's variant: the switches' choice, else the default for the model.
+    variant: AttentionKernel,
     #[cfg(feature = "cuda")]
     device_tables: Option<super::device_buffers::DeviceTables>,
     /// The emulated kernels' copy of the tables (the engine's unit tests on the CPU).
@@ -71,18 +74,27 @@ impl CudaAttention {
     ) -> std::result::Result<Self, EngineError> {
         let heads = Heads::of(model.config());
         heads.check()?;
-        switches
-            .attention_kernel
-            .check_serves(heads, model.dtype())?;
+        let gpu = gpu(device)?;
+        let variant = match switches.attention_kernel {
+            Some(chosen) => chosen,
+            None => AttentionKernel::default_for(heads, model.dtype(), gpu.tensor_cores),
+        };
+        variant.check_serves(heads, model.dtype())?;
         Ok(Self {
             tables: TableMirror::default(),
-            min_blocks: 2 * multiprocessors(device)?,
+            min_blocks: 2 * gpu.multiprocessors,
             switches,
+            variant,
             #[cfg(feature = "cuda")]
             device_tables: None,
             #[cfg(all(test, target_os = "linux", not(feature = "cuda")))]
             emulated_tables: None,
         })
+    }
+
+    /// The attention kernel's variant the launches use.
+    pub fn variant(&self) -> AttentionKernel {
+        self.variant
     }
 
     /// Runs `model` over `batch`, the kernels reading `cache`; `live` tells which sequences
@@ -172,7 +184,7 @@ impl CudaAttention {
             index: &index,
             tables,
             extras: Extras::of(self.switches),
-            variant: self.switches.attention_kernel,
+            variant: self.variant,
         };
         let inputs = (batch.input_ids, batch.positions);
         let time = self.switches.time_device;
@@ -201,7 +213,7 @@ impl CudaAttention {
                 plan: &plan,
                 tables,
                 extras: Extras::of(self.switches),
-                variant: self.switches.attention_kernel,
+                variant: self.variant,
             };
             let inputs = (batch.input_ids, batch.positions);
             let time = self.switches.time_device;
@@ -218,21 +230,35 @@ impl CudaAttention {
     }
 }
 
-/// Multiprocessors of the GPU.
+/// What the kernels' launches depend on of the GPU.
+struct Gpu {
+    /// The plan splits contexts until the grid fills them twice.
+    multiprocessors: usize,
+    /// Whether it runs the tensor-core kernels (sm_80 on).
+    tensor_cores: bool,
+}
+
 #[cfg(feature = "cuda")]
-fn multiprocessors(device: &Device) -> Result<usize> {
+fn gpu(device: &Device) -> Result<Gpu> {
+    use super::device_buffers::{multiprocessors, tensor_cores};
     match device {
-        Device::Cuda(d) => super::device_buffers::multiprocessors(d),
+        Device::Cuda(d) => Ok(Gpu {
+            multiprocessors: multiprocessors(d)?,
+            tensor_cores: tensor_cores(d)?,
+        }),
         _ => candle_core::bail!("cuda attention on {:?}", device.location()),
     }
 }
 
 #[cfg(not(feature = "cuda"))]
-fn multiprocessors(device: &Device) -> Result<usize> {
-    // The engine's unit tests emulate the kernels on the CPU.
+fn gpu(device: &Device) -> Result<Gpu> {
+    // The engine's unit tests emulate the kernels on the CPU, the tensor-core ones too.
     #[cfg(all(test, target_os = "linux"))]
     if device.is_cpu() {
-        return Ok(super::emulated::MULTIPROCESSORS);
+        return Ok(Gpu {
+            multiprocessors: super::emulated::MULTIPROCESSORS,
+            tensor_cores: true,
+        });
     }
     candle_core::bail!(
         "cuda attention in a build without CUDA, on {:?}",

@@ -47,13 +47,17 @@ pub enum AttentionKernel {
 }
 
 impl AttentionKernel {
-    /// The variants the kernel source instantiates; the first is the default, the
-    /// only one measured on a GPU so far, and the only one in the module loaded at start.
-    /// The others are listed likeliest winner first (`gpu-check --profile` races them in
-    /// this order, so a spent budget drops the last).
+    /// The default where tensor cores do not serve (f32, other head dims, GPUs before sm_80).
+    pub const SCALAR: Self = Self::new(1, 8);
+    /// The default where it serves: the fastest on both target shapes on an H200.
+    pub const TENSOR_CORE: Self = Self::Mma { staged: true };
+
+    /// The variants the kernel source instantiates: the two defaults first, the only ones in
+    /// the module loaded at start, then the others likeliest winner first (`gpu-check
+    /// --profile` races them in this order, so a spent budget drops the last).
     pub const VARIANTS: [Self; 8] = [
-        Self::new(1, 8),
-        Self::Mma { staged: true },
+        Self::SCALAR,
+        Self::TENSOR_CORE,
         Self::Mma { staged: false },
         Self::split(8, 4),
         Self::new(1, 16),
@@ -163,9 +167,18 @@ impl AttentionKernel {
         self.check_serves(heads, dtype).is_ok()
     }
 
-    /// Whether this is the default, compiled into the kernels' main module.
+    /// The default for `heads` in `dtype`: [`Self::TENSOR_CORE`] where it serves them and the
+    /// GPU has `tensor_cores` (sm_80 on), [`Self::SCALAR`] elsewhere.
+    pub fn default_for(heads: Heads, dtype: DType, tensor_cores: bool) -> Self {
+        match tensor_cores && Self::TENSOR_CORE.serves(heads, dtype) {
+            true => Self::TENSOR_CORE,
+            false => Self::SCALAR,
+        }
+    }
+
+    /// Whether this is one of the defaults, compiled into the kernels' main module.
     pub fn is_default(self) -> bool {
-        self == Self::default()
+        self == Self::SCALAR || self == Self::TENSOR_CORE
     }
 
     /// The kernel's name for elements of `dtype_suffix` (`f32`, `bf16`, `f16`) at
@@ -189,12 +202,6 @@ impl AttentionKernel {
                 .map(|t| self.kernel_name(t, 0))
                 .collect(),
         }
-    }
-}
-
-impl Default for AttentionKernel {
-    fn default() -> Self {
-        Self::VARIANTS[0]
     }
 }
 
@@ -244,14 +251,20 @@ mod tests {
     use super::*;
 
     /// Every variant the host can name is one the kernel source instantiates, under the names
-    /// the launchers look up, and the default is in the main module, the others only in the
+    /// the launchers look up, and the two defaults are in the main module, the others only in the
     /// variants' module; a name that is none of them is refused with the list.
     #[test]
     fn every_variant_is_instantiated_under_its_name() {
-        let source = super::super::SOURCE;
-        let (main, variants) = source
-            .split_once("#ifdef ATTENTION_VARIANTS")
-            .expect("the variants' section");
+        // The variants' module's own lines: those in `#ifdef ATTENTION_VARIANTS` sections.
+        let (mut main, mut variants, mut in_variants) = (String::new(), String::new(), false);
+        for line in super::super::SOURCE.lines() {
+            match line.trim() {
+                "#ifdef ATTENTION_VARIANTS" => in_variants = true,
+                "#endif" if in_variants => in_variants = false,
+                _ if in_variants => variants.extend([line, "\n"]),
+                _ => main.extend([line, "\n"]),
+            }
+        }
         for v in AttentionKernel::VARIANTS {
             let lines: Vec<String> = match v {
                 AttentionKernel::Mma { staged } => ["bf16, bf16", "f16, f16"]
@@ -274,10 +287,9 @@ mod tests {
                     )]
                 }
             };
-            let (here, there) = if v.is_default() {
-                (main, variants)
-            } else {
-                (variants, main)
+            let (here, there) = match v.is_default() {
+                true => (&main, &variants),
+                false => (&variants, &main),
             };
             for line in lines {
                 assert!(here.contains(&line), "{v}: {line}");
@@ -329,7 +341,35 @@ mod tests {
             assert!(err(heads(7, 256), DType::BF16).contains("head_dim 256"));
             assert!(err(heads(32, 64), DType::BF16).contains("32 query heads"));
         }
-        assert!(AttentionKernel::default().serves(heads(7, 256), DType::F32));
+        assert!(AttentionKernel::SCALAR.serves(heads(7, 256), DType::F32));
+    }
+
+    /// The default is the tensor-core kernel where it serves the heads and dtype on a GPU
+    /// with tensor cores, the scalar kernel elsewhere, and serves what it is the default for.
+    #[test]
+    fn the_default_is_the_tensor_core_kernel_where_it_serves() {
+        let heads = |group: usize, head_dim| Heads {
+            num_heads: 2 * group,
+            num_kv_heads: 2,
+            head_dim,
+        };
+        let pick = AttentionKernel::default_for;
+        for dtype in [DType::BF16, DType::F16] {
+            for h in [heads(7, 64), heads(6, 128), heads(16, 128)] {
+                assert_eq!(pick(h, dtype, true), AttentionKernel::TENSOR_CORE);
+                assert_eq!(pick(h, dtype, false), AttentionKernel::SCALAR);
+            }
+            for h in [heads(7, 256), heads(3, 96), heads(32, 64)] {
+                assert_eq!(pick(h, dtype, true), AttentionKernel::SCALAR, "{h:?}");
+            }
+        }
+        assert_eq!(
+            pick(heads(7, 64), DType::F32, true),
+            AttentionKernel::SCALAR
+        );
+        for (h, dtype) in [(heads(7, 256), DType::F32), (heads(6, 128), DType::BF16)] {
+            assert!(pick(h, dtype, true).serves(h, dtype));
+        }
     }
 
     /// The split value pass serves every head layout the default does up to 16 pairs a tile
@@ -355,7 +395,7 @@ mod tests {
         // 7 query heads a KV head at head_dim 64: 16 items (16 four-dimension slices of one
         // group of 8 pairs), so 8 key groups.
         assert_eq!(split.key_groups(7, 64), 8);
-        assert_eq!(AttentionKernel::default().key_groups(7, 64), 1);
+        assert_eq!(AttentionKernel::SCALAR.key_groups(7, 64), 1);
         let wide = heads(40, 128);
         let err = split
             .check_serves(wide, DType::BF16)

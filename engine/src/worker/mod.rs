@@ -32,6 +32,8 @@ pub struct EngineStats {
     /// Bytes of one KV block (keys and values of every layer). The pool's pages are touched
     /// on first use, so its resident part grows with `peak_blocks_used`, up to the pool.
     pub block_bytes: usize,
+    /// The paged attention kernel's variant, where the CUDA kernels run.
+    pub attention_kernel: Option<crate::AttentionKernel>,
     pub peak_blocks_used: usize,
     pub num_preemptions: usize,
     pub num_iterations: usize,

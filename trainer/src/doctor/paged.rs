@@ -59,9 +59,18 @@ fn on_gpu(
     reqs: &[GenerateRequest],
     want: &[Completion],
 ) -> Result<Vec<Check>, TrainError> {
-    // The default attention kernel; its variants come last of all the device's checks
+    // The default attention kernels (tensor cores where they serve, the scalar kernel
+    // elsewhere); the other variants come last of all the device's checks
     // ([`variant_kernels`]).
-    let mut checks = vec![checked_alone(device, AttentionKernel::default())];
+    let mut checks = vec![checked_alone(device, AttentionKernel::SCALAR)];
+    let tensor = AttentionKernel::TENSOR_CORE;
+    checks.push(match device {
+        Device::Cuda(d) if !dppo_engine::cuda_attn::tensor_cores(d)? => Check::skip(
+            variant_name(tensor),
+            "the GPU is older than sm_80: the scalar kernel serves every model",
+        ),
+        _ => checked_alone(device, tensor),
+    });
     // The attention kernels alone here; the rope and layer kernels have checks of their own.
     let base = EngineConfig {
         attention: AttentionMode::Cuda,
@@ -153,7 +162,7 @@ fn checked_alone(device: &Device, variant: AttentionKernel) -> Check {
 
 #[cfg(feature = "cuda")]
 fn variant_name(variant: AttentionKernel) -> String {
-    match variant.is_default() {
+    match variant == AttentionKernel::SCALAR {
         true => NAME.to_string(),
         false => format!("{NAME}, variant {variant}"),
     }

@@ -56,7 +56,7 @@ fn emulate<T: Stored>(
 
 /// Every checked batch in `T`, through the default attention.
 fn check<T: Stored>() {
-    check_cases::<T>(&checked_cases(T::DTYPE), AttentionKernel::default());
+    check_cases::<T>(&checked_cases(T::DTYPE), AttentionKernel::SCALAR);
 }
 
 /// `cases` in `T` through `variant`, unsplit (many chunks a block), split as the engine would
@@ -165,7 +165,7 @@ fn the_widest_heads_fit_their_shared_memory() {
         .plan(1)
         .unwrap()
         .0
-        .shared_bytes(AttentionKernel::default());
+        .shared_bytes(AttentionKernel::SCALAR);
     assert!(widest > 40 * 1024 && widest <= 48 * 1024, "{widest} bytes");
     for variant in AttentionKernel::VARIANTS {
         if !variant.is_mma() {

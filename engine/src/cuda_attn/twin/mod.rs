@@ -279,7 +279,7 @@ mod tests {
 
     /// The twin's worst difference from the reference under a plan of `min_blocks`.
     fn worst(case: &Case, min_blocks: usize) -> (f64, KernelPlan) {
-        worst_of(case, min_blocks, AttentionKernel::default())
+        worst_of(case, min_blocks, AttentionKernel::SCALAR)
     }
 
     /// The same for the value pass of `variant`.
@@ -319,7 +319,7 @@ mod tests {
                 let case = Case::new(&mut rng, heads(group, head_dim), &lens, false, |x| x);
                 for min_blocks in [1, 64, 10_000] {
                     let variants = [
-                        AttentionKernel::default(),
+                        AttentionKernel::SCALAR,
                         AttentionKernel::split(8, 4),
                         AttentionKernel::Mma { staged: false },
                     ];
