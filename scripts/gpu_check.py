@@ -13,8 +13,6 @@
                                      `--attention-kernel NAME` of the attention variant of the fastest
                                      of the rollouts whose JSON outputs are FILE..., leaving out
                                      the variants but NAME that doctor's JSON F did not pass
-    gpu_check.py switches --doctor F     the `bench rollout` flags of the switches off by default
-                                     whose every check passed in doctor's JSON F (SWITCHES)
 
 With `--targets`, the summary also sets issue #38's targets against what the steps measured:
 dppo's rollout tokens/s over HF `generate`'s on each shape (at least 5x), and the decode step
@@ -420,12 +418,6 @@ def summary(args):
     return 0 if report["passed"] else 1
 
 
-# Switches off by default that the targets' rows take once the doctor has passed them in the
-# same call: (the prefix of their checks' names, the `bench rollout` flag). Only those that
-# change no result: lazy noise draws what the exact noise draws, bit for bit.
-SWITCHES = [("device sampling, lazy noise, ", "--lazy-noise")]
-
-
 def doctor_checks(path):
     """Every check of `dppo doctor --json`'s output at PATH (none where it did not finish)."""
     try:
@@ -433,20 +425,6 @@ def doctor_checks(path):
     except OSError:
         report = {}
     return [check for section in report.get("sections", []) for check in section.get("checks", [])]
-
-
-def switches(args):
-    """Prints the flags of SWITCHES whose checks all passed in the doctor's report, and which
-    it checked at all (a doctor cut short, or on the CPU, checks none)."""
-    checks = doctor_checks(args.doctor)
-    flags = []
-    for prefix, flag in SWITCHES:
-        statuses = [c.get("status") for c in checks if c.get("name", "").startswith(prefix)]
-        if statuses and all(s == "ok" for s in statuses):
-            flags.append(flag)
-    if flags:
-        print(" ".join(flags))
-    return 0
 
 
 # The doctor's check of the scalar attention kernel, the default where tensor cores do not
@@ -523,8 +501,6 @@ def main():
     f.add_argument("--doctor")
     f.add_argument("--default", help="the attention's default variant, a candidate whatever "
                    "the doctor says (it runs where no other is chosen)")
-    w = sub.add_parser("switches")
-    w.add_argument("--doctor", required=True)
     # `profile`'s rollout arguments follow `--`, kept from argparse whole.
     argv, rest = sys.argv[1:], []
     if "--" in argv:
@@ -533,8 +509,7 @@ def main():
     args = parser.parse_args(argv)
     args.rest = rest
     commands = {"agree": agree, "prompt-len": prompt_len, "summary": summary,
-                "profile": profile, "profile-summary": profile_summary, "fastest": fastest,
-                "switches": switches}
+                "profile": profile, "profile-summary": profile_summary, "fastest": fastest}
     sys.exit(commands[args.command](args))
 
 

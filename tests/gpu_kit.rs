@@ -76,7 +76,7 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
         "rollout-smollm2-135m-rope-qk-norm",
         "run",
         "run-sync",
-        "rollout-qwen2.5-0.5b-full-lazy-noise",
+        "rollout-qwen2.5-0.5b-full-exact-noise",
         "sample-b1024",
         "sample-b1024-top-p",
         "sample-b1024-top-k",
@@ -148,15 +148,20 @@ fn gpu_check_targets_dry_run_measures_each_target() {
         let rollout = &step("rollout")["numbers"];
         assert_eq!(rollout["complete"], true, "{text}");
         // Every dppo row runs the kernel chosen, the rows after the protocol included.
-        for name in ["floor", "rollout", "timed", "untracked", "rope-writes-kv"] {
+        for name in [
+            "floor",
+            "rollout",
+            "timed",
+            "untracked",
+            "rope-writes-kv",
+            "exact-noise",
+        ] {
             let row = step(name);
             assert_eq!(row["status"], "ok", "{name}: {text}");
             assert_eq!(row["numbers"]["attention_kernel"], used, "{name}: {text}");
         }
-        // The CPU's doctor checks no lazy noise, so the protocol's rows run without it and
-        // the row without it is skipped.
+        // Lazy noise is the device kernel's: the CPU draws on the host.
         assert_eq!(rollout["lazy_noise"], false, "{text}");
-        assert_eq!(step("exact-noise")["status"], "skipped", "{text}");
         // The targets are the protocol's shape's alone (the rows after it name more than a
         // kind and a shape).
         let text_json = std::fs::read_to_string(dir.path().join("summary.json")).unwrap();
@@ -543,40 +548,4 @@ fn gpu_check_fastest_picks_the_variant_of_the_highest_rate() {
         .output()
         .unwrap();
     assert!(!out.status.success());
-}
-
-/// `gpu_check.py switches` names the flag of a switch off by default only where the doctor
-/// checked it and every one of its checks passed.
-#[test]
-fn gpu_check_switches_takes_lazy_noise_once_the_doctor_passed_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let switches = |checks: &[(&str, &str)]| {
-        let checks: Vec<Value> = checks
-            .iter()
-            .map(|(name, status)| serde_json::json!({"name": name, "status": status}))
-            .collect();
-        let report = serde_json::json!({"sections": [{"name": "s", "checks": checks}]});
-        let path = dir.path().join("doctor.out");
-        std::fs::write(&path, format!("a log line\n{report}\n")).unwrap();
-        let out = std::process::Command::new("python3")
-            .arg(repo_root().join("scripts/gpu_check.py"))
-            .args(["switches", "--doctor", path.to_str().unwrap()])
-            .output()
-            .unwrap();
-        assert!(out.status.success());
-        String::from_utf8(out.stdout).unwrap()
-    };
-    let f32 = "device sampling, lazy noise, F32 logits, std 0.3";
-    let bf16 = "device sampling, lazy noise, BF16 logits, std 3";
-    assert_eq!(
-        switches(&[
-            ("device sampling, F32 logits", "ok"),
-            (f32, "ok"),
-            (bf16, "ok")
-        ]),
-        "--lazy-noise\n"
-    );
-    assert_eq!(switches(&[(f32, "ok"), (bf16, "fail")]), "");
-    // Not checked (a doctor cut short, or on the CPU): not taken.
-    assert_eq!(switches(&[("device sampling, F32 logits", "ok")]), "");
 }

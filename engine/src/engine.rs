@@ -48,8 +48,8 @@ pub struct EngineConfig {
     /// Where tokens are drawn (`engine.sampling`).
     pub sampling: SamplingPlace,
     /// With sampling on the device, each score's exact Gumbel noise only where it could win
-    /// (`engine.lazy_noise`: the same draws; off by default until `dppo doctor` has passed it
-    /// on a GPU).
+    /// (`engine.lazy_noise`: the same draws; on by default, passed by `dppo doctor` and
+    /// faster on an H200; host sampling ignores it).
     pub lazy_noise: bool,
     /// candle-nn's fused kernels for RMSNorm, rotary embedding, SiLU and the attention
     /// softmax, where the CPU's own fused ops do not apply, and q/k/v and gate/up as one
@@ -113,7 +113,7 @@ impl Default for EngineConfig {
             attention: AttentionMode::Auto,
             dtype: None,
             sampling: SamplingPlace::Auto,
-            lazy_noise: false,
+            lazy_noise: true,
             fused_kernels: FusedKernels::Auto,
             rope_kernel: true,
             rope_writes_kv: false,

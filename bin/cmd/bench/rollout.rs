@@ -72,9 +72,9 @@ pub struct RolloutArgs {
           action = clap::ArgAction::Set)]
     rope_qk_norm: bool,
     /// With sampling on a GPU, each score's exact Gumbel noise only where it could win, as
-    /// `engine.lazy_noise` (the same draws): false (the default, until a GPU has checked it)
-    /// or true; the flag alone means true.
-    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true",
+    /// `engine.lazy_noise` (the same draws): true (the default) or false, every score's exact
+    /// noise; the flag alone means true. Host sampling ignores it.
+    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true",
           action = clap::ArgAction::Set)]
     lazy_noise: bool,
     /// The residual add with its RMSNorm and the gated MLP's product by kernels of dppo's
@@ -145,10 +145,6 @@ fn prompts(policy: &Policy, num: usize) -> anyhow::Result<Vec<Vec<u32>>> {
 
 /// Runs the rollout benchmark and prints its report.
 pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        !(args.lazy_noise && args.sampling == SamplingPlace::Host),
-        "--lazy-noise changes the device sampling kernel, which --sampling host does not run"
-    );
     let device = args.device.open()?;
     let policy = Policy::load(&args.model, &device)
         .with_context(|| format!("loading --model {}", args.model))?;
@@ -267,7 +263,7 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
         "rope_kernel": args.rope_kernel,
         "rope_writes_kv": args.rope_writes_kv,
         "rope_qk_norm": args.rope_qk_norm,
-        "lazy_noise": args.lazy_noise,
+        "lazy_noise": args.lazy_noise && args.sampling.on_device(&device),
         "layer_kernels": args.layer_kernels,
         // The variant the kernels ran, else the one asked for (the kernels did not run).
         "attention_kernel": stats.attention_kernel.or(args.attention_kernel).map(|k| k.to_string()),

@@ -284,16 +284,6 @@ mod tests {
             assert!(err.starts_with(&want), "{err}");
             assert!(RunConfig::default_with(&sets[1..]).is_ok(), "{switch}");
         }
-        // Lazy noise where the kernel does not draw.
-        let sets = [
-            "engine.sampling=host".to_string(),
-            "engine.lazy_noise=true".to_string(),
-        ];
-        let err = RunConfig::default_with(&sets).unwrap_err().to_string();
-        let want = "--set engine.lazy_noise=true: invalid value for engine.lazy_noise: is true \
-                    with engine.sampling = \"host\"";
-        assert!(err.starts_with(want), "{err}");
-        assert!(RunConfig::default_with(&sets[1..]).is_ok());
         let err = RunConfig::from_toml("model = ", "my.toml", &[])
             .unwrap_err()
             .to_string();

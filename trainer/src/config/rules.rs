@@ -1,7 +1,6 @@
 //! The requirements that relate keys (or a list's items), checked once every key's own
 //! constraint holds; `dppo config` prints each beside the key it names.
 
-use dppo_engine::SamplingPlace;
 use dppo_model::DeviceSpec;
 
 use super::reward::BUILT_IN_NAMES;
@@ -29,17 +28,6 @@ pub const RULES: &[Rule] = &[
         key: "engine.rope_qk_norm",
         says: "only with engine.rope_kernel, whose kernel it changes",
         broken: |cfg| without_rope_kernel(cfg.engine.rope_qk_norm, cfg.engine.rope_kernel),
-    },
-    Rule {
-        key: "engine.lazy_noise",
-        says: "not with engine.sampling = \"host\", which draws without the kernel",
-        broken: |cfg| {
-            (cfg.engine.lazy_noise && cfg.engine.sampling == SamplingPlace::Host).then(|| {
-                "is true with engine.sampling = \"host\": it changes the device sampling \
-                 kernel, which host sampling does not run"
-                    .into()
-            })
-        },
     },
     Rule {
         key: "logger",

@@ -32,10 +32,9 @@ pub(super) fn device_sampling(device: &Device) -> Result<Vec<Check>, TrainError>
         .collect()
 }
 
-/// `engine.lazy_noise`'s checks (an experiment's, run after the defaults'; an error fails its
-/// check alone): from the same logits, spread (std 3) and close (std 0.3, an untrained
-/// model's), the same draws as with every score's exact noise, bit for bit, and so the host
-/// reference's.
+/// `engine.lazy_noise`'s checks (an error fails its check alone): from the same logits,
+/// spread (std 3) and close (std 0.3, an untrained model's), the same draws as with every
+/// score's exact noise, bit for bit, and so the host reference's.
 pub(super) fn lazy_noise(device: &Device) -> Vec<Check> {
     if device.is_cpu() {
         return Vec::new();
@@ -48,7 +47,7 @@ pub(super) fn lazy_noise(device: &Device) -> Vec<Check> {
                 Ok((passed, detail)) => Check::expect(passed, name, detail, BUG_FIX),
                 Err(e) => Check::fail(name, e.to_string(), BUG_FIX),
             };
-            checks.push(check.of_experiment());
+            checks.push(check);
         }
     }
     checks
