@@ -1,8 +1,8 @@
 // Gumbel-max sampling of many rows at once: one block per draw, each thread a strided share
 // of the vocabulary in groups of four (one Philox call each), then block reductions; a draw
 // that truncates nothing reads its row once. Top-k and top-p are a threshold on the tempered
-// scores found by bisection over the floats' order (a block-wide count or mass per step, no
-// sort); the top logprobs are found one block argmax
+// scores found by a search over the floats' order (block-wide counts or masses at 15
+// thresholds a pass over the row, no sort); the top logprobs are found one block argmax
 // each. The reference is engine/src/gumbel.rs and engine/src/truncation.rs; compiled at run
 // time by NVRTC.
 
@@ -135,46 +135,108 @@ __device__ T block_reduce(T v, Op op) {
     return r;
 }
 
+// Thresholds a pass of the cut's search: it narrows its range SPLITS-fold a pass.
+#ifndef SPLITS
+#define SPLITS 4
+#endif
+
+// `block_reduce` of each of `v`'s N values, the same arithmetic in the same order, with one
+// pair of barriers for all of them.
+template <typename T, int N, typename Op>
+__device__ void block_reduce_each(T (&v)[N], Op op) {
+    __shared__ T part[WARPS][N];
+    for (int j = 0; j < N; ++j)
+        for (int o = 16; o > 0; o /= 2) v[j] = op(v[j], shfl_down(v[j], o));
+    if (threadIdx.x % 32 == 0)
+        for (int j = 0; j < N; ++j) part[threadIdx.x / 32][j] = v[j];
+    __syncthreads();
+    for (int j = 0; j < N; ++j) {
+        T t = part[0][j];
+        for (int w = 1; w < WARPS; ++w) t = op(t, part[w][j]);
+        v[j] = t;
+    }
+    __syncthreads();
+}
+
+// A tempered score, rounded as the host reference rounds it, never fused into a later add.
+template <typename T>
+__device__ __forceinline__ float tempered(const T *row, unsigned int i, float scale) {
+    return __fmul_rn(clean(row[i]), scale);
+}
+
+// The count of the scores of the row at or above the key `t` (Count), or their softmax mass
+// relative to `smax` (Mass): what the cut's search weighs a score by.
+struct Count {
+    typedef unsigned int Total;
+    __device__ unsigned int operator()(float) const { return 1u; }
+};
+struct Mass {
+    typedef float Total;
+    float smax;
+    __device__ float operator()(float s) const { return expf(s - smax); }
+};
+
+// The largest key c in [lo, hi) whose total (the block's sum of `weight` over the scores
+// with keys at or above c, which falls as c rises) reaches `need`, given that lo's does. Each
+// pass totals SPLITS - 1 thresholds spread over the range, each thread summing its scores in
+// index order and the block as `block_reduce` does: the totals a bisection step at any of
+// them would find, so the same answer in 8 passes over the row where bisection takes 32.
+template <typename T, typename W>
+__device__ unsigned int search_cut(const T *row, unsigned int vocab, float scale,
+                                   unsigned int lo, unsigned int hi,
+                                   typename W::Total need, W weight) {
+    typedef typename W::Total Total;
+    while (hi - lo > 1) {
+        const unsigned int span = hi - lo;
+        const unsigned int step = span / SPLITS + (span % SPLITS != 0);
+        Total sum[SPLITS - 1];
+        for (int j = 0; j < SPLITS - 1; ++j) sum[j] = 0;
+        for (unsigned int i = threadIdx.x; i < vocab; i += THREADS) {
+            const float s = tempered(row, i, scale);
+            const unsigned int key = order_key(s);
+            // Below the first threshold: in no total.
+            if (key < lo + step) continue;
+            const Total w = weight(s);
+            for (int j = 0; j < SPLITS - 1; ++j)
+                if (key - lo >= (unsigned int)(j + 1) * step) sum[j] += w;
+        }
+        block_reduce_each(sum, Add());
+        // The totals fall as the thresholds rise: lo moves up to the last threshold reaching
+        // `need`, hi down to the first that does not (those at or past hi are not tried).
+        unsigned int next_lo = lo, next_hi = hi;
+        for (int j = 0; j < SPLITS - 1; ++j) {
+            const unsigned int t = (unsigned int)(j + 1) * step;
+            if (t >= span) break;
+            if (sum[j] >= need) next_lo = lo + t;
+            else { next_hi = lo + t; break; }
+        }
+        lo = next_lo;
+        hi = next_hi;
+    }
+    return lo;
+}
+
 // The largest order key `cut` with count(key(score) >= cut) >= top_k (0: none), raised to the
 // key of smax + ln(min_p) (0: none), then, among the scores left, the largest with
 // mass(key >= cut) >= top_p * mass(key >= that cut), the mass being the scores' exp relative
-// to their max. Bisection over the keys: 32 passes at most each.
+// to their max ([`search_cut`]: 8 passes at most each).
 template <typename T>
 __device__ unsigned int truncation_cut(const T *row, unsigned int vocab, float scale,
                                        float smax, unsigned int top_k, float top_p,
                                        float min_p) {
     unsigned int cut = 0;
     const unsigned int top = order_key(smax) + 1;
-    if (top_k > 0 && top_k < vocab) {
-        unsigned int lo = 0, hi = top;
-        while (hi - lo > 1) {
-            const unsigned int mid = lo + (hi - lo) / 2;
-            unsigned int n = 0;
-            for (unsigned int i = threadIdx.x; i < vocab; i += THREADS)
-                n += order_key(clean(row[i]) * scale) >= mid;
-            if (block_reduce(n, Add()) >= top_k) lo = mid; else hi = mid;
-        }
-        cut = lo;
-    }
+    if (top_k > 0 && top_k < vocab) cut = search_cut(row, vocab, scale, 0u, top, top_k, Count());
     if (min_p > 0.0f) cut = max(cut, order_key(smax + logf(min_p)));
     if (top_p < 1.0f) {
+        Mass mass; mass.smax = smax;
         float m = 0.0f;
         for (unsigned int i = threadIdx.x; i < vocab; i += THREADS) {
-            const float s = clean(row[i]) * scale;
-            if (order_key(s) >= cut) m += expf(s - smax);
+            const float s = tempered(row, i, scale);
+            if (order_key(s) >= cut) m += mass(s);
         }
         const float target = top_p * block_reduce(m, Add());
-        unsigned int lo = cut, hi = top;
-        while (hi - lo > 1) {
-            const unsigned int mid = lo + (hi - lo) / 2;
-            m = 0.0f;
-            for (unsigned int i = threadIdx.x; i < vocab; i += THREADS) {
-                const float s = clean(row[i]) * scale;
-                if (order_key(s) >= mid) m += expf(s - smax);
-            }
-            if (block_reduce(m, Add()) >= target) lo = mid; else hi = mid;
-        }
-        cut = lo;
+        cut = search_cut(row, vocab, scale, cut, top, target, mass);
     }
     return cut;
 }

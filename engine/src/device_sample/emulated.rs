@@ -110,6 +110,79 @@ fn the_kernel_draws_what_its_host_reference_draws() {
     }
 }
 
+/// The truncation's search finds the same cut whatever its thresholds a pass: the kernel
+/// built with 2 parts a pass (a bisection), 3 and 16 draws what the default (4) draws, bit for
+/// bit, over top-k from 1 to nearly the vocabulary, top-p from 0.5 to 0.999 and min-p, on
+/// close, spread and tied logits, f32 and bf16; and the default draws the host reference's
+/// tokens.
+#[test]
+fn the_cut_is_the_same_whatever_the_searchs_parts() {
+    let kernels = ["gumbel_sample_f32", "gumbel_sample_bf16"];
+    let build = |splits: Option<u32>| {
+        let source = match splits {
+            Some(n) => format!("#define SPLITS {n}\n#line 1\n{SOURCE}"),
+            None => SOURCE.to_string(),
+        };
+        Emulator::build("kernels/sample.cu", &source, &kernels).unwrap()
+    };
+    let default = build(None);
+    let others: Vec<Emulator> = [2, 3, 16].map(|n| build(Some(n))).into();
+    let mut rng = StdRng::seed_from_u64(29);
+    let vocab = 20_011;
+    let mut rows = logits(&mut rng, 3, vocab, 0.3);
+    rows.extend(logits(&mut rng, 3, vocab, 6.0));
+    // Ties at every cut: a few values only; and two adjacent floats, so that a cut one key
+    // too low keeps more.
+    rows.push((0..vocab).map(|i| (i % 5) as f32 * 0.25).collect());
+    let above_one = f32::from_bits(1.0f32.to_bits() + 1);
+    rows.push(
+        (0..vocab)
+            .map(|i| if i % 97 == 0 { above_one } else { 1.0 })
+            .collect(),
+    );
+    let truncations = [
+        (1, 1.0f32, 0.0f32),
+        (50, 1.0, 0.0),
+        (7_919, 1.0, 0.0),
+        (20_000, 1.0, 0.0),
+        (0, 0.5, 0.0),
+        (0, 0.99, 0.0),
+        (0, 0.999, 0.0),
+        (100, 0.9, 0.0),
+        (0, 0.95, 0.01),
+    ];
+    let mut draws = Vec::new();
+    for row in 0..rows.len() {
+        for (i, &(top_k, top_p, min_p)) in truncations.iter().enumerate() {
+            let mut draw = checked_draws(1)[0];
+            draw.row = row as u32;
+            draw.key.position = 5 + i as u32;
+            draw.params = crate::gumbel::DrawParams {
+                inv_temperature: [1.0, 1.0 / 0.7][(row + i) % 2],
+                top_k,
+                top_p,
+                min_p,
+                top_logprobs: 0,
+            };
+            draws.push(draw);
+        }
+    }
+    for bf16 in [false, true] {
+        if bf16 {
+            for x in rows.iter_mut().flatten() {
+                *x = half::bf16::from_f32(*x).to_f32();
+            }
+        }
+        let want = emulate(&default, &rows, &draws, bf16, Noise::Every);
+        let agreement = Agreement::of(&rows, &draws, &want);
+        assert_eq!(agreement.agreed, draws.len(), "bf16 {bf16}: {agreement:?}");
+        for (emu, splits) in others.iter().zip([2, 3, 16]) {
+            let got = emulate(emu, &rows, &draws, bf16, Noise::Every);
+            assert_eq!(got, want, "{splits} parts a pass, bf16 {bf16}");
+        }
+    }
+}
+
 /// Rows of ties and infinities: +inf at ids in other threads, warps and rounds (the lowest id
 /// wins the tie), every logit -inf, every logit equal. Lazy noise draws what the exact
 /// noise draws, and both the host reference's tokens.
