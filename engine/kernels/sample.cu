@@ -137,8 +137,10 @@ __device__ T block_reduce(T v, Op op) {
 
 // Thresholds a pass of the cut's search: it narrows its range SPLITS-fold a pass.
 #ifndef SPLITS
-#define SPLITS 4
+#define SPLITS 5
 #endif
+// Loads of the row a thread keeps in flight in the truncation's passes over it.
+#define UNROLL 8
 
 // `block_reduce` of each of `v`'s N values, the same arithmetic in the same order, with one
 // pair of barriers for all of them.
@@ -158,10 +160,19 @@ __device__ void block_reduce_each(T (&v)[N], Op op) {
     __syncthreads();
 }
 
-// A tempered score, rounded as the host reference rounds it, never fused into a later add.
-template <typename T>
-__device__ __forceinline__ float tempered(const T *row, unsigned int i, float scale) {
-    return __fmul_rn(clean(row[i]), scale);
+// Calls f(l, s) on each of the thread's logits l of `row` (NaN read as -inf) with its
+// tempered score s, in index order, UNROLL loads in flight at once: a pass over the row
+// waits on memory once for every UNROLL logits, not once for each. The score is rounded as the
+// host reference rounds it, never fused into a later add.
+template <typename T, typename F>
+__device__ __forceinline__ void each_score(const T *row, unsigned int vocab, float scale, F f) {
+    unsigned int i = threadIdx.x;
+    for (; i + (UNROLL - 1) * THREADS < vocab; i += UNROLL * THREADS) {
+        T l[UNROLL];
+        for (int u = 0; u < UNROLL; ++u) l[u] = row[i + u * THREADS];
+        for (int u = 0; u < UNROLL; ++u) f(clean(l[u]), __fmul_rn(clean(l[u]), scale));
+    }
+    for (; i < vocab; i += THREADS) f(clean(row[i]), __fmul_rn(clean(row[i]), scale));
 }
 
 // The count of the scores of the row at or above the key `t` (Count), or their softmax mass
@@ -191,15 +202,14 @@ __device__ unsigned int search_cut(const T *row, unsigned int vocab, float scale
         const unsigned int step = span / SPLITS + (span % SPLITS != 0);
         Total sum[SPLITS - 1];
         for (int j = 0; j < SPLITS - 1; ++j) sum[j] = 0;
-        for (unsigned int i = threadIdx.x; i < vocab; i += THREADS) {
-            const float s = tempered(row, i, scale);
+        each_score(row, vocab, scale, [&](float, float s) {
             const unsigned int key = order_key(s);
             // Below the first threshold: in no total.
-            if (key < lo + step) continue;
+            if (key < lo + step) return;
             const Total w = weight(s);
             for (int j = 0; j < SPLITS - 1; ++j)
                 if (key - lo >= (unsigned int)(j + 1) * step) sum[j] += w;
-        }
+        });
         block_reduce_each(sum, Add());
         // The totals fall as the thresholds rise: lo moves up to the last threshold reaching
         // `need`, hi down to the first that does not (those at or past hi are not tried).
@@ -231,10 +241,9 @@ __device__ unsigned int truncation_cut(const T *row, unsigned int vocab, float s
     if (top_p < 1.0f) {
         Mass mass; mass.smax = smax;
         float m = 0.0f;
-        for (unsigned int i = threadIdx.x; i < vocab; i += THREADS) {
-            const float s = tempered(row, i, scale);
+        each_score(row, vocab, scale, [&](float, float s) {
             if (order_key(s) >= cut) m += mass(s);
-        }
+        });
         const float target = top_p * block_reduce(m, Add());
         cut = search_cut(row, vocab, scale, cut, top, target, mass);
     }
@@ -273,11 +282,10 @@ __device__ void gumbel_sample(
     unsigned int cut = 0;
     if (truncates) {
         float smax = NEG_INF;
-        for (unsigned int i = threadIdx.x; i < vocab; i += THREADS) {
-            const float l = clean(row[i]);
+        each_score(row, vocab, scale, [&](float l, float s) {
             lse_push(raw, l);
-            smax = fmaxf(smax, l * scale);
-        }
+            smax = fmaxf(smax, s);
+        });
         raw = block_reduce(raw, MergeLse());
         Best top; top.score = smax; top.index = 0;
         smax = block_reduce(top, MergeBest()).score;

@@ -111,7 +111,7 @@ fn the_kernel_draws_what_its_host_reference_draws() {
 }
 
 /// The truncation's search finds the same cut whatever its thresholds a pass: the kernel
-/// built with 2 parts a pass (a bisection), 3 and 16 draws what the default (4) draws, bit for
+/// built with 2 parts a pass (a bisection), 3 and 16 draws what the default (5) draws, bit for
 /// bit, over top-k from 1 to nearly the vocabulary, top-p from 0.5 to 0.999 and min-p, on
 /// close, spread and tied logits, f32 and bf16; and the default draws the host reference's
 /// tokens.
