@@ -73,7 +73,7 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
         "agree",
         "train",
         "rollout-smollm2-135m",
-        "rollout-smollm2-135m-rope-qk-norm",
+        "rollout-smollm2-135m-no-rope-qk-norm",
         "run",
         "run-sync",
         "rollout-qwen2.5-0.5b-full-exact-noise",

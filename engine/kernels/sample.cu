@@ -137,7 +137,7 @@ __device__ T block_reduce(T v, Op op) {
 
 // Thresholds a pass of the cut's search: it narrows its range SPLITS-fold a pass.
 #ifndef SPLITS
-#define SPLITS 5
+#define SPLITS 7
 #endif
 // Loads of the row a thread keeps in flight in the truncation's passes over it.
 #define UNROLL 8

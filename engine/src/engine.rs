@@ -65,8 +65,8 @@ pub struct EngineConfig {
     /// default until `dppo doctor` has passed it on a GPU).
     pub rope_writes_kv: bool,
     /// With `rope_kernel`, models with q/k norms (Qwen3) take that kernel too, which applies
-    /// each q and k head's RMSNorm itself (`engine.rope_qk_norm`; off by default until `dppo
-    /// doctor` has passed it on a GPU).
+    /// each q and k head's RMSNorm itself (`engine.rope_qk_norm`; on by default: it passed
+    /// `dppo doctor` on an H200 and was faster there).
     pub rope_qk_norm: bool,
     /// With the paged CUDA kernels, the residual add with the RMSNorm after it, and the gated
     /// MLP's SiLU product, by kernels of their own (`engine.layer_kernels`; on by default: they
@@ -117,7 +117,7 @@ impl Default for EngineConfig {
             fused_kernels: FusedKernels::Auto,
             rope_kernel: true,
             rope_writes_kv: false,
-            rope_qk_norm: false,
+            rope_qk_norm: true,
             layer_kernels: true,
             attention_kernel: None,
             time_device: false,

@@ -66,9 +66,8 @@ pub struct RolloutArgs {
           action = clap::ArgAction::Set)]
     rope_writes_kv: bool,
     /// With the rope kernel, models with q/k norms (Qwen3) take it too, as
-    /// `engine.rope_qk_norm`: false (the default, until a GPU has checked it) or true; the flag
-    /// alone means true.
-    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true",
+    /// `engine.rope_qk_norm`: true (the default) or false; the flag alone means true.
+    #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true",
           action = clap::ArgAction::Set)]
     rope_qk_norm: bool,
     /// With sampling on a GPU, each score's exact Gumbel noise only where it could win, as

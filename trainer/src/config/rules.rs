@@ -25,11 +25,6 @@ pub const RULES: &[Rule] = &[
         broken: |cfg| without_rope_kernel(cfg.engine.rope_writes_kv, cfg.engine.rope_kernel),
     },
     Rule {
-        key: "engine.rope_qk_norm",
-        says: "only with engine.rope_kernel, whose kernel it changes",
-        broken: |cfg| without_rope_kernel(cfg.engine.rope_qk_norm, cfg.engine.rope_kernel),
-    },
-    Rule {
         key: "logger",
         says: "including \"jsonl\" (the plot, dppo compare and resume read metrics.jsonl)",
         broken: |cfg| {

@@ -1,6 +1,6 @@
 //! The paged attention kernels (`engine.attention = "cuda"`) on the GPU: the kernels alone
 //! against the generic path and the f64 reference, in f32, bf16 and f16 (the attention's
-//! default here, its variants after every other check of the device); then the engine on
+//! two defaults here, its variants after every other check of the device); then the engine on
 //! them against the CPU, greedy, with forked samples, 4-token blocks and a pool that
 //! preempts (f32), in bf16 without and with candle-nn's fused kernels, and the same with
 //! `engine.rope_kernel`, then also `engine.layer_kernels`, then also `engine.rope_writes_kv`, on
@@ -87,25 +87,20 @@ fn on_gpu(
     ));
     // The doctor's model has q/k norms: the rope kernel takes them with
     // `engine.rope_qk_norm` (bf16 with the fused kernels, which concatenate the projections),
-    // its K and V written into the pool and the layer kernels on too.
+    // the layer kernels on too: the engine's defaults on a GPU.
     let qk_norms = EngineConfig {
         rope_kernel: true,
         rope_qk_norm: true,
-        rope_writes_kv: true,
         layer_kernels: true,
         ..base
     };
-    checks.extend(
-        engine_checks(
-            policy,
-            device,
-            (reqs, want),
-            (qk_norms, "rope kernel q/k norms"),
-            &[true],
-        )
-        .into_iter()
-        .map(Check::of_experiment),
-    );
+    checks.extend(engine_checks(
+        policy,
+        device,
+        (reqs, want),
+        (qk_norms, "rope kernel q/k norms"),
+        &[true],
+    ));
     checks.extend(variant_checks(policy, device, reqs, AttentionMode::Cuda));
     Ok(checks)
 }
