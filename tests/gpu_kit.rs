@@ -160,8 +160,13 @@ fn gpu_check_targets_dry_run_measures_each_target() {
             assert_eq!(row["status"], "ok", "{name}: {text}");
             assert_eq!(row["numbers"]["attention_kernel"], used, "{name}: {text}");
         }
-        // Lazy noise is the device kernel's: the CPU draws on the host.
-        assert_eq!(rollout["lazy_noise"], false, "{text}");
+        // The protocol's rows take lazy noise, the default; the exact-noise row does not.
+        assert_eq!(rollout["lazy_noise"], true, "{text}");
+        assert_eq!(
+            step("exact-noise")["numbers"]["lazy_noise"],
+            false,
+            "{text}"
+        );
         // The targets are the protocol's shape's alone (the rows after it name more than a
         // kind and a shape).
         let text_json = std::fs::read_to_string(dir.path().join("summary.json")).unwrap();
