@@ -135,7 +135,8 @@ __device__ T block_reduce(T v, Op op) {
     return r;
 }
 
-// Thresholds a pass of the cut's search: it narrows its range SPLITS-fold a pass.
+// Parts a pass of the cut's search (SPLITS - 1 thresholds): it narrows its range SPLITS-fold
+// a pass, so 12 passes cover the 32-bit keys.
 #ifndef SPLITS
 #define SPLITS 7
 #endif
@@ -191,7 +192,7 @@ struct Mass {
 // with keys at or above c, which falls as c rises) reaches `need`, given that lo's does. Each
 // pass totals SPLITS - 1 thresholds spread over the range, each thread summing its scores in
 // index order and the block as `block_reduce` does: the totals a bisection step at any of
-// them would find, so the same answer in 8 passes over the row where bisection takes 32.
+// them would find, so the same answer in 12 passes over the row where bisection takes 32.
 template <typename T, typename W>
 __device__ unsigned int search_cut(const T *row, unsigned int vocab, float scale,
                                    unsigned int lo, unsigned int hi,
@@ -229,7 +230,7 @@ __device__ unsigned int search_cut(const T *row, unsigned int vocab, float scale
 // The largest order key `cut` with count(key(score) >= cut) >= top_k (0: none), raised to the
 // key of smax + ln(min_p) (0: none), then, among the scores left, the largest with
 // mass(key >= cut) >= top_p * mass(key >= that cut), the mass being the scores' exp relative
-// to their max ([`search_cut`]: 8 passes at most each).
+// to their max ([`search_cut`]: 12 passes at most each).
 template <typename T>
 __device__ unsigned int truncation_cut(const T *row, unsigned int vocab, float scale,
                                        float smax, unsigned int top_k, float top_p,
