@@ -1,7 +1,7 @@
 // Gumbel-max sampling of many rows at once: one block per draw, each thread a strided share
 // of the vocabulary in groups of four (one Philox call each), then block reductions; a draw
 // that truncates nothing reads its row once. Top-k and top-p are a threshold on the tempered
-// scores found by a search over the floats' order (block-wide counts or masses at 15
+// scores found by a search over the floats' order (block-wide counts or masses at 6
 // thresholds a pass over the row, no sort); the top logprobs are found one block argmax
 // each. The reference is engine/src/gumbel.rs and engine/src/truncation.rs; compiled at run
 // time by NVRTC.

@@ -1,9 +1,10 @@
 //! Min-p, top-k and top-p as one threshold on the tempered scores, as the device sampler applies
 //! them (kernels/sample.cu): the scores kept are those whose [`order_key`] reaches the cut.
-//! The kernel finds the cut by a search over the keys, block-wide counts or masses at 15
+//! The kernel finds the cut by a search over the keys, block-wide counts or masses at 6
 //! thresholds a pass and no sort (candle's CUDA argsort sorts a row in one block and fails on
-//! vocabulary-sized rows); this reference finds the same cut from one sort. Tied scores at the cut are all
-//! kept, where the host sampler keeps the lower ids; otherwise the kept sets are the same.
+//! vocabulary-sized rows); this reference finds the same cut from one sort. Tied scores at
+//! the cut are all kept, where the host sampler keeps the lower ids; otherwise the kept sets
+//! are the same.
 
 use std::cmp::Reverse;
 

@@ -128,18 +128,42 @@ fn the_cut_is_the_same_whatever_the_searchs_parts() {
     let default = build(None);
     let others: Vec<Emulator> = [2, 3, 5, 16].map(|n| build(Some(n))).into();
     let mut rng = StdRng::seed_from_u64(29);
-    let vocab = 20_011;
-    let mut rows = logits(&mut rng, 3, vocab, 0.3);
-    rows.extend(logits(&mut rng, 3, vocab, 6.0));
-    // Ties at every cut: a few values only; and two adjacent floats, so that a cut one key
-    // too low keeps more.
-    rows.push((0..vocab).map(|i| (i % 5) as f32 * 0.25).collect());
-    let above_one = f32::from_bits(1.0f32.to_bits() + 1);
-    rows.push(
-        (0..vocab)
-            .map(|i| if i % 97 == 0 { above_one } else { 1.0 })
-            .collect(),
-    );
+    // A vocabulary past the passes' unrolled loads, one whose last unrolled load is its last
+    // logit (2,047 = 8 x 256 - 1), and one smaller than the block.
+    for vocab in [20_011, 2_047, 200] {
+        let mut rows = logits(&mut rng, 3, vocab, 0.3);
+        rows.extend(logits(&mut rng, 3, vocab, 6.0));
+        // Ties at every cut: a few values only; and two adjacent floats, so that a cut one
+        // key too low keeps more.
+        rows.push((0..vocab).map(|i| (i % 5) as f32 * 0.25).collect());
+        let above_one = f32::from_bits(1.0f32.to_bits() + 1);
+        rows.push(
+            (0..vocab)
+                .map(|i| if i % 97 == 0 { above_one } else { 1.0 })
+                .collect(),
+        );
+        let draws = truncated_draws(rows.len());
+        for bf16 in [false, true] {
+            if bf16 {
+                for x in rows.iter_mut().flatten() {
+                    *x = half::bf16::from_f32(*x).to_f32();
+                }
+            }
+            let want = emulate(&default, &rows, &draws, bf16, Noise::Every);
+            let agreement = Agreement::of(&rows, &draws, &want);
+            let what = format!("vocabulary {vocab}, bf16 {bf16}");
+            assert_eq!(agreement.agreed, draws.len(), "{what}: {agreement:?}");
+            for (emu, splits) in others.iter().zip([2, 3, 5, 16]) {
+                let got = emulate(emu, &rows, &draws, bf16, Noise::Every);
+                assert_eq!(got, want, "{splits} parts a pass, {what}");
+            }
+        }
+    }
+}
+
+/// For each of `rows` rows, draws truncated by top-k from 1 to 20,000, top-p from 0.5 to
+/// 0.999, both, and min-p with top-p, at temperatures 1 and 0.7.
+fn truncated_draws(rows: usize) -> Vec<DeviceDraw> {
     let truncations = [
         (1, 1.0f32, 0.0f32),
         (50, 1.0, 0.0),
@@ -152,7 +176,7 @@ fn the_cut_is_the_same_whatever_the_searchs_parts() {
         (0, 0.95, 0.01),
     ];
     let mut draws = Vec::new();
-    for row in 0..rows.len() {
+    for row in 0..rows {
         for (i, &(top_k, top_p, min_p)) in truncations.iter().enumerate() {
             let mut draw = checked_draws(1)[0];
             draw.row = row as u32;
@@ -167,20 +191,7 @@ fn the_cut_is_the_same_whatever_the_searchs_parts() {
             draws.push(draw);
         }
     }
-    for bf16 in [false, true] {
-        if bf16 {
-            for x in rows.iter_mut().flatten() {
-                *x = half::bf16::from_f32(*x).to_f32();
-            }
-        }
-        let want = emulate(&default, &rows, &draws, bf16, Noise::Every);
-        let agreement = Agreement::of(&rows, &draws, &want);
-        assert_eq!(agreement.agreed, draws.len(), "bf16 {bf16}: {agreement:?}");
-        for (emu, splits) in others.iter().zip([2, 3, 5, 16]) {
-            let got = emulate(emu, &rows, &draws, bf16, Noise::Every);
-            assert_eq!(got, want, "{splits} parts a pass, bf16 {bf16}");
-        }
-    }
+    draws
 }
 
 /// Rows of ties and infinities: +inf at ids in other threads, warps and rounds (the lowest id
