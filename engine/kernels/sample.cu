@@ -167,13 +167,14 @@ __device__ void block_reduce_each(T (&v)[N], Op op) {
 // host reference rounds it, never fused into a later add.
 template <typename T, typename F>
 __device__ __forceinline__ void each_score(const T *row, unsigned int vocab, float scale, F f) {
+    const auto visit = [&](float l) { f(l, __fmul_rn(l, scale)); };
     unsigned int i = threadIdx.x;
     for (; i + (UNROLL - 1) * THREADS < vocab; i += UNROLL * THREADS) {
         T l[UNROLL];
         for (int u = 0; u < UNROLL; ++u) l[u] = row[i + u * THREADS];
-        for (int u = 0; u < UNROLL; ++u) f(clean(l[u]), __fmul_rn(clean(l[u]), scale));
+        for (int u = 0; u < UNROLL; ++u) visit(clean(l[u]));
     }
-    for (; i < vocab; i += THREADS) f(clean(row[i]), __fmul_rn(clean(row[i]), scale));
+    for (; i < vocab; i += THREADS) visit(clean(row[i]));
 }
 
 // The count of the scores of the row at or above the key `t` (Count), or their softmax mass
