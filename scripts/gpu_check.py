@@ -129,7 +129,7 @@ def key_numbers(name, text, outdir):
     keys = ["tokens_per_s", "fraction_of_compute_limit", "train_tokens_per_s", "step_s",
             "rollout_s", "prompts", "samples", "new_tokens", "compute_dtype", "gpu", "steps",
             "seconds", "decode_step", "memory_floor", "prompt_tokens_mean", "prompt_len",
-            "complete", "attention_kernel", "lazy_noise"]
+            "complete", "attention_kernel", "lazy_noise", "cuda_graphs"]
     return {k: data[k] for k in keys if data.get(k) is not None}
 
 
@@ -210,8 +210,9 @@ def brief(numbers):
 def targets(steps):
     """Issue #38's targets against the `--targets` steps: per shape, dppo's rollout tokens/s
     over HF's on the same work (at least 5x), and the decode step at batch 256 over its memory
-    floor (at most 2x). A target whose steps did not finish is `not measured`, but for a dppo
-    rollout its timeout cut, which has missed the target."""
+    floor (at most 2x); then the same with captured CUDA graphs (`target-graphs-` rows, an
+    experiment until the doctor passes it). A target whose steps did not finish is `not
+    measured`, but for a dppo rollout its timeout cut, which has missed the target."""
     by_name = {s["name"]: s for s in steps}
     # The shapes of the protocol's own rows (the rows after it name more than a kind).
     kinds = ("target-floor-", "target-rollout-", "target-hf-")
@@ -222,44 +223,57 @@ def targets(steps):
         lines.append("targets: doctor did not pass, so the paged kernels are unverified on this "
                      "card and the numbers below are not the protocol's")
     for shape in shapes:
-        dppo = by_name.get(f"target-rollout-{shape}", {})
         hf = by_name.get(f"target-hf-{shape}", {})
-        floor = by_name.get(f"target-floor-{shape}", {})
-        row = {}
-        kernel = dppo.get("numbers", {}).get("attention_kernel")
-        if kernel:
-            row["attention_kernel"] = kernel
-        lazy = dppo.get("numbers", {}).get("lazy_noise")
-        if lazy:
-            row["lazy_noise"] = True
-        ours = dppo.get("numbers", {}).get("tokens_per_s") if dppo.get("status") == "ok" else None
-        theirs = hf.get("numbers", {}).get("tokens_per_s") if hf.get("status") == "ok" else None
-        if ours and theirs:
-            row["speedup_over_hf"] = ours / theirs
-            row["speedup_met"] = ours / theirs >= 5
-            on = f" (attention kernel {kernel}{', lazy noise' if lazy else ''})" if kernel else ""
-            lines.append(f"target {shape}: dppo{on} {ours:,.0f} tok/s, HF generate {theirs:,.0f} "
-                         f"tok/s: {ours / theirs:.2f}x (at least 5x: "
-                         f"{'met' if row['speedup_met'] else 'MISSED'})")
-        elif dppo.get("status") == "timeout":
-            # The protocol: a dppo rollout its timeout cut has missed the target.
-            row["speedup_met"] = False
-            lines.append(f"target {shape}: dppo's rollout did not finish ({dppo.get('note')}): "
-                         f"at least 5x over HF MISSED")
-        else:
-            lines.append(f"target {shape}: speed over HF not measured (dppo "
-                         f"{dppo.get('status', 'absent')}, HF {hf.get('status', 'absent')})")
-        measured = floor.get("status") == "ok" and floor["numbers"].get("memory_floor")
-        if measured:
-            times, batch = measured["times_floor"], measured["batch"]
-            row.update(times_floor=times, floor_batch=batch, floor_met=times <= 2)
-            lines.append(f"target {shape}: decode step {times:.2f}x its memory floor at batch "
-                         f"{batch:.0f} (at most 2x: {'met' if times <= 2 else 'MISSED'})")
-        else:
-            lines.append(f"target {shape}: memory floor not measured "
-                         f"({floor.get('status', 'absent')})")
+        row, shape_lines = measured_targets(by_name, "target-", shape, hf)
+        graphs, graph_lines = measured_targets(by_name, "target-graphs-", shape, hf)
+        if any(by_name.get(f"target-graphs-{k}-{shape}") for k in ("floor", "rollout")):
+            row["cuda_graphs"] = graphs
+            shape_lines += [line.replace(f"target {shape}:", f"target {shape} (cuda graphs):")
+                            for line in graph_lines]
         result[shape] = row
+        lines += shape_lines
     return {"shapes": result, "lines": lines}
+
+
+def measured_targets(by_name, prefix, shape, hf):
+    """One shape's targets from the rows named PREFIX + `rollout-` / `floor-` + SHAPE and HF's
+    row `hf`: the numbers and the summary's lines."""
+    dppo = by_name.get(f"{prefix}rollout-{shape}", {})
+    floor = by_name.get(f"{prefix}floor-{shape}", {})
+    row, lines = {}, []
+    kernel = dppo.get("numbers", {}).get("attention_kernel")
+    if kernel:
+        row["attention_kernel"] = kernel
+    lazy = dppo.get("numbers", {}).get("lazy_noise")
+    if lazy:
+        row["lazy_noise"] = True
+    ours = dppo.get("numbers", {}).get("tokens_per_s") if dppo.get("status") == "ok" else None
+    theirs = hf.get("numbers", {}).get("tokens_per_s") if hf.get("status") == "ok" else None
+    if ours and theirs:
+        row["speedup_over_hf"] = ours / theirs
+        row["speedup_met"] = ours / theirs >= 5
+        on = f" (attention kernel {kernel}{', lazy noise' if lazy else ''})" if kernel else ""
+        lines.append(f"target {shape}: dppo{on} {ours:,.0f} tok/s, HF generate {theirs:,.0f} "
+                     f"tok/s: {ours / theirs:.2f}x (at least 5x: "
+                     f"{'met' if row['speedup_met'] else 'MISSED'})")
+    elif dppo.get("status") == "timeout":
+        # The protocol: a dppo rollout its timeout cut has missed the target.
+        row["speedup_met"] = False
+        lines.append(f"target {shape}: dppo's rollout did not finish ({dppo.get('note')}): "
+                     f"at least 5x over HF MISSED")
+    else:
+        lines.append(f"target {shape}: speed over HF not measured (dppo "
+                     f"{dppo.get('status', 'absent')}, HF {hf.get('status', 'absent')})")
+    measured = floor.get("status") == "ok" and floor["numbers"].get("memory_floor")
+    if measured:
+        times, batch = measured["times_floor"], measured["batch"]
+        row.update(times_floor=times, floor_batch=batch, floor_met=times <= 2)
+        lines.append(f"target {shape}: decode step {times:.2f}x its memory floor at batch "
+                     f"{batch:.0f} (at most 2x: {'met' if times <= 2 else 'MISSED'})")
+    else:
+        lines.append(f"target {shape}: memory floor not measured "
+                     f"({floor.get('status', 'absent')})")
+    return row, lines
 
 
 # Nsight Compute's time units (`--print-units base` gives nanoseconds; others are scaled).

@@ -62,6 +62,7 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
         "rollout-qwen2.5-0.5b-fused",
         "rollout-qwen2.5-0.5b-cuda-attn",
         "rollout-qwen2.5-0.5b-untracked",
+        "rollout-qwen2.5-0.5b-cuda-graphs",
         "rollout-qwen2.5-0.5b-no-rope-kernel",
         "rollout-qwen2.5-0.5b-no-layer-kernels",
         "rollout-qwen2.5-0.5b-rope-writes-kv",
@@ -99,11 +100,11 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
     }
     assert!(ok && text.contains("all steps run passed"), "{text}");
     // The timed rows split the step: the attention's device time is counted.
-    for timed in &steps[11..13] {
+    for timed in &steps[12..14] {
         let ms = timed["numbers"]["decode_step"]["attention_ms"].as_f64();
         assert!(ms.is_some_and(|ms| ms > 0.0), "{timed}\n{text}");
     }
-    let agree = &steps[14]["numbers"]["shapes"]["smollm2-135m"];
+    let agree = &steps[15]["numbers"]["shapes"]["smollm2-135m"];
     assert_eq!(agree["agreed_tokens"], 8, "{text}");
     assert_eq!(agree["max_logprob_diff"], 0.0, "{text}");
 }
@@ -132,7 +133,11 @@ fn gpu_check_targets_dry_run_measures_each_target() {
         if bench {
             expected.push(format!("attention-{shape}-b1024"));
         }
-        expected.extend(["floor", "rollout", "hf"].map(|s| format!("target-{s}-{shape}")));
+        // The decode steps first, then the full rollouts; each dppo row again with graphs.
+        expected.extend(
+            ["floor", "graphs-floor", "rollout", "graphs-rollout", "hf"]
+                .map(|s| format!("target-{s}-{shape}")),
+        );
         expected.push("sample-b1024".to_string());
         expected.extend(
             ["timed", "untracked", "rope-writes-kv", "exact-noise"]
@@ -150,7 +155,9 @@ fn gpu_check_targets_dry_run_measures_each_target() {
         // Every dppo row runs the kernel chosen, the rows after the protocol included.
         for name in [
             "floor",
+            "graphs-floor",
             "rollout",
+            "graphs-rollout",
             "timed",
             "untracked",
             "rope-writes-kv",
@@ -160,6 +167,12 @@ fn gpu_check_targets_dry_run_measures_each_target() {
             assert_eq!(row["status"], "ok", "{name}: {text}");
             assert_eq!(row["numbers"]["attention_kernel"], used, "{name}: {text}");
         }
+        assert_eq!(
+            step("graphs-floor")["numbers"]["cuda_graphs"],
+            true,
+            "{text}"
+        );
+        assert_eq!(step("floor")["numbers"]["cuda_graphs"], false, "{text}");
         // The protocol's rows take lazy noise, the default; the exact-noise row does not.
         assert_eq!(rollout["lazy_noise"], true, "{text}");
         assert_eq!(
@@ -178,10 +191,10 @@ fn gpu_check_targets_dry_run_measures_each_target() {
             .collect();
         assert_eq!(shapes, [shape], "{text}");
         // The floor is measured on the CPU too; the speed over HF only where torch imports.
-        assert!(
-            text.contains(&format!("target {shape}: decode step")),
-            "{text}"
-        );
+        for label in ["", " (cuda graphs)"] {
+            let line = format!("target {shape}{label}: decode step");
+            assert!(text.contains(&line), "{text}");
+        }
         let hf = step("hf");
         if hf["status"] == "ok" {
             // HF's prompts carry dppo's mean prompt length.
@@ -255,7 +268,7 @@ fn gpu_check_with_its_budget_spent_runs_nothing_and_still_summarises() {
     let dir = tempfile::tempdir().unwrap();
     let (ok, text) = gpu_check(&["--dry-run", "--budget", "1"], dir.path());
     assert!(
-        ok && text.contains("19 not run, the budget spent"),
+        ok && text.contains("20 not run, the budget spent"),
         "{text}"
     );
     let steps = summary_steps(dir.path());
@@ -308,7 +321,7 @@ fn gpu_check_on_a_gpu_packs_its_steps_files() {
             "{file}: {listing}"
         );
     }
-    assert_eq!(summary_steps(dir.path()).len(), 26, "{text}");
+    assert_eq!(summary_steps(dir.path()).len(), 27, "{text}");
 }
 
 /// `gpu_check.py profile` runs the rollout under Nsight Compute (here a stand-in that runs

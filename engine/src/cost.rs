@@ -48,6 +48,11 @@ pub struct IterationCost {
     pub layer_ops: u64,
     /// Times the host waits for the device (copies to the host).
     pub syncs: u64,
+    /// Decode steps padded to a bucket for a captured graph (`engine.cuda_graphs`).
+    pub padded_steps: u64,
+    /// Of those, the steps replayed from a graph captured before (the rest were run and
+    /// captured); their launches are counted as the capture issued them.
+    pub graph_replays: u64,
     /// Sequences scheduled (a forking group's prefill row counts once).
     pub seqs: u64,
     /// Key/value positions the attention reads: each scheduled sequence's whole context, a
@@ -74,6 +79,8 @@ impl IterationCost {
             attention_ops: self.attention_ops - earlier.attention_ops,
             layer_ops: self.layer_ops - earlier.layer_ops,
             syncs: self.syncs - earlier.syncs,
+            padded_steps: self.padded_steps - earlier.padded_steps,
+            graph_replays: self.graph_replays - earlier.graph_replays,
             seqs: self.seqs - earlier.seqs,
             kv_tokens: self.kv_tokens - earlier.kv_tokens,
         }
@@ -95,6 +102,8 @@ impl IterationCost {
         self.attention_ops += other.attention_ops;
         self.layer_ops += other.layer_ops;
         self.syncs += other.syncs;
+        self.padded_steps += other.padded_steps;
+        self.graph_replays += other.graph_replays;
         self.seqs += other.seqs;
         self.kv_tokens += other.kv_tokens;
     }

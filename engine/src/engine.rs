@@ -76,6 +76,12 @@ pub struct EngineConfig {
     /// --attention-kernel`, an experiment); `None`, what a run uses, picks
     /// [`AttentionKernel::default_for`] the model and GPU.
     pub attention_kernel: Option<AttentionKernel>,
+    /// With the paged CUDA kernels, decode steps padded to a bucket of batch sizes and
+    /// replayed from a CUDA graph captured at the first step of each shape, so that the host
+    /// queues a step in a handful of calls (`engine.cuda_graphs`; off by default until
+    /// `dppo doctor` has passed it on a GPU; the CPU's emulation pads the steps and runs
+    /// them, which the tests check; other backends ignore it).
+    pub cuda_graphs: bool,
     /// Synchronise the device around each layer's attention and after the forward pass, so
     /// that the iteration costs split the device's time between attention, the rest of the
     /// forward pass and sampling (`bench rollout --time-device`); slows the step.
@@ -120,6 +126,7 @@ impl Default for EngineConfig {
             rope_qk_norm: true,
             layer_kernels: true,
             attention_kernel: None,
+            cuda_graphs: false,
             time_device: false,
         }
     }
@@ -240,6 +247,7 @@ impl Engine {
                 rope_qk_norm: cfg.rope_qk_norm,
                 layer_kernels: cfg.layer_kernels,
                 attention_kernel: cfg.attention_kernel,
+                cuda_graphs: cfg.cuda_graphs,
             },
             device.clone(),
         )?;

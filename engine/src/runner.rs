@@ -8,7 +8,8 @@ use dppo_model::CausalLm;
 use serde::{Deserialize, Serialize};
 
 use crate::cost::{nanos, IterationCost};
-use crate::cuda_attn::{Batch, CudaAttention, Heads, Switches};
+use crate::cuda_attn::padding::Padding;
+use crate::cuda_attn::{Batch, CudaAttention, Heads, Output, Switches};
 use crate::device_timing;
 use crate::generic_attn::{BatchIndex, GenericPagedAttention, TensorKvCache};
 use crate::paged_attn::{CacheShape, KvCache, PagedAttention, SeqAttnMeta};
@@ -88,6 +89,9 @@ pub struct Runner {
     cuda: Option<CudaAttention>,
     /// `EngineConfig::time_device`.
     time_device: bool,
+    /// With `engine.cuda_graphs` on the CUDA kernels: the pool's block past the scheduler's,
+    /// where padded decode steps' pad rows write.
+    scratch_block: Option<usize>,
     device: Device,
 }
 
@@ -103,14 +107,16 @@ impl Runner {
         device: Device,
     ) -> std::result::Result<Self, EngineError> {
         let cfg = model.config();
+        let attention = attention.resolve(&device, model.dtype(), &Heads::of(model.config()))?;
+        let graphs = switches.cuda_graphs && attention == AttentionMode::Cuda;
+        let scratch_block = graphs.then_some(num_blocks);
         let shape = CacheShape {
             num_layers: cfg.num_hidden_layers,
-            num_blocks,
+            num_blocks: num_blocks + usize::from(graphs),
             block_size,
             num_kv_heads: cfg.num_key_value_heads,
             head_dim: cfg.head_dim,
         };
-        let attention = attention.resolve(&device, model.dtype(), &Heads::of(model.config()))?;
         let cuda = match attention {
             AttentionMode::Cuda => Some(CudaAttention::new(&model, &device, switches)?),
             _ => None,
@@ -124,6 +130,7 @@ impl Runner {
             model,
             cache,
             time_device: switches.time_device,
+            scratch_block,
             device,
         })
     }
@@ -133,9 +140,14 @@ impl Runner {
         self.cuda.as_ref().map(CudaAttention::variant)
     }
 
-    /// Replaces the model (same architecture); called between iterations only.
-    pub fn set_model(&mut self, model: CausalLm) {
+    /// Replaces the model (same architecture); called between iterations only. Captured
+    /// decode steps, which hold the old weights' addresses, are dropped.
+    pub fn set_model(&mut self, model: CausalLm) -> Result<()> {
         self.model = model;
+        match &mut self.cuda {
+            Some(cuda) => cuda.forget_graphs(),
+            None => Ok(()),
+        }
     }
 
     /// Runs `plan`'s forward pass: the logits of the last new token of every scheduled
@@ -179,14 +191,26 @@ impl Runner {
                 sample_rows.push(input_ids.len() as u32 - 1);
             }
         }
+        // A decode step padded to its bucket is replayed from a captured graph (not while
+        // the device is timed: the timing synchronises inside the step).
+        let padding = match self.scratch_block {
+            Some(block) if !self.time_device => Padding::of(plan, block, bs),
+            _ => None,
+        };
+        if let Some(padding) = padding {
+            (input_ids, positions) = padding.inputs(&input_ids, &positions);
+        }
         let n = input_ids.len();
         // Ids, positions and the sampled rows' indices, 4 bytes each.
         cost.h2d_bytes += 4 * (2 * n + sample_rows.len()) as u64;
-        let input_ids = Tensor::from_vec(input_ids, n, &self.device)?;
-        let positions = Tensor::from_vec(positions, n, &self.device)?;
-        let inputs = (&input_ids, &positions);
         let time = self.time_device;
-        let hidden = match (&mut self.cache, &mut self.cuda) {
+        let tensors = |ids: Vec<u32>, positions: Vec<u32>| -> Result<(Tensor, Tensor)> {
+            Ok((
+                Tensor::from_vec(ids, n, &self.device)?,
+                Tensor::from_vec(positions, n, &self.device)?,
+            ))
+        };
+        let out = match (&mut self.cache, &mut self.cuda) {
             (Cache::Cpu(cache), _) => {
                 cache.copy_blocks(&plan.block_copies);
                 let mut backend = PagedAttention {
@@ -194,7 +218,10 @@ impl Runner {
                     seqs: &metas,
                     slot_mapping: &slot_mapping,
                 };
-                device_timing::forward(&self.model, inputs, &mut backend, time, cost)?
+                let (ids, positions) = tensors(input_ids, positions)?;
+                let inputs = (&ids, &positions);
+                let hidden = device_timing::forward(&self.model, inputs, &mut backend, time, cost)?;
+                Output::Hidden(hidden)
             }
             (Cache::Tensor(cache), Some(cuda)) => {
                 let seq_ids: Vec<SeqId> = plan.seqs.iter().map(|s| s.seq_id).collect();
@@ -205,6 +232,7 @@ impl Runner {
                     slot_mapping: &slot_mapping,
                     input_ids: &input_ids,
                     positions: &positions,
+                    padding,
                 };
                 let live = |id| scheduler.seq(id).is_some();
                 cuda.forward(&self.model, cache, &batch, live, cost)?
@@ -218,37 +246,46 @@ impl Runner {
                     index: &index,
                     ops: 0,
                 };
+                let (ids, positions) = tensors(input_ids, positions)?;
+                let inputs = (&ids, &positions);
                 let hidden = device_timing::forward(&self.model, inputs, &mut backend, time, cost)?;
                 cost.attention_ops += backend.ops;
-                hidden
+                Output::Hidden(hidden)
             }
         };
         // Logits only where a token is sampled: the lm_head is a large share of the FLOPs.
         // Only those rows come to the host, as f32 whatever the engine's dtype; sampled on
         // the device, they stay as computed (the kernel reads bf16 itself).
-        let rows = if sample_rows.is_empty() {
-            None
-        } else {
-            let idx = Tensor::new(sample_rows.as_slice(), &self.device)?;
-            let logits = self.model.logits(&hidden.index_select(&idx, 0)?)?;
-            let logits = if on_device {
-                logits
-            } else {
-                logits.to_dtype(DType::F32)?
-            };
-            if time {
-                self.device.synchronize()?;
+        let logits = match out {
+            _ if sample_rows.is_empty() => None,
+            Output::Logits(logits) => Some(logits),
+            Output::Hidden(hidden) => {
+                let idx = Tensor::new(sample_rows.as_slice(), &self.device)?;
+                Some(self.model.logits(&hidden.index_select(&idx, 0)?)?)
             }
-            cost.forward_ns += nanos(started);
-            if on_device {
-                Some(logits)
-            } else {
-                let fetching = Instant::now();
-                let rows = logits.to_device(&Device::Cpu)?.contiguous()?;
-                cost.fetch_ns += nanos(fetching);
-                cost.d2h_bytes += (4 * rows.elem_count()) as u64;
-                cost.syncs += 1;
-                Some(rows)
+        };
+        let rows = match logits {
+            None => None,
+            Some(logits) => {
+                let logits = if on_device {
+                    logits
+                } else {
+                    logits.to_dtype(DType::F32)?
+                };
+                if time {
+                    self.device.synchronize()?;
+                }
+                cost.forward_ns += nanos(started);
+                if on_device {
+                    Some(logits)
+                } else {
+                    let fetching = Instant::now();
+                    let rows = logits.to_device(&Device::Cpu)?.contiguous()?;
+                    cost.fetch_ns += nanos(fetching);
+                    cost.d2h_bytes += (4 * rows.elem_count()) as u64;
+                    cost.syncs += 1;
+                    Some(rows)
+                }
             }
         };
         if rows.is_none() {

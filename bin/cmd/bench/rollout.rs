@@ -82,6 +82,13 @@ pub struct RolloutArgs {
     #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true",
           action = clap::ArgAction::Set)]
     layer_kernels: bool,
+    /// Decode steps padded to a bucket and replayed from captured CUDA graphs, as
+    /// `engine.cuda_graphs`: false (the default, until a GPU has checked it) or true; the
+    /// flag alone means true. The paged CUDA kernels' path only; not with `--time-device`,
+    /// whose synchronisations a graph cannot hold.
+    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true",
+          action = clap::ArgAction::Set)]
+    cuda_graphs: bool,
     /// An experiment with the paged CUDA kernels (ignored elsewhere): the attention kernel's
     /// variant. `s<K>_v<V>` keeps K 16-byte K loads and V loads of V in flight a thread,
     /// `_split` splits the value pass over key groups, `mma` runs scores and values on tensor
@@ -175,6 +182,7 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
         rope_qk_norm: args.rope_qk_norm,
         layer_kernels: args.layer_kernels,
         attention_kernel: args.attention_kernel,
+        cuda_graphs: args.cuda_graphs,
         attention: args.attention,
         time_device: args.time_device,
         max_num_seqs: (args.prompts * args.samples).max(1),
@@ -264,6 +272,7 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
         "rope_qk_norm": args.rope_qk_norm,
         "lazy_noise": args.lazy_noise && args.sampling.on_device(&device),
         "layer_kernels": args.layer_kernels,
+        "cuda_graphs": args.cuda_graphs,
         // The variant the kernels ran, else the one asked for (the kernels did not run).
         "attention_kernel": stats.attention_kernel.or(args.attention_kernel).map(|k| k.to_string()),
         "attention": args.attention,
@@ -345,6 +354,8 @@ fn iteration_cost(iterations: usize, cost: &IterationCost) -> serde_json::Value 
         "attention_ops": per(cost.attention_ops),
         "layer_ops": per(cost.layer_ops),
         "syncs": per(cost.syncs),
+        "padded_steps": per(cost.padded_steps),
+        "graph_replays": per(cost.graph_replays),
         "seqs": per(cost.seqs),
         "kv_tokens": per(cost.kv_tokens),
     })

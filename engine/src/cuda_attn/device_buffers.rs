@@ -62,6 +62,29 @@ impl CudaIndex {
     }
 }
 
+impl CudaIndex {
+    /// Writes `plan`'s tiles and slots over these, in place, for a plan of the same shape: a
+    /// captured step's graph reads these buffers.
+    pub fn rewrite(&mut self, plan: KernelPlan) -> Result<()> {
+        if 4 * plan.tiles.len() != self.tiles.len() || plan.slots.len() != self.slots.len() {
+            bail!(
+                "cuda graphs: a plan of {} tiles and {} slots over an index of {} and {}",
+                plan.tiles.len(),
+                plan.slots.len(),
+                self.tiles.len() / 4,
+                self.slots.len()
+            );
+        }
+        let stream = self.tiles.stream().clone();
+        stream
+            .memcpy_htod(&plan.tile_words(), &mut self.tiles)
+            .w()?;
+        stream.memcpy_htod(&plan.slots, &mut self.slots).w()?;
+        self.plan = plan;
+        Ok(())
+    }
+}
+
 /// The block tables on the device (the layout of [`super::tables::TableMirror::host`]).
 pub struct DeviceTables {
     pub(super) table: CudaSlice<u32>,

@@ -20,9 +20,12 @@ mod emulated;
 #[cfg(feature = "cuda")]
 mod gpu;
 #[cfg(feature = "cuda")]
+mod graphs;
+#[cfg(feature = "cuda")]
 mod launch;
 #[cfg(any(all(test, target_os = "linux"), feature = "cuda"))]
 mod layer_ops;
+pub mod padding;
 #[cfg(any(all(test, target_os = "linux"), feature = "cuda"))]
 mod params;
 #[cfg(any(all(test, target_os = "linux"), feature = "cuda"))]
@@ -40,7 +43,7 @@ mod variant;
 pub use device_buffers::{multiprocessors, tensor_cores, CudaIndex, DeviceTables};
 #[cfg(feature = "cuda")]
 pub use launch::CudaPagedAttention;
-pub use state::{Batch, CudaAttention, Switches};
+pub use state::{Batch, CudaAttention, Output, Switches};
 pub use variant::AttentionKernel;
 
 use candle_core::{CustomOp3, Tensor};
@@ -315,6 +318,17 @@ pub struct KernelPlan {
     pub max_pairs: usize,
 }
 
+/// Splits of the context and keys per split (a multiple of [`CHUNK`]) for `tiles` tiles of
+/// `heads` over at most `max_keys` keys: the context split until the grid has at least
+/// `min_blocks` blocks, never below one chunk of keys per split.
+fn split_context(tiles: usize, heads: Heads, max_keys: usize, min_blocks: usize) -> (usize, usize) {
+    let base = (tiles * heads.num_kv_heads).max(1);
+    let chunks = max_keys.div_ceil(CHUNK);
+    let wanted = min_blocks.div_ceil(base).clamp(1, chunks);
+    let split_len = chunks.div_ceil(wanted) * CHUNK;
+    (max_keys.div_ceil(split_len), split_len)
+}
+
 impl KernelPlan {
     /// The plan for `seqs` (their new tokens are the batch's rows, `slot_mapping` their
     /// slots, `table_rows` their rows of the device's block tables, `table_width` wide).
@@ -362,10 +376,7 @@ impl KernelPlan {
             }
         }
         let max_pairs = tiles.iter().map(|t| t.rows as usize).max().unwrap_or(1) * heads.group();
-        let base = (tiles.len() * heads.num_kv_heads).max(1);
-        let chunks = max_keys.div_ceil(CHUNK);
-        let wanted = min_blocks.div_ceil(base).clamp(1, chunks);
-        let split_len = chunks.div_ceil(wanted) * CHUNK;
+        let (splits, split_len) = split_context(tiles.len(), heads, max_keys, min_blocks);
         Ok(Self {
             heads,
             block_size: shape.block_size,
@@ -373,10 +384,25 @@ impl KernelPlan {
             table_width,
             slots: slot_mapping.iter().map(|&s| s as u32).collect(),
             rows: slot_mapping.len(),
-            splits: max_keys.div_ceil(split_len),
+            splits,
             split_len,
             max_pairs,
         })
+    }
+
+    /// The plan split as for contexts up to the next power of two of its longest (at least
+    /// one chunk): the splits of a captured step (`engine.cuda_graphs`) then stay the same
+    /// while its contexts grow within that power, and a split past a context is empty.
+    pub fn round_context(&mut self, min_blocks: usize) {
+        let max_keys = self
+            .tiles
+            .iter()
+            .map(|t| (t.first_pos + t.rows) as usize)
+            .max()
+            .unwrap_or(1);
+        let rounded = max_keys.next_power_of_two().max(CHUNK);
+        (self.splits, self.split_len) =
+            split_context(self.tiles.len(), self.heads, rounded, min_blocks);
     }
 
     /// The tiles as the kernel reads them: four words each.

@@ -5,6 +5,7 @@ use candle_core::{Device, Result, Tensor};
 use dppo_model::CausalLm;
 
 use super::copies::SlotCopies;
+use super::padding::Padding;
 use super::tables::{TableMirror, TableUpload};
 #[cfg(any(all(test, target_os = "linux"), feature = "cuda"))]
 use super::Extras;
@@ -26,8 +27,20 @@ pub struct Batch<'a> {
     /// The sequence of each meta.
     pub seq_ids: &'a [SeqId],
     pub slot_mapping: &'a [usize],
-    pub input_ids: &'a Tensor,
-    pub positions: &'a Tensor,
+    /// Token ids and positions, padded where `padding` is.
+    pub input_ids: &'a [u32],
+    pub positions: &'a [u32],
+    /// A decode step padded to its bucket (`engine.cuda_graphs`): the forward pass yields the
+    /// real rows' logits.
+    pub padding: Option<Padding>,
+}
+
+/// What a forward pass yields.
+pub enum Output {
+    /// The hidden states of the batch's rows.
+    Hidden(Tensor),
+    /// The logits of a padded decode step's real rows, every row sampling.
+    Logits(Tensor),
 }
 
 /// The engine's switches the CUDA backend follows, as `EngineConfig`'s.
@@ -47,6 +60,9 @@ pub struct Switches {
     /// `EngineConfig::attention_kernel`: the attention kernel's variant, `None` the default
     /// for the model and GPU.
     pub attention_kernel: Option<super::AttentionKernel>,
+    /// `engine.cuda_graphs`: decode steps padded to a bucket and replayed from a captured
+    /// CUDA graph (on the CPU's emulation, padded and run).
+    pub cuda_graphs: bool,
 }
 
 /// What the CUDA backend keeps between iterations.
@@ -60,6 +76,9 @@ pub struct CudaAttention {
     variant: AttentionKernel,
     #[cfg(feature = "cuda")]
     device_tables: Option<super::device_buffers::DeviceTables>,
+    /// The captured decode steps (`engine.cuda_graphs`).
+    #[cfg(feature = "cuda")]
+    graphs: super::graphs::Graphs,
     /// The emulated kernels' copy of the tables (the engine's unit tests on the CPU).
     #[cfg(all(test, target_os = "linux", not(feature = "cuda")))]
     emulated_tables: Option<Vec<u32>>,
@@ -87,9 +106,19 @@ impl CudaAttention {
             variant,
             #[cfg(feature = "cuda")]
             device_tables: None,
+            #[cfg(feature = "cuda")]
+            graphs: super::graphs::Graphs::default(),
             #[cfg(all(test, target_os = "linux", not(feature = "cuda")))]
             emulated_tables: None,
         })
+    }
+
+    /// Drops the captured steps, which hold the weights' addresses: called when the model
+    /// changes.
+    pub fn forget_graphs(&mut self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        self.graphs.clear()?;
+        Ok(())
     }
 
     /// The attention kernel's variant the launches use.
@@ -108,7 +137,7 @@ impl CudaAttention {
         batch: &Batch<'_>,
         live: impl Fn(SeqId) -> bool,
         cost: &mut IterationCost,
-    ) -> Result<Tensor> {
+    ) -> Result<Output> {
         let out = self.forward_in_step(model, cache, batch, live, cost);
         if out.is_err() {
             self.tables = TableMirror::default();
@@ -131,7 +160,7 @@ impl CudaAttention {
         batch: &Batch<'_>,
         live: impl Fn(SeqId) -> bool,
         cost: &mut IterationCost,
-    ) -> Result<Tensor> {
+    ) -> Result<Output> {
         let seqs: Vec<(SeqId, &[u32])> = batch
             .seq_ids
             .iter()
@@ -139,7 +168,7 @@ impl CudaAttention {
             .map(|(&s, m)| (s, m.block_table.as_slice()))
             .collect();
         let (rows, upload) = self.tables.update(&seqs, live);
-        let plan = KernelPlan::new(
+        let mut plan = KernelPlan::new(
             batch.metas,
             (&rows, self.tables.width()),
             batch.slot_mapping,
@@ -148,6 +177,10 @@ impl CudaAttention {
             self.min_blocks,
         )
         .map_err(candle_core::Error::wrap)?;
+        if let Some(padding) = batch.padding {
+            padding.extend(&mut plan, self.min_blocks);
+            cost.padded_steps += 1;
+        }
         let layers = model.config().num_hidden_layers as u64;
         cost.h2d_bytes += plan.upload_bytes()
             + match &upload {
@@ -172,12 +205,24 @@ impl CudaAttention {
         batch: &Batch<'_>,
         plan: KernelPlan,
         (upload, copies, cost): (&TableUpload, &SlotCopies, &mut IterationCost),
-    ) -> Result<Tensor> {
+    ) -> Result<Output> {
         use super::device_buffers::CudaIndex;
         use super::launch::{copy_slots, CudaPagedAttention};
         let device = model.device();
         copy_slots(cache, copies, &plan)?;
         let tables = upload.apply(&mut self.device_tables, self.tables.host(), device)?;
+        if batch.padding.is_some() {
+            let step = super::graphs::Step {
+                model,
+                cache,
+                tables,
+                inputs: (batch.input_ids, batch.positions),
+                real_rows: batch.metas.len(),
+                switches: self.switches,
+                variant: self.variant,
+            };
+            return self.graphs.run(step, plan, cost).map(Output::Logits);
+        }
         let index = CudaIndex::new(plan, device)?;
         let mut backend = CudaPagedAttention {
             cache,
@@ -186,11 +231,11 @@ impl CudaAttention {
             extras: Extras::of(self.switches),
             variant: self.variant,
         };
-        let inputs = (batch.input_ids, batch.positions);
+        let inputs = inputs(batch, device)?;
         let time = self.switches.time_device;
-        let out = device_timing::forward(model, inputs, &mut backend, time, cost);
+        let out = device_timing::forward(model, (&inputs.0, &inputs.1), &mut backend, time, cost);
         backend.extras.count(cost);
-        out
+        out.map(Output::Hidden)
     }
 
     #[cfg(not(feature = "cuda"))]
@@ -201,8 +246,9 @@ impl CudaAttention {
         batch: &Batch<'_>,
         plan: KernelPlan,
         (upload, copies, cost): (&TableUpload, &SlotCopies, &mut IterationCost),
-    ) -> Result<Tensor> {
-        // In the engine's unit tests the CPU runs the kernels' source (`super::emulated`).
+    ) -> Result<Output> {
+        // In the engine's unit tests the CPU runs the kernels' source (`super::emulated`); a
+        // padded step runs as its captured graph would, without the capture.
         #[cfg(all(test, target_os = "linux"))]
         {
             super::emulated::copy_blocks(cache, copies, &plan)?;
@@ -215,11 +261,19 @@ impl CudaAttention {
                 extras: Extras::of(self.switches),
                 variant: self.variant,
             };
-            let inputs = (batch.input_ids, batch.positions);
+            let inputs = inputs(batch, model.device())?;
             let time = self.switches.time_device;
-            let out = device_timing::forward(model, inputs, &mut backend, time, cost);
+            let out =
+                device_timing::forward(model, (&inputs.0, &inputs.1), &mut backend, time, cost);
             backend.extras.count(cost);
-            out
+            match batch.padding {
+                Some(_) => Ok(Output::Logits(model.logits(&out?)?.narrow(
+                    0,
+                    0,
+                    batch.metas.len(),
+                )?)),
+                None => out.map(Output::Hidden),
+            }
         }
         #[cfg(not(all(test, target_os = "linux")))]
         {
@@ -228,6 +282,15 @@ impl CudaAttention {
             candle_core::bail!("cuda attention in a build without CUDA")
         }
     }
+}
+
+/// The batch's token ids and positions as tensors on `device`.
+#[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
+fn inputs(batch: &Batch<'_>, device: &Device) -> Result<(Tensor, Tensor)> {
+    Ok((
+        Tensor::from_slice(batch.input_ids, batch.input_ids.len(), device)?,
+        Tensor::from_slice(batch.positions, batch.positions.len(), device)?,
+    ))
 }
 
 /// What the kernels' launches depend on of the GPU.

@@ -197,7 +197,11 @@ impl Worker {
             return;
         }
         if let Some((model, version)) = self.held.take() {
-            self.runner.set_model(*model);
+            if let Err(e) = self.runner.set_model(*model) {
+                // The device failed while the captured steps were let go; the next iteration
+                // meets the same error and fails its requests.
+                tracing::error!("engine: dropping the captured decode steps failed: {e}");
+            }
             self.policy_version = version;
             self.stats.lock().policy_version = version;
         }

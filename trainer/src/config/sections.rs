@@ -328,6 +328,9 @@ pub struct EngineSettings {
     /// With the paged CUDA kernels, the residual add with its RMSNorm and the gated MLP's
     /// product by kernels of dppo's own (on; checked on an H200).
     pub layer_kernels: bool,
+    /// With the paged CUDA kernels, decode steps padded to a bucket of batch sizes and
+    /// replayed from captured CUDA graphs (off: not yet checked on a GPU).
+    pub cuda_graphs: bool,
 }
 
 impl Default for EngineSettings {
@@ -343,6 +346,7 @@ impl Default for EngineSettings {
             rope_writes_kv: false,
             rope_qk_norm: true,
             layer_kernels: true,
+            cuda_graphs: false,
         }
     }
 }

@@ -148,6 +148,59 @@ pub(super) fn variant_kernels(device: &Device) -> Vec<Check> {
     Vec::new()
 }
 
+/// `engine.cuda_graphs` (an experiment's check until a GPU passes it): the engine's defaults
+/// on the kernels in bf16, decode steps padded and replayed from captured graphs, against
+/// the same engine without them (the same kernels, so only the padding and the replay can
+/// differ) and against the CPU's completions, as the kernels' own checks; it fails where no
+/// step was replayed. Run after the other checks but the variants': a replay that faults
+/// leaves the GPU's context unusable for all that follows it.
+pub(super) fn cuda_graphs(
+    policy: &Policy,
+    device: &Device,
+    reqs: &[GenerateRequest],
+    want: &[Completion],
+) -> Vec<Check> {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        const NAME: &str = "cuda graphs: greedy bf16";
+        let eager = EngineConfig {
+            attention: AttentionMode::Cuda,
+            kv_cache_tokens: Some(4096),
+            dtype: Some(DType::BF16),
+            ..EngineConfig::default()
+        };
+        let graphs = EngineConfig {
+            cuda_graphs: true,
+            ..eager
+        };
+        let check = || -> Result<Check, TrainError> {
+            let (plain, _) = generate_with(policy, device, eager, reqs)?;
+            let (got, engine) = generate_with(policy, device, graphs, reqs)?;
+            let stats = engine.stats();
+            let (padded, replays) = (stats.cost.padded_steps, stats.cost.graph_replays);
+            let vs_eager = compare_greedy(&plain, &got, DType::BF16, false);
+            let vs_cpu = compare_greedy(want, &got, DType::BF16, false);
+            let replayed = replays > 0;
+            Ok(Check::expect(
+                replayed
+                    && vs_eager.status == super::Status::Ok
+                    && vs_cpu.status == super::Status::Ok,
+                NAME,
+                format!(
+                    "{replays} of {padded} padded decode steps replayed; against the engine \
+                     without graphs: {}; against the CPU: {}",
+                    vs_eager.detail, vs_cpu.detail
+                ),
+                BUG_FIX,
+            ))
+        };
+        let check = check().unwrap_or_else(|e| Check::fail(NAME, e.to_string(), BUG_FIX));
+        return vec![check.of_experiment()];
+    }
+    let _ = (policy, device, reqs, want);
+    Vec::new()
+}
+
 /// [`kernels_alone`], an error failing the variant's check.
 #[cfg(feature = "cuda")]
 fn checked_alone(device: &Device, variant: AttentionKernel) -> Check {

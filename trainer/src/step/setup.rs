@@ -56,6 +56,7 @@ pub(super) fn engine_config(
         rope_writes_kv: cfg.engine.rope_writes_kv,
         rope_qk_norm: cfg.engine.rope_qk_norm,
         layer_kernels: cfg.engine.layer_kernels,
+        cuda_graphs: cfg.engine.cuda_graphs,
         ..EngineConfig::default()
     };
     if let Some((free, total)) = dppo_model::device::memory_info(device)? {

@@ -5,7 +5,7 @@ use candle_core::{DType, Device, Result, Tensor};
 use dppo_model::presets::task_tokenizer;
 use dppo_model::{Arch, CausalLm, ModelConfig, Policy, Weights};
 
-use crate::cuda_attn::{AttentionKernel, Batch, CudaAttention, Switches};
+use crate::cuda_attn::{AttentionKernel, Batch, CudaAttention, Output, Switches};
 use crate::generic_attn::TensorKvCache;
 use crate::paged_attn::{CacheShape, SeqAttnMeta};
 use crate::{AttentionMode, Engine, EngineConfig, GenerateRequest, IterationCost};
@@ -378,23 +378,26 @@ fn iteration(
             slots.push(table.get(p / 4).map_or(0, |&b| b as usize * 4 + p % 4));
         }
     }
-    let n = ids.len();
     let seq_ids: Vec<u64> = seqs.iter().map(|s| s.0).collect();
     let batch = Batch {
         metas: &metas,
         block_copies: &[],
         seq_ids: &seq_ids,
         slot_mapping: &slots,
-        input_ids: &Tensor::from_vec(ids, n, &Device::Cpu)?,
-        positions: &Tensor::from_vec(positions, n, &Device::Cpu)?,
+        input_ids: &ids,
+        positions: &positions,
+        padding: None,
     };
-    backend.forward(
+    match backend.forward(
         model,
         cache,
         &batch,
         |_| true,
         &mut IterationCost::default(),
-    )
+    )? {
+        Output::Hidden(hidden) => Ok(hidden),
+        Output::Logits(_) => candle_core::bail!("an unpadded step yields hidden states"),
+    }
 }
 
 /// An iteration that fails after the block tables' mirror took its changes (here its plan
@@ -436,4 +439,44 @@ fn a_failed_iteration_leaves_no_table_entry_stale() {
     let want = iteration(&mut backend, &model, &mut cache, &decode).unwrap();
     let values = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     assert_eq!(values(&got), values(&want));
+}
+
+/// With `engine.cuda_graphs` every decode step is padded to its bucket and run as its
+/// captured graph would be (the CPU has no capture): the engine on the emulated kernels
+/// generates the tokens it generates unpadded, logprobs within 1e-4 (the matmuls run at the
+/// padded shape), with preemption and forks, on the model's ops and on the rope and layer
+/// kernels with the rope kernel writing K and V (the pad rows' writes land in the scratch
+/// block, or they would change the real rows' keys).
+#[test]
+fn padded_decode_steps_generate_what_unpadded_ones_do() {
+    let qwen2 = qwen2_policy();
+    let kernels = EngineConfig {
+        rope_kernel: true,
+        layer_kernels: true,
+        rope_writes_kv: true,
+        ..kernels_engine(DType::F32)
+    };
+    for (policy, cfg) in [
+        (policy(), small_engine(AttentionMode::Cuda)),
+        (qwen2, kernels),
+    ] {
+        let (want, plain, _) = run_engine(&policy, cfg);
+        let graphs = EngineConfig {
+            cuda_graphs: true,
+            ..cfg
+        };
+        let engine = Engine::new(&policy, graphs, Device::Cpu).unwrap();
+        let got = engine.generate(requests(policy.config.vocab_size)).unwrap();
+        let stats = engine.stats();
+        assert_eq!(plain.padded_steps, 0);
+        assert!(
+            stats.cost.padded_steps > 10 && stats.num_preemptions > 0,
+            "{} padded steps, {} preemptions",
+            stats.cost.padded_steps,
+            stats.num_preemptions
+        );
+        assert_eq!(stats.cost.graph_replays, 0, "nothing captured on the CPU");
+        let tokens = assert_close(&got, &want, 1e-4);
+        assert!(tokens > 100, "{tokens} tokens compared");
+    }
 }
