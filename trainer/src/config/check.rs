@@ -283,6 +283,12 @@ mod tests {
         assert!(err.starts_with(want), "{err}");
         assert!(RunConfig::default_with(&sets[1..]).is_ok());
         assert!(RunConfig::default_with(&sets[..1]).is_ok());
+        // Captured decode steps need the synchronous loop: no learner beside the capture.
+        let graphs = ["engine.cuda_graphs=true".to_string()];
+        let err = RunConfig::default_with(&graphs).unwrap_err().to_string();
+        assert!(err.contains("set rollout.one_step_off_policy = false"), "{err}");
+        let sync = [graphs[0].clone(), "rollout.one_step_off_policy=false".to_string()];
+        assert!(RunConfig::default_with(&sync).is_ok());
         let err = RunConfig::from_toml("model = ", "my.toml", &[])
             .unwrap_err()
             .to_string();

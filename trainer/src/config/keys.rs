@@ -395,7 +395,8 @@ mod tests {
     }
 
     /// Each key's default satisfies its constraint, and every value the table allows for a
-    /// key of choices or a bool parses to itself: the table and serde's spelling agree.
+    /// key of choices or a bool parses to itself (on the synchronous loop, so that no rule
+    /// refuses it): the table and serde's spelling agree.
     #[test]
     fn the_table_and_the_config_types_agree() {
         let cfg = RunConfig::default_with(&[]).unwrap();
@@ -412,7 +413,9 @@ mod tests {
             };
             for choice in choices {
                 let set = format!("{}={choice}", doc.key);
-                let cfg = RunConfig::default_with(std::slice::from_ref(&set)).unwrap();
+                // The synchronous loop, which `engine.cuda_graphs = true` requires (a rule).
+                let sync = "rollout.one_step_off_policy=false".to_string();
+                let cfg = RunConfig::default_with(&[sync, set.clone()]).unwrap();
                 let table = toml::Table::try_from(&cfg).unwrap();
                 let got = lookup(&table, doc.key).map(ToString::to_string);
                 assert_eq!(got.as_deref(), Some(choice.as_str()), "--set {set}");

@@ -25,6 +25,21 @@ pub const RULES: &[Rule] = &[
         broken: |cfg| without_rope_kernel(cfg.engine.rope_writes_kv, cfg.engine.rope_kernel),
     },
     Rule {
+        key: "engine.cuda_graphs",
+        says: "only with rollout.one_step_off_policy = false: a capture turns cudarc's event \
+               tracking off for the GPU's whole context, which a learner training beside the \
+               engine shares",
+        broken: |cfg| {
+            (cfg.engine.cuda_graphs && cfg.rollout.one_step_off_policy).then(|| {
+                "is true with rollout.one_step_off_policy = true: while a decode step is \
+                 captured cudarc's event tracking is off for the whole GPU context, so a \
+                 learner training beside the engine could make buffers it never tracks; set \
+                 rollout.one_step_off_policy = false"
+                    .into()
+            })
+        },
+    },
+    Rule {
         key: "logger",
         says: "including \"jsonl\" (the plot, dppo compare and resume read metrics.jsonl)",
         broken: |cfg| {
