@@ -286,8 +286,14 @@ mod tests {
         // Captured decode steps need the synchronous loop: no learner beside the capture.
         let graphs = ["engine.cuda_graphs=true".to_string()];
         let err = RunConfig::default_with(&graphs).unwrap_err().to_string();
-        assert!(err.contains("set rollout.one_step_off_policy = false"), "{err}");
-        let sync = [graphs[0].clone(), "rollout.one_step_off_policy=false".to_string()];
+        assert!(
+            err.contains("set rollout.one_step_off_policy = false"),
+            "{err}"
+        );
+        let sync = [
+            graphs[0].clone(),
+            "rollout.one_step_off_policy=false".to_string(),
+        ];
         assert!(RunConfig::default_with(&sync).is_ok());
         let err = RunConfig::from_toml("model = ", "my.toml", &[])
             .unwrap_err()

@@ -148,57 +148,119 @@ pub(super) fn variant_kernels(device: &Device) -> Vec<Check> {
     Vec::new()
 }
 
-/// `engine.cuda_graphs` (an experiment's check until a GPU passes it): the engine's defaults
-/// on the kernels in bf16, decode steps padded and replayed from captured graphs, against
-/// the same engine without them (the same kernels, so only the padding and the replay can
-/// differ) and against the CPU's completions, as the kernels' own checks; it fails where no
-/// step was replayed. Run after the other checks but the variants': a replay that faults
-/// leaves the GPU's context unusable for all that follows it.
-pub(super) fn cuda_graphs(
+/// The engine's defaults on the kernels in bf16 on a head_dim-64 variant of the doctor's
+/// model (Qwen2.5-0.5B's heads; the doctor's own are 32 wide and run `s1_v8`), so on the
+/// attention's tensor-core default where the GPU has it, against the variant's CPU
+/// completions; then with `engine.cuda_graphs` (an experiment's check until a GPU passes
+/// it) against that engine, where only the padding and the replay differ, and the CPU,
+/// failing where no step was replayed. Run after the other checks but the variants': a
+/// replay that faults leaves the GPU's context unusable for all that follows it.
+pub(super) fn wide_heads(policy: &Policy, device: &Device, reqs: &[GenerateRequest]) -> Vec<Check> {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        return wide_heads_checks(policy, device, reqs, AttentionMode::Cuda, true);
+    }
+    let _ = (policy, device, reqs);
+    Vec::new()
+}
+
+/// [`wide_heads`] on `attention`, the graphs' check where `graphs`.
+#[cfg(any(test, feature = "cuda"))]
+fn wide_heads_checks(
     policy: &Policy,
     device: &Device,
     reqs: &[GenerateRequest],
-    want: &[Completion],
+    attention: AttentionMode,
+    graphs: bool,
 ) -> Vec<Check> {
-    #[cfg(feature = "cuda")]
-    if device.is_cuda() {
-        const NAME: &str = "cuda graphs: greedy bf16";
-        let eager = EngineConfig {
-            attention: AttentionMode::Cuda,
-            kv_cache_tokens: Some(4096),
-            dtype: Some(DType::BF16),
-            ..EngineConfig::default()
-        };
-        let graphs = EngineConfig {
-            cuda_graphs: true,
-            ..eager
-        };
-        let check = || -> Result<Check, TrainError> {
-            let (plain, _) = generate_with(policy, device, eager, reqs)?;
-            let (got, engine) = generate_with(policy, device, graphs, reqs)?;
+    const WIDE: &str = "paged kernels at head_dim 64: greedy bf16";
+    const GRAPHS: &str = "cuda graphs: greedy bf16";
+    let (variant, want) = match reference(policy, reqs, |c| c.head_dim = 64, super::WEIGHT_STD) {
+        Ok(reference) => reference,
+        Err(e) => return vec![Check::fail(WIDE, e.to_string(), BUG_FIX)],
+    };
+    let eager = EngineConfig {
+        attention,
+        kv_cache_tokens: Some(4096),
+        dtype: Some(DType::BF16),
+        ..EngineConfig::default()
+    };
+    let (plain, wide) = match generate_with(&variant, device, eager, reqs) {
+        Ok((plain, engine)) => {
+            let wide = kernel_check(WIDE, &want, &plain, &engine);
+            (plain, wide)
+        }
+        Err(e) => return vec![Check::fail(WIDE, e.to_string(), BUG_FIX)],
+    };
+    if !graphs {
+        return vec![wide];
+    }
+    let with_graphs = EngineConfig {
+        cuda_graphs: true,
+        ..eager
+    };
+    let graphs = match generate_with(&variant, device, with_graphs, reqs) {
+        Ok((got, engine)) => {
             let stats = engine.stats();
             let (padded, replays) = (stats.cost.padded_steps, stats.cost.graph_replays);
             let vs_eager = compare_greedy(&plain, &got, DType::BF16, false);
-            let vs_cpu = compare_greedy(want, &got, DType::BF16, false);
-            let replayed = replays > 0;
-            Ok(Check::expect(
-                replayed
-                    && vs_eager.status == super::Status::Ok
-                    && vs_cpu.status == super::Status::Ok,
-                NAME,
-                format!(
-                    "{replays} of {padded} padded decode steps replayed; against the engine \
-                     without graphs: {}; against the CPU: {}",
-                    vs_eager.detail, vs_cpu.detail
-                ),
-                BUG_FIX,
-            ))
-        };
-        let check = check().unwrap_or_else(|e| Check::fail(NAME, e.to_string(), BUG_FIX));
-        return vec![check.of_experiment()];
+            let vs_cpu = compare_greedy(&want, &got, DType::BF16, false);
+            let passed = replays > 0
+                && vs_eager.status == super::Status::Ok
+                && vs_cpu.status == super::Status::Ok;
+            let detail = format!(
+                "{replays} of {padded} padded decode steps replayed; against the engine without \
+                 graphs: {}; against the CPU: {}",
+                vs_eager.detail, vs_cpu.detail
+            );
+            Check::expect(passed, GRAPHS, detail, BUG_FIX)
+        }
+        Err(e) => Check::fail(GRAPHS, e.to_string(), BUG_FIX),
+    };
+    vec![wide, graphs.of_experiment()]
+}
+
+/// `got` (`engine`'s greedy completions) against the CPU's `want` in bf16, as a check named
+/// `name` that says which attention kernel ran.
+#[cfg(any(test, feature = "cuda"))]
+fn kernel_check(
+    name: &str,
+    want: &[Completion],
+    got: &[Completion],
+    engine: &dppo_engine::Engine,
+) -> Check {
+    let check = compare_greedy(want, got, DType::BF16, false);
+    let on = match engine.stats().attention_kernel {
+        Some(kernel) => format!("attention kernel {kernel}"),
+        None => "the generic path".to_string(),
+    };
+    Check {
+        name: name.to_string(),
+        detail: format!("on {on}: {}", check.detail),
+        ..check
     }
-    let _ = (policy, device, reqs, want);
-    Vec::new()
+}
+
+/// A variant of `policy`'s model (`edit` applied to its config, random weights of standard
+/// deviation `std`) and its CPU f32 greedy completions of `reqs`: the reference its engine
+/// checks compare with.
+#[cfg(any(test, feature = "cuda"))]
+fn reference(
+    policy: &Policy,
+    reqs: &[GenerateRequest],
+    edit: impl FnOnce(&mut dppo_model::ModelConfig),
+    std: f32,
+) -> Result<(Policy, Vec<Completion>), TrainError> {
+    let mut config = policy.config.clone();
+    edit(&mut config);
+    let weights = dppo_model::Weights::random(&config, std, SEED, &Device::Cpu)?;
+    let variant = Policy::new(config, weights, policy.tokenizer.clone())?;
+    let cpu = EngineConfig {
+        dtype: Some(DType::F32),
+        ..EngineConfig::default()
+    };
+    let want = generate_with(&variant, &Device::Cpu, cpu, reqs)?.0;
+    Ok((variant, want))
 }
 
 /// [`kernels_alone`], an error failing the variant's check.
@@ -276,21 +338,12 @@ fn variant_checks(
     reqs: &[GenerateRequest],
     attention: AttentionMode,
 ) -> Vec<Check> {
-    let reference = || -> Result<(Policy, Vec<Completion>), TrainError> {
-        let mut config = policy.config.clone();
+    let qwen2 = |config: &mut dppo_model::ModelConfig| {
         config.arch = dppo_model::Arch::Qwen2;
         config.qkv_bias = true;
         config.qk_norm = false;
-        let weights = dppo_model::Weights::random(&config, VARIANT_STD, SEED, &Device::Cpu)?;
-        let variant = Policy::new(config, weights, policy.tokenizer.clone())?;
-        let cpu = EngineConfig {
-            dtype: Some(DType::F32),
-            ..EngineConfig::default()
-        };
-        let want = generate_with(&variant, &Device::Cpu, cpu, reqs)?.0;
-        Ok((variant, want))
     };
-    let (variant, want) = match reference() {
+    let (variant, want) = match reference(policy, reqs, qwen2, VARIANT_STD) {
         Ok(reference) => reference,
         Err(e) => return vec![Check::fail("rope kernel", e.to_string(), BUG_FIX)],
     };
@@ -368,7 +421,17 @@ mod tests {
             &reqs,
             AttentionMode::Generic,
         ));
-        assert_eq!(checks.len(), 9);
+        // The head_dim-64 variant (Qwen2.5-0.5B's heads, the tensor-core kernel's on a GPU)
+        // agrees in bf16 as the doctor requires there.
+        let wide = wide_heads_checks(&policy, &Device::Cpu, &reqs, AttentionMode::Generic, false);
+        assert_eq!(wide.len(), 1);
+        assert!(
+            wide[0].detail.starts_with("on the generic path: "),
+            "{}",
+            wide[0].detail
+        );
+        checks.extend(wide);
+        assert_eq!(checks.len(), 10);
         for check in &checks {
             assert_eq!(check.status, Status::Ok, "{}: {}", check.name, check.detail);
         }
