@@ -5,7 +5,8 @@
 //! preempts (f32), in bf16 without and with candle-nn's fused kernels, and the same with
 //! `engine.rope_kernel`, then also `engine.layer_kernels`, then also `engine.rope_writes_kv`, on
 //! a model with q/k/v biases; and on the doctor's own model, whose q/k norms the rope kernel
-//! takes with `engine.rope_qk_norm`.
+//! takes with `engine.rope_qk_norm`. Near the end, the engine's defaults on a head_dim-64
+//! variant (the tensor-core attention's path), then with `engine.cuda_graphs`.
 
 use candle_core::Device;
 use dppo_engine::{Completion, GenerateRequest};
