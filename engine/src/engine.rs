@@ -350,8 +350,10 @@ impl Engine {
 
     fn publish_as(&self, weights: &Weights, version: Option<u64>) -> Result<u64, EngineError> {
         let applied = self.stats.lock().policy_version;
+        let queueing = crate::publish::QUEUEING.lock();
         let (version, weights) = self.publication.publish(weights, version, applied)?;
         let model = Box::new(CausalLm::new(&self.config, &weights)?);
+        drop(queueing);
         self.commands
             .lock()
             .send(Command::Swap { model, version })

@@ -18,6 +18,12 @@ use parking_lot::Mutex;
 
 use crate::EngineError;
 
+/// Held while a thread other than the engine's worker queues work on the engine's stream (a
+/// publication: its buffers, the new model's rotary tables), and while the worker captures
+/// a decode step (`engine.cuda_graphs`): a capture takes in whatever any thread queues on its
+/// stream meanwhile.
+pub(crate) static QUEUEING: Mutex<()> = Mutex::new(());
+
 /// The newest published weights and the buffers the next cast publication is written into.
 pub(crate) struct Publication {
     device: Device,

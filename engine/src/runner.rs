@@ -143,11 +143,12 @@ impl Runner {
     /// Replaces the model (same architecture); called between iterations only. Captured
     /// decode steps, which hold the old weights' addresses, are dropped.
     pub fn set_model(&mut self, model: CausalLm) -> Result<()> {
-        self.model = model;
-        match &mut self.cuda {
+        let forgotten = match &mut self.cuda {
             Some(cuda) => cuda.forget_graphs(),
             None => Ok(()),
-        }
+        };
+        self.model = model;
+        forgotten
     }
 
     /// Runs `plan`'s forward pass: the logits of the last new token of every scheduled

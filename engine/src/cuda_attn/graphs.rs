@@ -9,7 +9,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph, DevicePtr};
 use candle_core::cuda_backend::{CudaStorage, WrapErr};
-use candle_core::{bail, CpuStorage, InplaceOp1, Layout, Result, Tensor};
+use candle_core::{bail, CpuStorage, DType, InplaceOp1, Layout, Result, Tensor};
 use dppo_model::CausalLm;
 
 use super::device_buffers::{cuda, CudaIndex, DeviceTables};
@@ -18,6 +18,7 @@ use super::{AttentionKernel, Extras, KernelPlan, Switches};
 use crate::cost::IterationCost;
 use crate::device_timing;
 use crate::generic_attn::TensorKvCache;
+use crate::publish::QUEUEING;
 
 /// Graphs kept at once: a shape per batch bucket and context length in use; the least
 /// recently used goes first.
@@ -91,13 +92,16 @@ unsafe impl Send for Graph {}
 #[derive(Default)]
 pub(crate) struct Graphs {
     captured: Vec<Captured>,
+    /// Keys whose capture failed: their steps run padded but eagerly.
+    uncaptured: Vec<Key>,
     tick: u64,
 }
 
 impl Graphs {
     /// `step` under `plan` (padded): its graph replayed with the step's inputs, or the step
-    /// run and captured where no graph has its key. Returns the real rows' logits, which the
-    /// next step overwrites.
+    /// run and captured where no graph has its key (run only, where its capture failed or
+    /// the GPU has no stream-ordered allocation to capture). Returns the real rows' logits,
+    /// which the next step overwrites.
     pub(super) fn run(
         &mut self,
         step: Step<'_>,
@@ -125,112 +129,166 @@ impl Graphs {
             cost.graph_replays += 1;
             return c.logits.narrow(0, 0, real_rows);
         }
+        let run = Run::new(step, plan, packed, cost)?;
+        let capturable = cuda(run.step.model.device())?
+            .cuda_stream()
+            .context()
+            .has_async_alloc();
+        if !capturable || self.uncaptured.contains(&key) {
+            return run.logits.narrow(0, 0, real_rows);
+        }
         if self.captured.len() >= MAX_GRAPHS {
             // A graph may still run on the stream: wait before its memory goes.
-            step.model.device().synchronize()?;
+            run.step.model.device().synchronize()?;
             let oldest = (0..self.captured.len())
                 .min_by_key(|&i| self.captured[i].used)
                 .expect("full");
             self.captured.swap_remove(oldest);
         }
-        let c = capture(step, plan, key, packed, cost)?;
-        let logits = c.logits.narrow(0, 0, real_rows)?;
-        self.captured.push(Captured {
-            used: self.tick,
-            ..c
-        });
+        let logits = run.logits.narrow(0, 0, real_rows)?;
+        match run.capture() {
+            Ok((graph, run)) => self.captured.push(Captured {
+                key,
+                graph: Graph(graph),
+                inputs: run.inputs,
+                index: run.index,
+                logits: run.logits,
+                launches: run.launches,
+                used: self.tick,
+            }),
+            Err(e) => {
+                // The step's result stands (the run computed it); its shape stays eager.
+                tracing::warn!(
+                    "cuda graphs: decode steps of {} rows run uncaptured: {e}",
+                    key.rows
+                );
+                self.uncaptured.push(key);
+            }
+        }
         Ok(logits)
     }
 
-    /// Drops every graph once the stream has finished them.
+    /// Drops every graph, once the stream has finished them where it can say so.
     pub(crate) fn clear(&mut self) -> Result<()> {
-        if let Some(c) = self.captured.first() {
-            let device = c.inputs.device().clone();
-            device.synchronize()?;
-        }
+        let synced = match self.captured.first() {
+            Some(c) => c.inputs.device().synchronize(),
+            None => Ok(()),
+        };
         self.captured.clear();
-        Ok(())
+        self.uncaptured.clear();
+        synced
     }
 }
 
-/// Runs `step` (its result is this step's) and captures it with the same buffers. The run
-/// fills candle's cache of the small uploads (dims and strides) the capture then copies from
-/// the device; cudarc's event tracking is off while capturing, since capture refuses events
-/// recorded outside it, and every buffer the step touches is on the engine's stream.
-fn capture(
-    step: Step<'_>,
-    plan: KernelPlan,
-    key: Key,
-    packed: Vec<u32>,
-    cost: &mut IterationCost,
-) -> Result<Captured> {
-    let Step {
-        model,
-        cache,
-        tables,
-        switches,
-        variant,
-        ..
-    } = step;
-    let device = cuda(model.device())?.clone();
-    let rows = plan.rows;
-    let inputs = Tensor::from_vec(packed, 2 * rows, model.device())?;
-    let index = CudaIndex::new(plan, model.device())?;
-    let _cached_uploads = device.enable_cuda_graph_htod_cache();
-    let before = *cost;
-    let mut pass = |cost: &mut IterationCost| -> Result<Tensor> {
-        let (ids, positions) = (inputs.narrow(0, 0, rows)?, inputs.narrow(0, rows, rows)?);
-        let mut backend = CudaPagedAttention {
-            cache: &mut *cache,
-            index: &index,
-            tables,
-            extras: Extras::of(switches),
-            variant,
-        };
-        let hidden = device_timing::forward(model, (&ids, &positions), &mut backend, false, cost);
-        backend.extras.count(cost);
-        model.logits(&hidden?)
-    };
-    let logits = pass(cost)?;
-    let launches = (
-        cost.attention_ops - before.attention_ops,
-        cost.layer_ops - before.layer_ops,
-    );
-
-    let stream = device.cuda_stream();
-    let context = stream.context().clone();
-    let tracking = context.is_event_tracking();
-    // SAFETY: while tracking is off, the capture's buffers and those it reads are used on
-    // the engine's stream alone; tracking is restored before anything else runs.
-    unsafe { context.disable_event_tracking() };
-    let captured = stream
-        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .w()
-        .and_then(|()| {
-            // Whatever the pass allocates is freed inside the capture; its logits are copied
-            // into the run's, which outlive it.
-            let mut scratch = IterationCost::default();
-            let out = pass(&mut scratch)?;
-            logits.slice_set(&out, 0, 0)
-        });
-    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0)).w();
-    if tracking {
-        // SAFETY: as above; every buffer the capture made is freed.
-        unsafe { context.enable_event_tracking() };
+impl Drop for Graphs {
+    fn drop(&mut self) {
+        // A graph must not be destroyed while the stream may still run it.
+        if let Some(c) = self.captured.first() {
+            if let Err(e) = c.inputs.device().synchronize() {
+                tracing::error!("cuda graphs: synchronising before dropping them failed: {e}");
+            }
+        }
     }
-    captured?;
-    let Some(graph) = graph? else {
-        bail!("cuda graphs: the capture of a decode step recorded nothing");
-    };
-    Ok(Captured {
-        key,
-        graph: Graph(graph),
-        inputs,
-        index,
-        logits,
-        launches,
-        used: 0,
-    })
+}
+
+/// A padded step run eagerly on buffers of its own (the result is the step's), ready to be
+/// captured with the same buffers.
+struct Run<'a> {
+    step: Step<'a>,
+    /// (2 x rows) u32: the token ids, then the positions.
+    inputs: Tensor,
+    index: CudaIndex,
+    /// (rows, vocab): the step's logits, in a buffer of their own.
+    logits: Tensor,
+    /// The attention's and the layer kernels' launches in the pass.
+    launches: (u64, u64),
+}
+
+impl<'a> Run<'a> {
+    /// Runs `step` under `plan`, its ids and positions `packed`. The run fills candle's cache
+    /// of the small uploads (dims and strides) and loads every module the capture will use,
+    /// the copy of the logits into their buffer included.
+    fn new(
+        step: Step<'a>,
+        plan: KernelPlan,
+        packed: Vec<u32>,
+        cost: &mut IterationCost,
+    ) -> Result<Self> {
+        let device = step.model.device().clone();
+        let rows = plan.rows;
+        let inputs = Tensor::from_vec(packed, 2 * rows, &device)?;
+        let index = CudaIndex::new(plan, &device)?;
+        let _cached_uploads = cuda(&device)?.enable_cuda_graph_htod_cache();
+        let mut run = Self {
+            step,
+            inputs,
+            index,
+            logits: Tensor::zeros(0, DType::F32, &device)?,
+            launches: (0, 0),
+        };
+        let before = *cost;
+        let warm = run.pass(cost)?;
+        run.launches = (
+            cost.attention_ops - before.attention_ops,
+            cost.layer_ops - before.layer_ops,
+        );
+        run.logits = warm.zeros_like()?;
+        run.logits.slice_set(&warm, 0, 0)?;
+        Ok(run)
+    }
+
+    /// The forward pass and the logits of every row, on the run's buffers.
+    fn pass(&mut self, cost: &mut IterationCost) -> Result<Tensor> {
+        let rows = self.index.plan.rows;
+        let ids = self.inputs.narrow(0, 0, rows)?;
+        let positions = self.inputs.narrow(0, rows, rows)?;
+        let step = &mut self.step;
+        let mut backend = CudaPagedAttention {
+            cache: &mut *step.cache,
+            index: &self.index,
+            tables: step.tables,
+            extras: Extras::of(step.switches),
+            variant: step.variant,
+        };
+        let hidden =
+            device_timing::forward(step.model, (&ids, &positions), &mut backend, false, cost);
+        backend.extras.count(cost);
+        step.model.logits(&hidden?)
+    }
+
+    /// The pass captured on the engine's stream, its logits copied into the run's: every
+    /// other tensor it makes is freed inside the capture. cudarc's event tracking is off
+    /// meanwhile, since a capture cannot wait on events recorded outside it, and every buffer
+    /// the pass touches is on the engine's stream; [`QUEUEING`] keeps other threads' work on
+    /// that stream (a publication's) out of the capture.
+    fn capture(mut self) -> Result<(CudaGraph, Self)> {
+        let device = cuda(self.step.model.device())?.clone();
+        let _cached_uploads = device.enable_cuda_graph_htod_cache();
+        let stream = device.cuda_stream();
+        let context = stream.context().clone();
+        let _queueing = QUEUEING.lock();
+        let tracking = context.is_event_tracking();
+        // SAFETY: while tracking is off, the capture's buffers and those it reads are used on
+        // the engine's stream alone; tracking is restored before the lock is let go.
+        unsafe { context.disable_event_tracking() };
+        let captured = stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .w()
+            .and_then(|()| {
+                let out = self.pass(&mut IterationCost::default())?;
+                self.logits.slice_set(&out, 0, 0)
+            });
+        let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0)).w();
+        if tracking {
+            // SAFETY: as above; every buffer the capture made is freed.
+            unsafe { context.enable_event_tracking() };
+        }
+        captured?;
+        match graph? {
+            Some(graph) => Ok((graph, self)),
+            None => bail!("the capture recorded nothing"),
+        }
+    }
 }
 
 /// Writes host `u32`s over a tensor's elements, in place on the device.
