@@ -140,7 +140,7 @@ fn gpu_check_targets_dry_run_measures_each_target() {
         );
         expected.push("sample-b1024".to_string());
         expected.extend(
-            ["timed", "untracked", "rope-writes-kv", "exact-noise"]
+            ["timed", "untracked", "graphs-rope-writes-kv", "exact-noise"]
                 .map(|s| format!("target-{s}-{shape}")),
         );
         assert_eq!(names, expected, "{text}");
@@ -160,7 +160,7 @@ fn gpu_check_targets_dry_run_measures_each_target() {
             "graphs-rollout",
             "timed",
             "untracked",
-            "rope-writes-kv",
+            "graphs-rope-writes-kv",
             "exact-noise",
         ] {
             let row = step(name);
