@@ -9,7 +9,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph, DevicePtr};
 use candle_core::cuda_backend::{CudaStorage, WrapErr};
-use candle_core::{bail, CpuStorage, DType, InplaceOp1, Layout, Result, Tensor};
+use candle_core::{bail, CpuStorage, InplaceOp1, Layout, Result, Tensor};
 use dppo_model::CausalLm;
 
 use super::device_buffers::{cuda, CudaIndex, DeviceTables};
@@ -68,16 +68,21 @@ impl Key {
 struct Captured {
     key: Key,
     graph: Graph,
+    buffers: Buffers,
+    /// When it last ran ([`Graphs::tick`]).
+    used: u64,
+}
+
+/// What a padded step reads and writes besides the model and the pools, kept for its graph.
+struct Buffers {
     /// (2 x rows) u32: the token ids, then the positions.
     inputs: Tensor,
     /// The tiles, slots and partial outputs the attention reads.
     index: CudaIndex,
     /// (rows, vocab): the step's logits.
     logits: Tensor,
-    /// The attention's and the layer kernels' launches in the graph.
+    /// The attention's and the layer kernels' launches in the pass.
     launches: (u64, u64),
-    /// When it last ran ([`Graphs::tick`]).
-    used: u64,
 }
 
 /// An instantiated graph, moved with the engine's runner to its worker thread.
@@ -121,13 +126,14 @@ impl Graphs {
         self.tick += 1;
         if let Some(c) = self.captured.iter_mut().find(|c| c.key == key) {
             c.used = self.tick;
-            c.index.rewrite(plan)?;
-            c.inputs.inplace_op1(&Upload(&packed))?;
+            let b = &mut c.buffers;
+            b.index.rewrite(plan)?;
+            b.inputs.inplace_op1(&Upload(&packed))?;
             c.graph.0.launch().w()?;
-            cost.attention_ops += c.launches.0;
-            cost.layer_ops += c.launches.1;
+            cost.attention_ops += b.launches.0;
+            cost.layer_ops += b.launches.1;
             cost.graph_replays += 1;
-            return c.logits.narrow(0, 0, real_rows);
+            return b.logits.narrow(0, 0, real_rows);
         }
         let run = Run::new(step, plan, packed, cost)?;
         let capturable = cuda(run.step.model.device())?
@@ -135,7 +141,7 @@ impl Graphs {
             .context()
             .has_async_alloc();
         if !capturable || self.uncaptured.contains(&key) {
-            return run.logits.narrow(0, 0, real_rows);
+            return run.buffers.logits.narrow(0, 0, real_rows);
         }
         if self.captured.len() >= MAX_GRAPHS {
             // A graph may still run on the stream: wait before its memory goes.
@@ -145,15 +151,12 @@ impl Graphs {
                 .expect("full");
             self.captured.swap_remove(oldest);
         }
-        let logits = run.logits.narrow(0, 0, real_rows)?;
+        let logits = run.buffers.logits.narrow(0, 0, real_rows)?;
         match run.capture() {
-            Ok((graph, run)) => self.captured.push(Captured {
+            Ok((graph, buffers)) => self.captured.push(Captured {
                 key,
                 graph: Graph(graph),
-                inputs: run.inputs,
-                index: run.index,
-                logits: run.logits,
-                launches: run.launches,
+                buffers,
                 used: self.tick,
             }),
             Err(e) => {
@@ -171,7 +174,7 @@ impl Graphs {
     /// Drops every graph, once the stream has finished them where it can say so.
     pub(crate) fn clear(&mut self) -> Result<()> {
         let synced = match self.captured.first() {
-            Some(c) => c.inputs.device().synchronize(),
+            Some(c) => c.buffers.inputs.device().synchronize(),
             None => Ok(()),
         };
         self.captured.clear();
@@ -184,7 +187,7 @@ impl Drop for Graphs {
     fn drop(&mut self) {
         // A graph must not be destroyed while the stream may still run it.
         if let Some(c) = self.captured.first() {
-            if let Err(e) = c.inputs.device().synchronize() {
+            if let Err(e) = c.buffers.inputs.device().synchronize() {
                 tracing::error!("cuda graphs: synchronising before dropping them failed: {e}");
             }
         }
@@ -195,13 +198,7 @@ impl Drop for Graphs {
 /// captured with the same buffers.
 struct Run<'a> {
     step: Step<'a>,
-    /// (2 x rows) u32: the token ids, then the positions.
-    inputs: Tensor,
-    index: CudaIndex,
-    /// (rows, vocab): the step's logits, in a buffer of their own.
-    logits: Tensor,
-    /// The attention's and the layer kernels' launches in the pass.
-    launches: (u64, u64),
+    buffers: Buffers,
 }
 
 impl<'a> Run<'a> {
@@ -209,7 +206,7 @@ impl<'a> Run<'a> {
     /// of the small uploads (dims and strides) and loads every module the capture will use,
     /// the copy of the logits into their buffer included.
     fn new(
-        step: Step<'a>,
+        mut step: Step<'a>,
         plan: KernelPlan,
         packed: Vec<u32>,
         cost: &mut IterationCost,
@@ -219,41 +216,21 @@ impl<'a> Run<'a> {
         let inputs = Tensor::from_vec(packed, 2 * rows, &device)?;
         let index = CudaIndex::new(plan, &device)?;
         let _cached_uploads = cuda(&device)?.enable_cuda_graph_htod_cache();
-        let mut run = Self {
-            step,
-            inputs,
-            index,
-            logits: Tensor::zeros(0, DType::F32, &device)?,
-            launches: (0, 0),
-        };
         let before = *cost;
-        let warm = run.pass(cost)?;
-        run.launches = (
+        let warm = pass(&mut step, &inputs, &index, cost)?;
+        let launches = (
             cost.attention_ops - before.attention_ops,
             cost.layer_ops - before.layer_ops,
         );
-        run.logits = warm.zeros_like()?;
-        run.logits.slice_set(&warm, 0, 0)?;
-        Ok(run)
-    }
-
-    /// The forward pass and the logits of every row, on the run's buffers.
-    fn pass(&mut self, cost: &mut IterationCost) -> Result<Tensor> {
-        let rows = self.index.plan.rows;
-        let ids = self.inputs.narrow(0, 0, rows)?;
-        let positions = self.inputs.narrow(0, rows, rows)?;
-        let step = &mut self.step;
-        let mut backend = CudaPagedAttention {
-            cache: &mut *step.cache,
-            index: &self.index,
-            tables: step.tables,
-            extras: Extras::of(step.switches),
-            variant: step.variant,
+        let logits = warm.zeros_like()?;
+        logits.slice_set(&warm, 0, 0)?;
+        let buffers = Buffers {
+            inputs,
+            index,
+            logits,
+            launches,
         };
-        let hidden =
-            device_timing::forward(step.model, (&ids, &positions), &mut backend, false, cost);
-        backend.extras.count(cost);
-        step.model.logits(&hidden?)
+        Ok(Self { step, buffers })
     }
 
     /// The pass captured on the engine's stream, its logits copied into the run's: every
@@ -261,7 +238,7 @@ impl<'a> Run<'a> {
     /// meanwhile, since a capture cannot wait on events recorded outside it, and every buffer
     /// the pass touches is on the engine's stream; [`QUEUEING`] keeps other threads' work on
     /// that stream (a publication's) out of the capture.
-    fn capture(mut self) -> Result<(CudaGraph, Self)> {
+    fn capture(mut self) -> Result<(CudaGraph, Buffers)> {
         let device = cuda(self.step.model.device())?.clone();
         let _cached_uploads = device.enable_cuda_graph_htod_cache();
         let stream = device.cuda_stream();
@@ -275,8 +252,10 @@ impl<'a> Run<'a> {
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .w()
             .and_then(|()| {
-                let out = self.pass(&mut IterationCost::default())?;
-                self.logits.slice_set(&out, 0, 0)
+                let scratch = &mut IterationCost::default();
+                let b = &self.buffers;
+                let out = pass(&mut self.step, &b.inputs, &b.index, scratch)?;
+                b.logits.slice_set(&out, 0, 0)
             });
         let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0)).w();
         if tracking {
@@ -285,10 +264,33 @@ impl<'a> Run<'a> {
         }
         captured?;
         match graph? {
-            Some(graph) => Ok((graph, self)),
+            Some(graph) => Ok((graph, self.buffers)),
             None => bail!("the capture recorded nothing"),
         }
     }
+}
+
+/// `step`'s forward pass and the logits of every row, on `inputs` (ids, then positions) and
+/// `index`.
+fn pass(
+    step: &mut Step<'_>,
+    inputs: &Tensor,
+    index: &CudaIndex,
+    cost: &mut IterationCost,
+) -> Result<Tensor> {
+    let rows = index.plan.rows;
+    let ids = inputs.narrow(0, 0, rows)?;
+    let positions = inputs.narrow(0, rows, rows)?;
+    let mut backend = CudaPagedAttention {
+        cache: &mut *step.cache,
+        index,
+        tables: step.tables,
+        extras: Extras::of(step.switches),
+        variant: step.variant,
+    };
+    let hidden = device_timing::forward(step.model, (&ids, &positions), &mut backend, false, cost);
+    backend.extras.count(cost);
+    step.model.logits(&hidden?)
 }
 
 /// Writes host `u32`s over a tensor's elements, in place on the device.
