@@ -202,8 +202,14 @@ impl Runner {
             (input_ids, positions) = padding.inputs(&input_ids, &positions);
         }
         let n = input_ids.len();
-        // Ids, positions and the sampled rows' indices, 4 bytes each.
-        cost.h2d_bytes += 4 * (2 * n + sample_rows.len()) as u64;
+        // Ids, positions and the sampled rows' indices (none padded: every row samples), 4
+        // bytes each.
+        let indices = if padding.is_some() {
+            0
+        } else {
+            sample_rows.len()
+        };
+        cost.h2d_bytes += 4 * (2 * n + indices) as u64;
         let time = self.time_device;
         let tensors = |ids: Vec<u32>, positions: Vec<u32>| -> Result<(Tensor, Tensor)> {
             Ok((

@@ -8,6 +8,7 @@
 
 use super::{KernelPlan, Tile};
 use crate::plan::Plan;
+use crate::EngineError;
 
 /// The batch sizes a decode step pads to: powers of two up to 16, then steps of at most a
 /// half (a row costs little next to the weights a decode step reads, a graph a capture).
@@ -45,8 +46,21 @@ impl Padding {
     }
 
     /// `plan` (a decode step's, its real rows first) padded to the bucket, its context
-    /// rounded as a captured step's ([`KernelPlan::round_context`]).
-    pub fn extend(&self, plan: &mut KernelPlan, min_blocks: usize) {
+    /// rounded as a captured step's ([`KernelPlan::round_context`]); an error where the
+    /// scratch block is not in the pool of `pool_slots` slots, which the kernels write
+    /// unchecked.
+    pub fn extend(
+        &self,
+        plan: &mut KernelPlan,
+        min_blocks: usize,
+        pool_slots: usize,
+    ) -> Result<(), EngineError> {
+        if self.scratch_slot + self.block_size > pool_slots {
+            return Err(EngineError::InvalidConfig(format!(
+                "cuda graphs: a scratch block at slot {} outside a pool of {pool_slots}",
+                self.scratch_slot
+            )));
+        }
         let rows = plan.rows;
         if let Some(first) = plan.tiles.first().copied() {
             for pad in 0..self.bucket.saturating_sub(rows) {
@@ -62,6 +76,7 @@ impl Padding {
             plan.rows = plan.rows.max(self.bucket);
         }
         plan.round_context(min_blocks);
+        Ok(())
     }
 
     /// Token ids and positions padded with token 0 at position 0.
@@ -155,7 +170,7 @@ mod tests {
             let mut plan =
                 KernelPlan::new(&metas, (&table_rows, 128), &[47, 23, 30], shape, heads, 4)
                     .unwrap();
-            pad.extend(&mut plan, 4);
+            pad.extend(&mut plan, 4, 17 * 4).unwrap();
             plan
         };
         let plan = plan_at(200);
@@ -177,6 +192,12 @@ mod tests {
             assert_eq!((p.splits, p.split_len), (plan.splits, plan.split_len));
         }
         assert_ne!(plan_at(256).split_len * plan_at(256).splits, 256);
+        let mut outside = plan_at(200);
+        let err = pad.extend(&mut outside, 4, 64).unwrap_err().to_string();
+        assert!(
+            err.contains("scratch block at slot 64 outside a pool of 64"),
+            "{err}"
+        );
         let (ids, positions) = pad.inputs(&[4, 5, 6], &[9, 9, 9]);
         assert_eq!(ids, [4, 5, 6, 0, 0, 0, 0, 0]);
         assert_eq!(positions, [9, 9, 9, 0, 0, 0, 0, 0]);

@@ -178,7 +178,9 @@ impl CudaAttention {
         )
         .map_err(candle_core::Error::wrap)?;
         if let Some(padding) = batch.padding {
-            padding.extend(&mut plan, self.min_blocks);
+            let pool_slots = cache.shape().num_blocks * cache.shape().block_size;
+            (padding.extend(&mut plan, self.min_blocks, pool_slots))
+                .map_err(candle_core::Error::wrap)?;
             cost.padded_steps += 1;
         }
         let layers = model.config().num_hidden_layers as u64;

@@ -11,6 +11,7 @@ use rand::SeedableRng;
 use super::{attend, copy_slots, write_slots, Stored, MULTIPROCESSORS};
 use crate::cuda_attn::case::{checked_cases, round_to, table_entries, tolerance, Case};
 use crate::cuda_attn::copies::SlotCopies;
+use crate::cuda_attn::padding::Padding;
 use crate::cuda_attn::tables::TableCopy;
 use crate::cuda_attn::twin::{self, Caches};
 use crate::cuda_attn::{AttentionKernel, Heads, KernelPlan};
@@ -200,6 +201,119 @@ fn every_attention_variant_computes_what_its_twin_computes_bit_for_bit() {
         check_cases::<half::bf16>(&checked_cases(DType::BF16), variant);
         check_cases::<half::f16>(&checked_cases(DType::F16), variant);
     }
+}
+
+/// Each checked batch padded as a captured decode step is (`Padding::extend`: pad rows that
+/// attend key 0 of the first sequence and write into a scratch block past the pool's blocks,
+/// more of them than a block holds; the context rounded up to a power of two), through the
+/// scalar kernel in f32 and the tensor-core default in bf16. The kernels compute what their
+/// twin computes on the padded plan, bit for bit, every row; the real rows stay within
+/// tolerance of the unpadded batch's reference (the scratch block holds NaN until the pad
+/// rows write it, so a real row reading it would show); and the pool changes only at the
+/// real rows' slots and in the scratch block. The rounding changes some batch's splits.
+#[test]
+fn padded_batches_leave_the_real_rows_and_the_pool_as_they_were() {
+    let mut resplit = padded_cases::<f32>(AttentionKernel::SCALAR);
+    resplit += padded_cases::<half::bf16>(AttentionKernel::TENSOR_CORE);
+    assert!(
+        resplit > 0,
+        "no batch's splits changed with its rounded context"
+    );
+}
+
+/// [`padded_batches_leave_the_real_rows_and_the_pool_as_they_were`] in `T` on `variant`:
+/// the number of padded plans whose splits the rounding changed.
+fn padded_cases<T: Stored>(variant: AttentionKernel) -> usize {
+    let mut resplit = 0;
+    let cases = checked_cases(T::DTYPE);
+    let served = cases.iter().filter(|c| variant.serves(c.heads, T::DTYPE));
+    for (c, case) in served.enumerate() {
+        for min_blocks in [1, MIN_BLOCKS] {
+            let (plan, tables) = case.plan(min_blocks).unwrap();
+            let (bs, blocks) = (case.shape.block_size, case.shape.num_blocks);
+            let padding = Padding {
+                bucket: plan.rows + 2 * bs + 1,
+                scratch_slot: blocks * bs,
+                block_size: bs,
+            };
+            let mut padded = plan.clone();
+            padding
+                .extend(&mut padded, min_blocks, (blocks + 1) * bs)
+                .unwrap();
+            resplit +=
+                usize::from((padded.splits, padded.split_len) != (plan.splits, plan.split_len));
+            let what = format!(
+                "{:?} {variant} case {c} ({}), {} splits of {} padded to {} of {}",
+                T::DTYPE,
+                case.describe(),
+                plan.splits,
+                plan.split_len,
+                padded.splits,
+                padded.split_len
+            );
+            // The pool and the inputs with the scratch block and the pad rows' junk.
+            let row = case.heads.num_kv_heads * case.heads.head_dim;
+            let pads = padded.rows - plan.rows;
+            let (mut k, mut v) = case.cached_pool();
+            k.resize(k.len() + bs * row, f32::NAN);
+            v.resize(v.len() + bs * row, f32::NAN);
+            let (mut new_k, mut new_v) = case.new_kv();
+            new_k.extend((0..pads * row).map(|i| round_to(0.5 - (i % 7) as f32 * 0.25, T::DTYPE)));
+            new_v.extend((0..pads * row).map(|i| round_to((i % 5) as f32 * 0.5 - 1.0, T::DTYPE)));
+            let mut q = case.q.clone();
+            let pair = case.heads.num_heads * case.heads.head_dim;
+            q.extend((0..pads * pair).map(|i| round_to((i % 9) as f32 * 0.25 - 1.0, T::DTYPE)));
+
+            let (mut got_k, mut got_v) = (stored::<T>(&k), stored::<T>(&v));
+            write_slots(&padded, &stored::<T>(&new_k), &mut got_k).unwrap();
+            write_slots(&padded, &stored::<T>(&new_v), &mut got_v).unwrap();
+            let got = attend(
+                &padded,
+                &stored::<T>(&q),
+                (&got_k, &got_v),
+                &tables,
+                variant,
+            )
+            .unwrap();
+
+            twin::write_slots(&new_k, &mut k, &padded.slots, row);
+            twin::write_slots(&new_v, &mut v, &padded.slots, row);
+            // The scratch block's slots are written by several pad rows in no set order.
+            let pool = blocks * bs * row;
+            assert!(
+                bits(&got_k[..pool]) == bits(&stored::<T>(&k[..pool])),
+                "{what}: K pool"
+            );
+            assert!(
+                bits(&got_v[..pool]) == bits(&stored::<T>(&v[..pool])),
+                "{what}: V pool"
+            );
+            let (mut unpadded_k, _) = case.cached_pool();
+            twin::write_slots(&case.new_kv().0, &mut unpadded_k, &plan.slots, row);
+            assert!(
+                bits(&stored::<T>(&k[..pool])) == bits(&stored::<T>(&unpadded_k)),
+                "{what}: pads wrote the pool"
+            );
+            let caches = Caches {
+                k: &k,
+                v: &v,
+                tables: &tables,
+                dtype: T::DTYPE,
+            };
+            let want = stored::<T>(&twin::attention(&padded, &q, &caches, variant));
+            assert!(
+                bits(&got) == bits(&want),
+                "{what}: outputs that differ from the twin's"
+            );
+            let real: Vec<f32> = got[..plan.rows * pair].iter().map(|x| x.value()).collect();
+            let worst = case.worst_error(&real);
+            assert!(
+                worst <= tolerance(T::DTYPE),
+                "{what}: {worst:e} from the reference"
+            );
+        }
+    }
+    resplit
 }
 
 /// `copy_slots` copies each order's tokens of its source block into its fresh block, row by
