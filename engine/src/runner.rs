@@ -199,7 +199,7 @@ impl Runner {
             _ => None,
         };
         if let Some(padding) = padding {
-            (input_ids, positions) = padding.inputs(&input_ids, &positions);
+            padding.inputs(&mut input_ids, &mut positions);
         }
         let n = input_ids.len();
         // Ids, positions and the sampled rows' indices (none padded: every row samples), 4

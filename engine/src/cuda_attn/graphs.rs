@@ -203,8 +203,7 @@ struct Run<'a> {
 
 impl<'a> Run<'a> {
     /// Runs `step` under `plan`, its ids and positions `packed`. The run fills candle's cache
-    /// of the small uploads (dims and strides) and loads every module the capture will use,
-    /// the copy of the logits into their buffer included.
+    /// of the small uploads (dims and strides) and loads every module the pass uses.
     fn new(
         mut step: Step<'a>,
         plan: KernelPlan,
@@ -222,25 +221,28 @@ impl<'a> Run<'a> {
             cost.attention_ops - before.attention_ops,
             cost.layer_ops - before.layer_ops,
         );
-        let logits = warm.zeros_like()?;
-        logits.slice_set(&warm, 0, 0)?;
         let buffers = Buffers {
             inputs,
             index,
-            logits,
+            logits: warm,
             launches,
         };
         Ok(Self { step, buffers })
     }
 
-    /// The pass captured on the engine's stream, its logits copied into the run's: every
-    /// other tensor it makes is freed inside the capture. cudarc's event tracking is off
-    /// meanwhile, since a capture cannot wait on events recorded outside it, and every buffer
-    /// the pass touches is on the engine's stream; [`QUEUEING`] keeps other threads' work on
-    /// that stream (a publication's) out of the capture.
+    /// The pass captured on the engine's stream, its logits copied into a buffer made before
+    /// it: every other tensor it makes is freed inside the capture. cudarc's event tracking
+    /// is off meanwhile, since a capture cannot wait on events recorded outside it, and every
+    /// buffer the pass touches is on the engine's stream; [`QUEUEING`] keeps other threads'
+    /// work on that stream (a publication's) out of the capture.
     fn capture(mut self) -> Result<(CudaGraph, Buffers)> {
         let device = cuda(self.step.model.device())?.clone();
         let _cached_uploads = device.enable_cuda_graph_htod_cache();
+        // The graph's logits buffer, filled by the copy the capture records, so that the copy's
+        // module is loaded before it (loading one inside a capture is not allowed).
+        let logits = self.buffers.logits.zeros_like()?;
+        logits.slice_set(&self.buffers.logits, 0, 0)?;
+        self.buffers.logits = logits;
         let stream = device.cuda_stream();
         let context = stream.context().clone();
         let _queueing = QUEUEING.lock();

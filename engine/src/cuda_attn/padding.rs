@@ -79,14 +79,10 @@ impl Padding {
         Ok(())
     }
 
-    /// Token ids and positions padded with token 0 at position 0.
-    pub fn inputs(&self, ids: &[u32], positions: &[u32]) -> (Vec<u32>, Vec<u32>) {
-        let pad = |v: &[u32]| {
-            let mut v = v.to_vec();
-            v.resize(self.bucket, 0);
-            v
-        };
-        (pad(ids), pad(positions))
+    /// Token ids and positions padded, in place, with token 0 at position 0.
+    pub fn inputs(&self, ids: &mut Vec<u32>, positions: &mut Vec<u32>) {
+        ids.resize(self.bucket, 0);
+        positions.resize(self.bucket, 0);
     }
 }
 
@@ -198,7 +194,8 @@ mod tests {
             err.contains("scratch block at slot 64 outside a pool of 64"),
             "{err}"
         );
-        let (ids, positions) = pad.inputs(&[4, 5, 6], &[9, 9, 9]);
+        let (mut ids, mut positions) = (vec![4, 5, 6], vec![9, 9, 9]);
+        pad.inputs(&mut ids, &mut positions);
         assert_eq!(ids, [4, 5, 6, 0, 0, 0, 0, 0]);
         assert_eq!(positions, [9, 9, 9, 0, 0, 0, 0, 0]);
     }
