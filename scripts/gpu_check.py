@@ -129,7 +129,7 @@ def key_numbers(name, text, outdir):
     keys = ["tokens_per_s", "fraction_of_compute_limit", "train_tokens_per_s", "step_s",
             "rollout_s", "prompts", "samples", "new_tokens", "compute_dtype", "gpu", "steps",
             "seconds", "decode_step", "memory_floor", "prompt_tokens_mean", "prompt_len",
-            "complete", "attention_kernel", "lazy_noise", "cuda_graphs"]
+            "complete", "attention_kernel", "lazy_noise", "cuda_graphs", "split_draws"]
     return {k: data[k] for k in keys if data.get(k) is not None}
 
 
@@ -163,12 +163,13 @@ def brief(numbers):
                          f"({r['kv_gb_per_s']:,.0f} GB/s, "
                          f"{100 * r.get('fraction_of_bandwidth', 0):.0f}%)" for r in rows)[:170]
     if "sample_rows" in numbers:
-        # Per spread: the exact noise's time a call, then lazy noise's (with a mark where its
-        # tokens differ, which they must not).
+        # Per spread: the exact noise's time a call, then lazy noise's, then split draws' (with
+        # a mark where tokens differ from the exact noise's, which they must not).
         cells = {}
         for r in numbers["sample_rows"]:
             mark = "" if r.get("same_tokens", True) else " DIFFERENT TOKENS"
-            cells.setdefault(r["std"], []).append(f"{r['noise']} {r['us_per_call']:.0f} us{mark}")
+            kernel = "split" if r.get("split") else r["noise"]
+            cells.setdefault(r["std"], []).append(f"{kernel} {r['us_per_call']:.0f} us{mark}")
         return "; ".join(f"std {std:g}: " + ", ".join(v) for std, v in cells.items())[:170]
     if "step_device_ms" in numbers:
         groups = ", ".join(f"{k} {v:.2f}" for k, v in numbers["groups_ms"].items())

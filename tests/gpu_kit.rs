@@ -63,6 +63,7 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
         "rollout-qwen2.5-0.5b-cuda-attn",
         "rollout-qwen2.5-0.5b-untracked",
         "rollout-qwen2.5-0.5b-cuda-graphs",
+        "rollout-qwen2.5-0.5b-split-draws",
         "rollout-qwen2.5-0.5b-no-rope-kernel",
         "rollout-qwen2.5-0.5b-no-layer-kernels",
         "rollout-qwen2.5-0.5b-rope-writes-kv",
@@ -100,11 +101,11 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
     }
     assert!(ok && text.contains("all steps run passed"), "{text}");
     // The timed rows split the step: the attention's device time is counted.
-    for timed in &steps[12..14] {
+    for timed in &steps[13..15] {
         let ms = timed["numbers"]["decode_step"]["attention_ms"].as_f64();
         assert!(ms.is_some_and(|ms| ms > 0.0), "{timed}\n{text}");
     }
-    let agree = &steps[15]["numbers"]["shapes"]["smollm2-135m"];
+    let agree = &steps[16]["numbers"]["shapes"]["smollm2-135m"];
     assert_eq!(agree["agreed_tokens"], 8, "{text}");
     assert_eq!(agree["max_logprob_diff"], 0.0, "{text}");
 }
@@ -138,10 +139,17 @@ fn gpu_check_targets_dry_run_measures_each_target() {
             ["floor", "graphs-floor", "rollout", "graphs-rollout", "hf"]
                 .map(|s| format!("target-{s}-{shape}")),
         );
-        expected.push("sample-b1024".to_string());
+        expected.extend(["sample-b1024", "sample-b256"].map(String::from));
         expected.extend(
-            ["timed", "untracked", "graphs-rope-writes-kv", "exact-noise"]
-                .map(|s| format!("target-{s}-{shape}")),
+            [
+                "graphs-split-draws-floor",
+                "split-draws",
+                "timed",
+                "graphs-rope-writes-kv",
+                "untracked",
+                "exact-noise",
+            ]
+            .map(|s| format!("target-{s}-{shape}")),
         );
         assert_eq!(names, expected, "{text}");
         let step = |name: &str| {
@@ -158,9 +166,11 @@ fn gpu_check_targets_dry_run_measures_each_target() {
             "graphs-floor",
             "rollout",
             "graphs-rollout",
+            "graphs-split-draws-floor",
+            "split-draws",
             "timed",
-            "untracked",
             "graphs-rope-writes-kv",
+            "untracked",
             "exact-noise",
         ] {
             let row = step(name);
@@ -268,7 +278,7 @@ fn gpu_check_with_its_budget_spent_runs_nothing_and_still_summarises() {
     let dir = tempfile::tempdir().unwrap();
     let (ok, text) = gpu_check(&["--dry-run", "--budget", "1"], dir.path());
     assert!(
-        ok && text.contains("20 not run, the budget spent"),
+        ok && text.contains("21 not run, the budget spent"),
         "{text}"
     );
     let steps = summary_steps(dir.path());
@@ -321,7 +331,7 @@ fn gpu_check_on_a_gpu_packs_its_steps_files() {
             "{file}: {listing}"
         );
     }
-    assert_eq!(summary_steps(dir.path()).len(), 27, "{text}");
+    assert_eq!(summary_steps(dir.path()).len(), 28, "{text}");
 }
 
 /// `gpu_check.py profile` runs the rollout under Nsight Compute (here a stand-in that runs
@@ -440,11 +450,11 @@ fn gpu_check_summarises_the_attention_bench_fastest_first() {
     );
 }
 
-/// A `bench sample` step's cell: per spread, the exact noise's time a call and lazy noise's,
-/// marked where lazy noise drew other tokens.
+/// A `bench sample` step's cell: per spread, the exact noise's time a call, lazy noise's and
+/// split draws', marked where a kernel drew other tokens than the exact noise.
 #[test]
 fn gpu_check_summarises_the_sample_bench_by_spread() {
-    let out = r#"{"results": [{"std": 0.3, "noise": "exact", "us_per_call": 850.2, "same_tokens": true}, {"std": 0.3, "noise": "lazy", "us_per_call": 480.0, "same_tokens": true}, {"std": 12.0, "noise": "exact", "us_per_call": 300.0, "same_tokens": true}, {"std": 12.0, "noise": "lazy", "us_per_call": 310.0, "same_tokens": false}]}"#;
+    let out = r#"{"results": [{"std": 0.3, "noise": "exact", "us_per_call": 850.2, "same_tokens": true}, {"std": 0.3, "noise": "lazy", "us_per_call": 480.0, "same_tokens": true}, {"std": 12.0, "noise": "exact", "us_per_call": 300.0, "same_tokens": true}, {"std": 12.0, "noise": "lazy", "us_per_call": 310.0, "same_tokens": false}, {"std": 0.3, "noise": "lazy", "split": true, "us_per_call": 190.0, "same_tokens": true}, {"std": 12.0, "noise": "lazy", "split": true, "us_per_call": 120.0, "same_tokens": true}]}"#;
     let code = format!(
         "import sys; sys.path.insert(0, 'scripts'); import gpu_check as g; \
          print(g.brief(g.key_numbers('sample-b1024', {out:?}, '.')))"
@@ -461,7 +471,8 @@ fn gpu_check_summarises_the_sample_bench_by_spread() {
     );
     assert_eq!(
         String::from_utf8_lossy(&run.stdout).trim(),
-        "std 0.3: exact 850 us, lazy 480 us; std 12: exact 300 us, lazy 310 us DIFFERENT TOKENS"
+        "std 0.3: exact 850 us, lazy 480 us, split 190 us; \
+         std 12: exact 300 us, lazy 310 us DIFFERENT TOKENS, split 120 us"
     );
 }
 

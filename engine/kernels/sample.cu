@@ -252,6 +252,56 @@ __device__ unsigned int truncation_cut(const T *row, unsigned int vocab, float s
     return cut;
 }
 
+// Draw d's outputs from its row's best noisy score and log-sum-exps (untempered `raw`, and
+// `kept` over the scores kept), the same in every thread: thread 0 writes the token and its
+// logprobs, then the block finds the n_tops[d] most likely untempered tokens, one block argmax
+// each, every pick ranked after the previous (higher logit first, lower index on ties).
+template <typename T>
+__device__ void finish_draw(const T *row, unsigned int vocab, unsigned int d, bool greedy,
+                            float scale, Best best, Lse raw, Lse kept,
+                            const unsigned int *n_tops, unsigned int *tokens, float *logprobs,
+                            float *model_logprobs, unsigned int *top_ids,
+                            float *top_logprobs) {
+    const float raw_lse = raw.max + logf(raw.sum);
+    if (threadIdx.x == 0) {
+        const unsigned int t = best.index < vocab ? best.index : 0u;
+        const float l = clean(row[t]);
+        tokens[d] = t;
+        model_logprobs[d] = l - raw_lse;
+        logprobs[d] = greedy ? l - raw_lse : l * scale - (kept.max + logf(kept.sum));
+    }
+    const unsigned int n = min(n_tops[d], (unsigned int)MAX_TOP);
+    float prev_l = NEG_INF;
+    unsigned int prev_i = 0xFFFFFFFFu;
+    for (unsigned int j = 0; j < n; ++j) {
+        Best b; b.score = NEG_INF; b.index = 0xFFFFFFFFu;
+        for (unsigned int i = threadIdx.x; i < vocab; i += THREADS) {
+            const float l = clean(row[i]);
+            const bool after = j == 0 || l < prev_l || (l == prev_l && i > prev_i);
+            if (!after) continue;
+            Best here; here.score = l; here.index = i;
+            b = best_merge(b, here);
+        }
+        b = block_reduce(b, MergeBest());
+        if (threadIdx.x == 0) {
+            top_ids[d * MAX_TOP + j] = b.index;
+            top_logprobs[d * MAX_TOP + j] = b.score - raw_lse;
+        }
+        prev_l = b.score;
+        prev_i = b.index;
+    }
+}
+
+
+// Whether draw d truncates its distribution: a temperature and top-k, min-p or top-p on.
+__device__ __forceinline__ bool truncated(unsigned int d, unsigned int vocab, float inv_t,
+                                          const unsigned int *top_ks, const float *top_ps,
+                                          const float *min_ps) {
+    const unsigned int top_k = top_ks[d];
+    return inv_t != 0.0f &&
+           ((top_k > 0 && top_k < vocab) || min_ps[d] > 0.0f || top_ps[d] < 1.0f);
+}
+
 // logits: (rows, vocab) f32 or bf16. Per draw d: rows[d], keys[2d..2d+2] (low word first),
 // counters[2d..2d+2] = (position, sample index), inv_temps[d] (0 for greedy), top_ks[d] (0:
 // off), top_ps[d] (1: off), min_ps[d] (0: off), n_tops[d] (top logprobs wanted, <= MAX_TOP);
@@ -275,8 +325,7 @@ __device__ void gumbel_sample(
     const float scale = greedy ? 1.0f : inv_t;
     const unsigned int top_k = top_ks[d];
     const float top_p = top_ps[d], min_p = min_ps[d];
-    const bool truncates =
-        !greedy && ((top_k > 0 && top_k < vocab) || min_p > 0.0f || top_p < 1.0f);
+    const bool truncates = truncated(d, vocab, inv_t, top_ks, top_ps, min_ps);
     // 1. Where the draw truncates: the untempered log-sum-exp and the largest score first,
     //    then (2.) top-k, min-p and top-p: the scores kept are those whose key reaches `cut`.
     //    Otherwise every score is kept and the log-sum-exp is taken in the draw's own pass.
@@ -345,36 +394,152 @@ __device__ void gumbel_sample(
     best = block_reduce(best, MergeBest());
     if (!truncates) raw = block_reduce(raw, MergeLse());
     kept = kept_is_raw ? raw : block_reduce(kept, MergeLse());
-    const float raw_lse = raw.max + logf(raw.sum);
+    finish_draw(row, vocab, d, greedy, scale, best, raw, kept, n_tops, tokens, logprobs,
+                model_logprobs, top_ids, top_logprobs);
+}
+
+// Four logits of a group as one load: 16 bytes in f32, 8 in bf16.
+template <typename T> struct alignas(4 * sizeof(T)) Quad { T x[4]; };
+
+// Group g's logits 4g..4g+3 as f32 (NaN read as -inf, -inf past the vocabulary): one load for
+// the four where `whole` (the row aligned to a Quad and the vocabulary a multiple of four).
+template <typename T>
+__device__ __forceinline__ void load_group(const T *row, unsigned int g, unsigned int vocab,
+                                           bool whole, float (&ls)[4]) {
+    if (whole) {
+        const Quad<T> q = reinterpret_cast<const Quad<T> *>(row)[g];
+        for (int lane = 0; lane < 4; ++lane) ls[lane] = clean(q.x[lane]);
+        return;
+    }
+    for (unsigned int lane = 0; lane < 4; ++lane) {
+        const unsigned int i = 4 * g + lane;
+        ls[lane] = i < vocab ? clean(row[i]) : NEG_INF;
+    }
+}
+
+// An untruncated draw over groups [lo, hi) of its row: the best noisy score (the logit itself
+// when greedy) and the log-sum-exps of the logits (`raw`) and of the tempered scores (`kept`;
+// left empty at temperature 1, where it is `raw`), each thread's own. Every logit gets the
+// noise the one-block kernel gives it (group g's Philox words), so the best over all groups is
+// that kernel's draw. The draw's key and counters come as values, read once.
+template <typename T>
+__device__ void draw_groups(const T *row, unsigned int vocab, unsigned int lo, unsigned int hi,
+                            float scale, bool greedy, bool lazy, const unsigned int (&key)[2],
+                            const unsigned int (&counter)[2], Best &best, Lse &raw,
+                            Lse &kept) {
+    const bool kept_is_raw = scale == 1.0f;
+    const bool whole = vocab % 4 == 0 && (size_t)row % sizeof(Quad<T>) == 0;
+    const bool share = lazy && !greedy;
+    float bar = NEG_INF;
+    for (unsigned int g0 = lo; g0 < hi; g0 += THREADS) {
+        const unsigned int g = g0 + threadIdx.x;
+        if (g < hi) {
+            float ls[4], ss[4];
+            load_group(row, g, vocab, whole, ls);
+            const float reach = fmaxf(bar, best.score);
+            bool any = false;
+            for (unsigned int lane = 0; lane < 4; ++lane) {
+                ss[lane] = __fmul_rn(ls[lane], scale);
+                any = any || (4 * g + lane < vocab && !(ss[lane] + GUMBEL_BOUND < reach));
+            }
+            unsigned int words[4] = {g, counter[0], counter[1], 0u};
+            if (!greedy && any) philox(words, key[0], key[1]);
+            for (unsigned int lane = 0; lane < 4; ++lane) {
+                const unsigned int i = 4 * g + lane;
+                if (i >= vocab) break;
+                const float l = ls[lane], s = ss[lane];
+                lse_push(raw, l);
+                if (!kept_is_raw) lse_push(kept, s);
+                float score = l;
+                if (!greedy) {
+                    const float above = fmaxf(bar, best.score);
+                    if (s + GUMBEL_BOUND < above) continue;
+                    const float u = ((float)(words[lane] >> 9) + 0.5f) * (1.0f / 8388608.0f);
+                    if (lazy && surely_below(u, s, above)) continue;
+                    score = s - logf(-logf(u));
+                }
+                Best here; here.score = score; here.index = i;
+                best = best_merge(best, here);
+            }
+        }
+        if (share) bar = warp_max(fmaxf(bar, best.score));
+    }
+}
+
+// Words a part leaves for its draw's merge: best score and index, raw's max and sum, kept's.
+#define PART_WORDS 6
+
+// The draws of `gumbel_sample`, each untruncated draw's row split over gridDim.y blocks (its
+// parts; `engine.split_draws`), so that a batch of a few hundred draws fills the GPU. Block
+// (d, p) draws over the p-th share of d's groups and leaves its result in
+// partials[(d * parts + p) * PART_WORDS ..]; the block that finishes d last (by a count a draw
+// in `arrived`, zero at launch) merges the parts in part order and finishes the draw. A
+// truncated draw, whose cut needs the whole row, is the one-block kernel's in block (d, 0).
+template <typename T>
+__device__ void gumbel_sample_split(
+    const T *logits, unsigned int vocab, const unsigned int *rows,
+    const unsigned int *keys, const unsigned int *counters, const float *inv_temps,
+    const unsigned int *top_ks, const float *top_ps, const float *min_ps,
+    const unsigned int *n_tops, unsigned int lazy_noise,
+    unsigned int *tokens, float *logprobs, float *model_logprobs, unsigned int *top_ids,
+    float *top_logprobs, unsigned int *partials, unsigned int *arrived) {
+    const unsigned int d = blockIdx.x, p = blockIdx.y, parts = gridDim.y;
+    const float inv_t = inv_temps[d];
+    if (truncated(d, vocab, inv_t, top_ks, top_ps, min_ps)) {
+        if (p == 0)
+            gumbel_sample(logits, vocab, rows, keys, counters, inv_temps, top_ks, top_ps,
+                          min_ps, n_tops, lazy_noise, tokens, logprobs, model_logprobs,
+                          top_ids, top_logprobs);
+        return;
+    }
+    const T *row = logits + (size_t)rows[d] * vocab;
+    const bool greedy = inv_t == 0.0f;
+    const float scale = greedy ? 1.0f : inv_t;
+    const unsigned long long groups = (vocab + 3) / 4;
+    const unsigned int key[2] = {keys[2 * d], keys[2 * d + 1]};
+    const unsigned int counter[2] = {counters[2 * d], counters[2 * d + 1]};
+    Best best; best.score = NEG_INF; best.index = 0xFFFFFFFFu;
+    Lse raw; raw.max = NEG_INF; raw.sum = 0.0f;
+    Lse kept = raw;
+    draw_groups(row, vocab, (unsigned int)(groups * p / parts),
+                (unsigned int)(groups * (p + 1) / parts), scale, greedy, lazy_noise != 0, key,
+                counter, best, raw, kept);
+    best = block_reduce(best, MergeBest());
+    raw = block_reduce(raw, MergeLse());
+    kept = scale == 1.0f ? raw : block_reduce(kept, MergeLse());
+    __shared__ unsigned int ticket;
     if (threadIdx.x == 0) {
-        const unsigned int t = best.index < vocab ? best.index : 0u;
-        const float l = clean(row[t]);
-        tokens[d] = t;
-        model_logprobs[d] = l - raw_lse;
-        logprobs[d] = greedy ? l - raw_lse : l * scale - (kept.max + logf(kept.sum));
+        unsigned int *mine = partials + ((size_t)d * parts + p) * PART_WORDS;
+        mine[0] = __float_as_uint(best.score);
+        mine[1] = best.index;
+        mine[2] = __float_as_uint(raw.max);
+        mine[3] = __float_as_uint(raw.sum);
+        mine[4] = __float_as_uint(kept.max);
+        mine[5] = __float_as_uint(kept.sum);
+        // The part's words are visible to every block before its count is.
+        __threadfence();
+        ticket = atomicAdd(arrived + d, 1u);
     }
-    // 4. The most likely untempered tokens, one block argmax each, every pick ranked after
-    //    the previous (higher logit first, lower index on ties).
-    const unsigned int n = min(n_tops[d], (unsigned int)MAX_TOP);
-    float prev_l = NEG_INF;
-    unsigned int prev_i = 0xFFFFFFFFu;
-    for (unsigned int j = 0; j < n; ++j) {
-        Best b; b.score = NEG_INF; b.index = 0xFFFFFFFFu;
-        for (unsigned int i = threadIdx.x; i < vocab; i += THREADS) {
-            const float l = clean(row[i]);
-            const bool after = j == 0 || l < prev_l || (l == prev_l && i > prev_i);
-            if (!after) continue;
-            Best here; here.score = l; here.index = i;
-            b = best_merge(b, here);
-        }
-        b = block_reduce(b, MergeBest());
-        if (threadIdx.x == 0) {
-            top_ids[d * MAX_TOP + j] = b.index;
-            top_logprobs[d * MAX_TOP + j] = b.score - raw_lse;
-        }
-        prev_l = b.score;
-        prev_i = b.index;
+    __syncthreads();
+    if (ticket != parts - 1) return;
+    // The last part of d: every part's words are written. Read past the cache (volatile), in
+    // part order, the same merge in every thread.
+    __threadfence();
+    const volatile unsigned int *all = partials + (size_t)d * parts * PART_WORDS;
+    best.score = NEG_INF; best.index = 0xFFFFFFFFu;
+    raw.max = NEG_INF; raw.sum = 0.0f;
+    kept = raw;
+    for (unsigned int q = 0; q < parts; ++q) {
+        const volatile unsigned int *w = all + q * PART_WORDS;
+        Best b; b.score = __uint_as_float(w[0]); b.index = w[1];
+        Lse r; r.max = __uint_as_float(w[2]); r.sum = __uint_as_float(w[3]);
+        Lse k; k.max = __uint_as_float(w[4]); k.sum = __uint_as_float(w[5]);
+        best = best_merge(best, b);
+        raw = lse_merge(raw, r);
+        kept = lse_merge(kept, k);
     }
+    finish_draw(row, vocab, d, greedy, scale, best, raw, kept, n_tops, tokens, logprobs,
+                model_logprobs, top_ids, top_logprobs);
 }
 
 #define INSTANTIATE(NAME, T)                                                                    \
@@ -391,3 +556,19 @@ __device__ void gumbel_sample(
 
 INSTANTIATE(f32, float)
 INSTANTIATE(bf16, bf16)
+
+#define INSTANTIATE_SPLIT(NAME, T)                                                              \
+    extern "C" __global__ void __launch_bounds__(THREADS) gumbel_sample_split_##NAME(          \
+        const T *logits, unsigned int vocab, const unsigned int *rows,                         \
+        const unsigned int *keys, const unsigned int *counters, const float *inv_temps,        \
+        const unsigned int *top_ks, const float *top_ps, const float *min_ps,                  \
+        const unsigned int *n_tops, unsigned int lazy_noise, unsigned int *tokens,             \
+        float *logprobs, float *model_logprobs, unsigned int *top_ids, float *top_logprobs,    \
+        unsigned int *partials, unsigned int *arrived) {                                       \
+        gumbel_sample_split<T>(logits, vocab, rows, keys, counters, inv_temps, top_ks, top_ps, \
+                               min_ps, n_tops, lazy_noise, tokens, logprobs, model_logprobs,   \
+                               top_ids, top_logprobs, partials, arrived);                      \
+    }
+
+INSTANTIATE_SPLIT(f32, float)
+INSTANTIATE_SPLIT(bf16, bf16)

@@ -17,7 +17,7 @@ use parking_lot::Mutex;
 
 use crate::cuda_attn::AttentionKernel;
 use crate::cuda_attn::Switches;
-use crate::device_sample::{Noise, SamplingPlace};
+use crate::device_sample::{Noise, SampleKernel, SamplingPlace};
 use crate::kv_pool::KvPool;
 use crate::paged_attn::CacheShape;
 use crate::publish::Publication;
@@ -51,6 +51,10 @@ pub struct EngineConfig {
     /// (`engine.lazy_noise`: the same draws; on by default, passed by `dppo doctor` and
     /// faster on an H200; host sampling ignores it).
     pub lazy_noise: bool,
+    /// With sampling on the device, each untruncated draw's row split over several blocks,
+    /// so that a decode batch of a few hundred draws fills the GPU (`engine.split_draws`: the
+    /// same draws; off by default until `dppo doctor` has passed it on a GPU).
+    pub split_draws: bool,
     /// candle-nn's fused kernels for RMSNorm, rotary embedding, SiLU and the attention
     /// softmax, where the CPU's own fused ops do not apply, and q/k/v and gate/up as one
     /// GEMM each where the engine keeps its own weight buffers (`engine.fused_kernels`;
@@ -98,12 +102,13 @@ pub fn default_dtype(device: &Device) -> DType {
 }
 
 impl EngineConfig {
-    /// How the worker draws on `device`: on the device, computing the noise so, or on the
-    /// host (`None`).
-    pub(crate) fn device_sampling(&self, device: &Device) -> Option<Noise> {
-        self.sampling
-            .on_device(device)
-            .then_some(Noise::lazy(self.lazy_noise))
+    /// How the worker draws on `device`: on the device by that kernel, or on the host
+    /// (`None`).
+    pub(crate) fn device_sampling(&self, device: &Device) -> Option<SampleKernel> {
+        self.sampling.on_device(device).then_some(SampleKernel {
+            noise: Noise::lazy(self.lazy_noise),
+            split: self.split_draws,
+        })
     }
 }
 
@@ -120,6 +125,7 @@ impl Default for EngineConfig {
             dtype: None,
             sampling: SamplingPlace::Auto,
             lazy_noise: true,
+            split_draws: false,
             fused_kernels: FusedKernels::Auto,
             rope_kernel: true,
             rope_writes_kv: false,

@@ -76,6 +76,12 @@ pub struct RolloutArgs {
     #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true",
           action = clap::ArgAction::Set)]
     lazy_noise: bool,
+    /// With sampling on a GPU, each untruncated draw's row split over several blocks, as
+    /// `engine.split_draws` (the same draws): false (the default, until a GPU has checked it)
+    /// or true; the flag alone means true. Host sampling ignores it.
+    #[arg(long, default_value_t = false, num_args = 0..=1, default_missing_value = "true",
+          action = clap::ArgAction::Set)]
+    split_draws: bool,
     /// The residual add with its RMSNorm and the gated MLP's product by kernels of dppo's
     /// own, as `engine.layer_kernels`: true (the default; the paged CUDA kernels' path only)
     /// or false; the flag alone means true.
@@ -176,6 +182,7 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
         kv_cache_tokens: args.kv_cache_tokens,
         sampling: args.sampling,
         lazy_noise: args.lazy_noise,
+        split_draws: args.split_draws,
         fused_kernels: args.fused_kernels,
         rope_kernel: args.rope_kernel,
         rope_writes_kv: args.rope_writes_kv,
@@ -271,6 +278,7 @@ pub(super) fn run(args: RolloutArgs) -> anyhow::Result<()> {
         "rope_writes_kv": args.rope_writes_kv,
         "rope_qk_norm": args.rope_qk_norm,
         "lazy_noise": args.lazy_noise && args.sampling.on_device(&device),
+        "split_draws": args.split_draws && args.sampling.on_device(&device),
         "layer_kernels": args.layer_kernels,
         "cuda_graphs": args.cuda_graphs,
         // The variant the kernels ran, else the one asked for (the kernels did not run).

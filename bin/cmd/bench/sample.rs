@@ -1,16 +1,34 @@
 //! `dppo bench sample`: device sampling alone, as the engine calls it each iteration (the
 //! draws' inputs up, one kernel launch, the tokens back), on synthetic logits of several
-//! spreads, with every score's exact Gumbel noise and with lazy noise (docs/gpu.md). The
-//! targets' random-weight models give close logits, a trained model spread ones, and lazy
-//! noise saves the most on the first.
+//! spreads, with every score's exact Gumbel noise, with lazy noise, and with lazy noise and
+//! each draw split over several blocks (docs/gpu.md). The targets' random-weight models give
+//! close logits, a trained model spread ones, and lazy noise saves the most on the first.
 
 use std::time::Instant;
 
 use candle_core::{DType, Tensor};
-use dppo_engine::device_sample::{self, DeviceDraw, Noise};
+use dppo_engine::device_sample::{self, DeviceDraw, Noise, SampleKernel};
 use dppo_engine::gumbel::{DrawKey, DrawParams};
 use dppo_model::DeviceSpec;
 use serde_json::json;
+
+/// The kernels timed, each against the first's tokens: every score's exact noise, lazy noise
+/// (the default), and lazy noise with each draw's row split over several blocks
+/// (`engine.split_draws`).
+const KERNELS: [SampleKernel; 3] = [
+    SampleKernel {
+        noise: Noise::Every,
+        split: false,
+    },
+    SampleKernel {
+        noise: Noise::Lazy,
+        split: false,
+    },
+    SampleKernel {
+        noise: Noise::Lazy,
+        split: true,
+    },
+];
 
 /// Arguments of `dppo bench sample`.
 #[derive(Debug, clap::Args)]
@@ -44,7 +62,7 @@ pub struct SampleArgs {
     json: bool,
 }
 
-/// Runs the benchmark and prints its report: a row for each spread and noise.
+/// Runs the benchmark and prints its report: a row for each spread and kernel.
 pub(super) fn run(args: SampleArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
         args.rows > 0 && args.vocab > 0 && args.iters > 0,
@@ -91,22 +109,23 @@ pub(super) fn run(args: SampleArgs) -> anyhow::Result<()> {
         let logits =
             Tensor::randn(0f32, std as f32, (args.rows, args.vocab), &device)?.to_dtype(dtype)?;
         let mut exact_tokens = None;
-        for noise in [Noise::Every, Noise::Lazy] {
+        for kernel in KERNELS {
             for _ in 0..3 {
-                device_sample::sample(&logits, &draws, noise)?;
+                device_sample::sample(&logits, &draws, kernel)?;
             }
             // Each call waits for its tokens, so the clock reads whole calls.
             let started = Instant::now();
             let mut drawn = Vec::new();
             for _ in 0..args.iters {
-                drawn = device_sample::sample(&logits, &draws, noise)?;
+                drawn = device_sample::sample(&logits, &draws, kernel)?;
             }
             let us = started.elapsed().as_secs_f64() * 1e6 / args.iters as f64;
             let tokens: Vec<u32> = drawn.iter().map(|d| d.token).collect();
             let same = exact_tokens.get_or_insert_with(|| tokens.clone()) == &tokens;
             results.push(json!({
                 "std": std,
-                "noise": if noise == Noise::Lazy { "lazy" } else { "exact" },
+                "noise": if kernel.noise == Noise::Lazy { "lazy" } else { "exact" },
+                "split": kernel.split,
                 "us_per_call": us,
                 "logits_gb_per_s": bytes / us / 1e3,
                 "same_tokens": same,
@@ -129,7 +148,7 @@ pub(super) fn run(args: SampleArgs) -> anyhow::Result<()> {
     } else {
         print_table(&args, dtype, &results);
     }
-    // Lazy noise must draw the exact noise's tokens: a difference is a failure, not a number.
+    // Every kernel must draw the exact noise's tokens: a difference is a failure, not a number.
     let differ: Vec<f64> = results
         .iter()
         .filter(|r| r["same_tokens"] != true)
@@ -137,12 +156,12 @@ pub(super) fn run(args: SampleArgs) -> anyhow::Result<()> {
         .collect();
     anyhow::ensure!(
         differ.is_empty(),
-        "lazy noise drew other tokens than the exact noise at std {differ:?}"
+        "lazy noise or split draws drew other tokens than the exact noise at std {differ:?}"
     );
     Ok(())
 }
 
-/// The report as a table, a row for each spread and noise.
+/// The report as a table, a row for each spread and kernel.
 fn print_table(args: &SampleArgs, dtype: DType, results: &[serde_json::Value]) {
     println!(
         "{} draws of {} logits ({dtype:?}) a call, top-p {}, top-k {}, on {}",
@@ -150,9 +169,10 @@ fn print_table(args: &SampleArgs, dtype: DType, results: &[serde_json::Value]) {
     );
     for r in results {
         println!(
-            "std {:>5}  {:<5} noise {:>9.1} us a call  {:>7.0} GB/s of logits  same tokens: {}",
+            "std {:>5}  {:<5} noise{:<7} {:>9.1} us a call  {:>7.0} GB/s of logits  same tokens: {}",
             r["std"].as_f64().unwrap_or(f64::NAN),
             r["noise"].as_str().unwrap_or(""),
+            if r["split"] == true { ", split" } else { "" },
             r["us_per_call"].as_f64().unwrap_or(f64::NAN),
             r["logits_gb_per_s"].as_f64().unwrap_or(f64::NAN),
             r["same_tokens"]

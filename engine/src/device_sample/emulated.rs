@@ -5,14 +5,14 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::{
-    checked_draws, push_args, Agreement, DeviceDraw, DrawInputs, DrawOutputs, Noise, SOURCE,
-    THREADS,
+    checked_draws, push_args, Agreement, DeviceDraw, DrawInputs, DrawOutputs, Noise, LOGPROB_TOL,
+    PART_WORDS, SOURCE, THREADS,
 };
 use crate::gumbel::Drawn;
 use crate::kernel_emu::{Args, Emulator};
 use crate::sampler::MAX_TOP_LOGPROBS;
 
-/// `draws` from `rows` (each `vocab` long) by the emulated kernel, launched as
+/// `draws` from `rows` (each `vocab` long) by the emulated one-block kernel, launched as
 /// [`super::sample`] launches it on a GPU: on the rows in f32, or in bf16 (`bf16`, the rows
 /// then being bf16 values already), with `noise`.
 fn emulate(
@@ -22,10 +22,39 @@ fn emulate(
     bf16: bool,
     noise: Noise,
 ) -> Vec<Drawn> {
-    let logits: Vec<f32> = rows.concat();
+    let how = Launch {
+        bf16,
+        noise,
+        ..Launch::default()
+    };
+    launch(emu, rows, draws, how).0
+}
+
+/// How a test launches the kernel.
+#[derive(Debug, Clone, Copy, Default)]
+struct Launch {
+    /// The rows in bf16 (bf16 values already), else f32.
+    bf16: bool,
+    noise: Noise,
+    /// The split kernel with this many parts a draw, else the one-block kernel.
+    parts: Option<u32>,
+    /// Logits before the first row's, so that rows start off a group's alignment.
+    skew: usize,
+}
+
+/// `draws` from `rows` by the emulated kernel `how` names, and the split kernel's count of
+/// finished parts a draw (empty for the one-block kernel).
+fn launch(
+    emu: &Emulator,
+    rows: &[Vec<f32>],
+    draws: &[DeviceDraw],
+    how: Launch,
+) -> (Vec<Drawn>, Vec<u32>) {
+    let mut logits = vec![0.0f32; how.skew];
+    logits.extend(rows.concat());
     let halves: Vec<half::bf16> = logits.iter().map(|&x| half::bf16::from_f32(x)).collect();
     let vocab = rows[0].len() as u32;
-    let lazy = noise.kernel_arg();
+    let lazy = how.noise.kernel_arg();
     let inputs = DrawInputs::of(draws);
     let n = draws.len();
     let mut out = DrawOutputs {
@@ -37,18 +66,28 @@ fn emulate(
             vec![f32::NAN; n * MAX_TOP_LOGPROBS],
         ),
     };
-    let (kernel, args) = if bf16 {
-        let ptr = halves.as_ptr();
-        let args = Args::filled(|list| push_args(list, ptr, (&vocab, &lazy), &inputs, &mut out));
-        ("gumbel_sample_bf16", args)
+    let parts = how.parts.unwrap_or(1);
+    let mut scratch = (vec![0u32; n * parts as usize * PART_WORDS], vec![0u32; n]);
+    let split = how.parts.map(|_| &mut scratch);
+    let args = if how.bf16 {
+        let ptr = halves[how.skew..].as_ptr();
+        Args::filled(|list| push_args(list, ptr, (&vocab, &lazy), &inputs, &mut out, split))
     } else {
-        let ptr = logits.as_ptr();
-        let args = Args::filled(|list| push_args(list, ptr, (&vocab, &lazy), &inputs, &mut out));
-        ("gumbel_sample_f32", args)
+        let ptr = logits[how.skew..].as_ptr();
+        Args::filled(|list| push_args(list, ptr, (&vocab, &lazy), &inputs, &mut out, split))
     };
-    emu.launch(kernel, (n as u32, 1, 1), (THREADS, 1, 1), 0, &args)
+    let dtype = if how.bf16 { "bf16" } else { "f32" };
+    let name = match how.parts {
+        Some(_) => format!("gumbel_sample_split_{dtype}"),
+        None => format!("gumbel_sample_{dtype}"),
+    };
+    emu.launch(&name, (n as u32, parts, 1), (THREADS, 1, 1), 0, &args)
         .unwrap();
-    out.drawn(&inputs.n_tops)
+    let arrived = match how.parts {
+        Some(_) => scratch.1,
+        None => Vec::new(),
+    };
+    (out.drawn(&inputs.n_tops), arrived)
 }
 
 /// Logits as the doctor draws them: normal(0, `std`) (3 in the doctor).
@@ -106,6 +145,89 @@ fn the_kernel_draws_what_its_host_reference_draws() {
             // Lazy noise skips only scores that could not win: the same draws, bit for bit.
             let lazy = emulate(&emu, &logits, &draws, bf16, Noise::Lazy);
             assert_eq!(lazy, got, "{what}, lazy noise");
+        }
+    }
+}
+
+/// The split kernel draws the one-block kernel's tokens and top-logprob ids, whatever its
+/// parts: one, a few that do not divide the row's groups, and more parts than groups (some
+/// empty). Its logprobs stay within [`LOGPROB_TOL`] of that kernel's (the log-sum-exps merge
+/// in another order). Truncated draws, which block 0 of their draw runs alone, are that
+/// kernel's bit for bit. Every untruncated draw's parts all arrive, and a truncated draw's
+/// count stays 0. Rows start aligned to a group's load and off it, the vocabulary is a
+/// multiple of four and not, in f32 and bf16, with both noises.
+#[test]
+fn split_draws_draw_what_one_block_draws() {
+    let kernels = [
+        "gumbel_sample_f32",
+        "gumbel_sample_bf16",
+        "gumbel_sample_split_f32",
+        "gumbel_sample_split_bf16",
+    ];
+    let emu = Emulator::build("kernels/sample.cu", SOURCE, &kernels).unwrap();
+    let mut rng = StdRng::seed_from_u64(31);
+    for (rows, vocab, std, all_parts) in [
+        (3, 151_936, 0.3, &[3u32, 18][..]),
+        (3, 32_003, 3.0, &[1, 5]),
+        (4, 4_100, 12.0, &[2, 7]),
+        (3, 200, 1.0, &[64]),
+    ] {
+        let mut logits = logits(&mut rng, rows, vocab, std);
+        logits[1][7] = f32::NAN;
+        logits[2][vocab - 1] = f32::NEG_INFINITY;
+        let draws = checked_draws(rows);
+        for bf16 in [false, true] {
+            if bf16 {
+                for x in logits.iter_mut().flatten() {
+                    *x = half::bf16::from_f32(*x).to_f32();
+                }
+            }
+            for noise in [Noise::Every, Noise::Lazy] {
+                let one = Launch {
+                    bf16,
+                    noise,
+                    ..Launch::default()
+                };
+                let (want, _) = launch(&emu, &logits, &draws, one);
+                for (&parts, skew) in all_parts.iter().zip([0, 1, 3]) {
+                    let how = Launch {
+                        parts: Some(parts),
+                        skew,
+                        ..one
+                    };
+                    let what = format!("vocabulary {vocab}, std {std}, {how:?}");
+                    let (got, arrived) = launch(&emu, &logits, &draws, how);
+                    for (i, ((d, w), g)) in draws.iter().zip(&want).zip(&got).enumerate() {
+                        let p = &d.params;
+                        let truncated = p.inv_temperature > 0.0
+                            && ((p.top_k > 0 && (p.top_k as usize) < vocab)
+                                || p.top_p < 1.0
+                                || p.min_p > 0.0);
+                        let what = format!("{what}, draw {i} {p:?}");
+                        if truncated {
+                            assert_eq!(format!("{g:?}"), format!("{w:?}"), "{what}");
+                            assert_eq!(arrived[i], 0, "{what}");
+                            continue;
+                        }
+                        assert_eq!(arrived[i], parts, "{what}");
+                        assert_eq!(g.token, w.token, "{what}");
+                        let ids =
+                            |d: &Drawn| d.top_logprobs.iter().map(|t| t.0).collect::<Vec<_>>();
+                        assert_eq!(ids(g), ids(w), "{what}");
+                        let mut pairs =
+                            vec![(g.logprob, w.logprob), (g.model_logprob, w.model_logprob)];
+                        pairs.extend(
+                            g.top_logprobs
+                                .iter()
+                                .zip(&w.top_logprobs)
+                                .map(|(a, b)| (a.1, b.1)),
+                        );
+                        for (a, b) in pairs {
+                            assert!((a - b).abs() <= LOGPROB_TOL, "{what}: {a} against {b}");
+                        }
+                    }
+                }
+            }
         }
     }
 }

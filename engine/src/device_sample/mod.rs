@@ -80,6 +80,32 @@ impl Noise {
     }
 }
 
+/// How the kernel draws: its noise, and whether an untruncated draw's row is split over
+/// several blocks (`engine.split_draws`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SampleKernel {
+    pub noise: Noise,
+    /// Each untruncated draw over [`parts`] blocks, merged by the last to finish, where the
+    /// one-block kernel gives a decode batch of a few hundred draws one block each, too few
+    /// for the GPU. The same tokens. Off by default until `dppo doctor` has passed it on a GPU.
+    pub split: bool,
+}
+
+/// Rounds of its block's threads over groups of four logits that a split draw's part takes at
+/// least, so that the merge stays a small share of a part's work.
+const MIN_ROUNDS: usize = 8;
+/// Waves of resident blocks a split launch aims at, so that the last, partial wave is a small
+/// share of the launch.
+const WAVES: usize = 4;
+
+/// Blocks each untruncated draw of `draws` over `vocab` logits is split over, where the GPU
+/// holds `resident` blocks at once (its multiprocessors times the kernel's blocks on each):
+/// about [`WAVES`] waves in all, each part at least [`MIN_ROUNDS`] rounds.
+pub fn parts(draws: usize, vocab: usize, resident: usize) -> u32 {
+    let most = (vocab.div_ceil(4) / (MIN_ROUNDS * THREADS as usize)).max(1);
+    (WAVES * resident).div_ceil(draws.max(1)).clamp(1, most) as u32
+}
+
 /// One draw: the logits row it reads, its noise and what it asks.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DeviceDraw {
@@ -183,10 +209,9 @@ impl Agreement {
 }
 
 /// Draws `draws` from `logits` ((rows, vocab); on a GPU f32 or bf16 as they are, another
-/// dtype cast to f32). On a GPU by the kernel, computing the noise lazily where `noise`
-/// says so; on the CPU by its reference, [`crate::gumbel::draw`], so that the CPU tests run
-/// every other step of this path.
-pub fn sample(logits: &Tensor, draws: &[DeviceDraw], noise: Noise) -> Result<Vec<Drawn>> {
+/// dtype cast to f32). On a GPU by the kernel `kernel` names; on the CPU by its reference,
+/// [`crate::gumbel::draw`], so that the CPU tests run every other step of this path.
+pub fn sample(logits: &Tensor, draws: &[DeviceDraw], kernel: SampleKernel) -> Result<Vec<Drawn>> {
     if draws.is_empty() {
         return Ok(Vec::new());
     }
@@ -197,12 +222,12 @@ pub fn sample(logits: &Tensor, draws: &[DeviceDraw], noise: Noise) -> Result<Vec
             .map(|d| gumbel::draw(&rows[d.row as usize], &d.params, &d.key))
             .collect());
     }
-    on_gpu(logits, draws, noise)
+    on_gpu(logits, draws, kernel)
 }
 
 /// [`sample`] by the kernel.
 #[cfg(feature = "cuda")]
-fn on_gpu(logits: &Tensor, draws: &[DeviceDraw], noise: Noise) -> Result<Vec<Drawn>> {
+fn on_gpu(logits: &Tensor, draws: &[DeviceDraw], kernel: SampleKernel) -> Result<Vec<Drawn>> {
     use candle_core::{bail, DType, Storage};
 
     let candle_core::Device::Cuda(device) = logits.device() else {
@@ -225,29 +250,35 @@ fn on_gpu(logits: &Tensor, draws: &[DeviceDraw], noise: Noise) -> Result<Vec<Dra
     match logits.dtype() {
         DType::BF16 => {
             let slice = storage.as_cuda_slice::<half::bf16>()?.slice(start..end);
-            launch(device, "gumbel_sample_bf16", &slice, vocab, draws, noise)
+            launch(device, "bf16", &slice, vocab, draws, kernel)
         }
         _ => {
             let slice = storage.as_cuda_slice::<f32>()?.slice(start..end);
-            launch(device, "gumbel_sample_f32", &slice, vocab, draws, noise)
+            launch(device, "f32", &slice, vocab, draws, kernel)
         }
     }
 }
 
-/// `kernel` over `logits` (rows of `vocab`) for `draws`: uploads their inputs, launches a block
-/// a draw and brings the results back.
+/// `kernel`, for logits of `dtype` ("f32" or "bf16"), over `logits` (rows of `vocab`) for
+/// `draws`: uploads their inputs, launches a block a draw (or a draw's parts) and brings the
+/// results back.
 #[cfg(feature = "cuda")]
 fn launch<T: DeviceRepr>(
     device: &candle_core::CudaDevice,
-    kernel: &str,
+    dtype: &str,
     logits: &candle_core::cuda_backend::cudarc::driver::CudaView<'_, T>,
     vocab: u32,
     draws: &[DeviceDraw],
-    noise: Noise,
+    kernel: SampleKernel,
 ) -> Result<Vec<Drawn>> {
     use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
 
-    let func = MODULE.function(device, kernel)?;
+    let name = if kernel.split {
+        format!("gumbel_sample_split_{dtype}")
+    } else {
+        format!("gumbel_sample_{dtype}")
+    };
+    let func = MODULE.function(device, &name)?;
     let stream = device.cuda_stream();
     let w = candle_core::Error::wrap;
     let inputs = DrawInputs::of(draws);
@@ -271,17 +302,44 @@ fn launch<T: DeviceRepr>(
             stream.alloc_zeros::<f32>(n * MAX_TOP_LOGPROBS).map_err(w)?,
         ),
     };
+    let parts = if kernel.split {
+        let on_each = func
+            .occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None)
+            .map_err(w)?;
+        let resident = crate::cuda_attn::multiprocessors(device)? * on_each as usize;
+        parts(n, vocab as usize, resident)
+    } else {
+        1
+    };
     let cfg = LaunchConfig {
-        grid_dim: (n as u32, 1, 1),
+        grid_dim: (n as u32, parts, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
+    // The split kernel's scratch: PART_WORDS words a part, and a count a draw, zero.
+    let mut scratch = if kernel.split {
+        let partials = stream
+            .alloc_zeros::<u32>(n * parts as usize * PART_WORDS)
+            .map_err(w)?;
+        Some((partials, stream.alloc_zeros::<u32>(n).map_err(w)?))
+    } else {
+        None
+    };
     let mut launch = stream.launch_builder(&func);
-    let lazy = noise.kernel_arg();
-    push_args(&mut launch, logits, (&vocab, &lazy), &on_device, &mut out);
+    let lazy = kernel.noise.kernel_arg();
+    let args = (&vocab, &lazy);
+    push_args(
+        &mut launch,
+        logits,
+        args,
+        &on_device,
+        &mut out,
+        scratch.as_mut(),
+    );
     // SAFETY: the arguments are the kernel's list in kernels/sample.cu; every buffer holds
     // `n` draws (rows: `rows * vocab` floats; top logprobs MAX_TOP_LOGPROBS slots each, the
-    // kernel's MAX_TOP), and each block writes only its own draw's outputs.
+    // kernel's MAX_TOP; the split kernel's PART_WORDS words for each of a draw's `parts`
+    // parts, the grid's y), and each draw's outputs are written by one block of its own.
     unsafe { launch.launch(cfg) }.map_err(w)?;
     let out = DrawOutputs {
         tokens: download(&stream, &out.tokens)?,
@@ -358,7 +416,8 @@ pub(crate) struct DrawOutputs<U = Vec<u32>, F = Vec<f32>> {
 }
 
 /// Pushes `gumbel_sample`'s arguments in the order of its signature in kernels/sample.cu:
-/// logits, vocab, the inputs, `lazy_noise`, then the outputs ([`crate::kernel_args`]).
+/// logits, vocab, the inputs, `lazy_noise`, then the outputs ([`crate::kernel_args`]), and
+/// for `gumbel_sample_split` its scratch, the parts' words and the draws' counts.
 #[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
 pub(crate) fn push_args<'s, A, L, U, F, OU, OF>(
     list: &mut A,
@@ -366,6 +425,7 @@ pub(crate) fn push_args<'s, A, L, U, F, OU, OF>(
     (vocab, lazy_noise): (&'s u32, &'s u32),
     inputs: &'s DrawInputs<U, F>,
     outputs: &'s mut DrawOutputs<OU, OF>,
+    scratch: Option<&'s mut (OU, OU)>,
 ) where
     A: ArgList<L> + ArgList<&'s u32> + ArgList<&'s U> + ArgList<&'s F>,
     A: ArgList<&'s mut OU> + ArgList<&'s mut OF>,
@@ -393,6 +453,10 @@ pub(crate) fn push_args<'s, A, L, U, F, OU, OF>(
     ArgList::push(list, model_logprobs);
     ArgList::push(list, top_ids);
     ArgList::push(list, top_logprobs);
+    if let Some((partials, arrived)) = scratch {
+        ArgList::push(list, partials);
+        ArgList::push(list, arrived);
+    }
 }
 
 #[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
@@ -414,8 +478,11 @@ impl DrawOutputs {
 }
 
 /// Threads per block: the kernel's `THREADS`.
-#[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
 const THREADS: u32 = 256;
+
+/// Words a split draw's part leaves for the merge: the kernel's `PART_WORDS`.
+#[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
+const PART_WORDS: usize = 6;
 
 /// kernels/sample.cu as the GPU loads it.
 #[cfg(feature = "cuda")]
@@ -424,7 +491,7 @@ static MODULE: crate::nvrtc::Module =
 
 /// Without CUDA the only device is the CPU, which [`sample`] serves itself.
 #[cfg(not(feature = "cuda"))]
-fn on_gpu(logits: &Tensor, _draws: &[DeviceDraw], _noise: Noise) -> Result<Vec<Drawn>> {
+fn on_gpu(logits: &Tensor, _draws: &[DeviceDraw], _kernel: SampleKernel) -> Result<Vec<Drawn>> {
     candle_core::bail!(
         "device sampling: no kernel for {:?} in this build",
         logits.device()
@@ -438,21 +505,59 @@ mod emulated;
 mod tests {
     use super::*;
 
-    /// `engine.lazy_noise` reaches the worker with device sampling, and host sampling draws
-    /// without the kernel.
+    /// `engine.lazy_noise` and `engine.split_draws` reach the worker with device sampling,
+    /// and host sampling draws without the kernel.
     #[test]
-    fn the_engine_draws_with_the_noise_its_config_names() {
-        let cfg = |sampling, lazy_noise| crate::EngineConfig {
+    fn the_engine_draws_with_the_kernel_its_config_names() {
+        let cfg = |sampling, lazy_noise, split_draws| crate::EngineConfig {
             sampling,
             lazy_noise,
+            split_draws,
             ..Default::default()
         };
         let cpu = Device::Cpu;
         let device = SamplingPlace::Device;
-        assert_eq!(cfg(device, true).device_sampling(&cpu), Some(Noise::Lazy));
-        assert_eq!(cfg(device, false).device_sampling(&cpu), Some(Noise::Every));
-        assert_eq!(cfg(SamplingPlace::Host, true).device_sampling(&cpu), None);
-        assert_eq!(cfg(SamplingPlace::Auto, true).device_sampling(&cpu), None);
+        let kernel = |noise, split| Some(SampleKernel { noise, split });
+        let lazy = cfg(device, true, false).device_sampling(&cpu);
+        assert_eq!(lazy, kernel(Noise::Lazy, false));
+        let exact = cfg(device, false, false).device_sampling(&cpu);
+        assert_eq!(exact, kernel(Noise::Every, false));
+        let split = cfg(device, true, true).device_sampling(&cpu);
+        assert_eq!(split, kernel(Noise::Lazy, true));
+        assert_eq!(
+            cfg(SamplingPlace::Host, true, true).device_sampling(&cpu),
+            None
+        );
+        assert_eq!(
+            cfg(SamplingPlace::Auto, true, true).device_sampling(&cpu),
+            None
+        );
+    }
+
+    /// A split fills about four waves of the GPU's resident blocks, never below one part a
+    /// draw, and never below eight rounds of the block's threads a part.
+    #[test]
+    fn a_draws_parts_fill_the_gpu_without_starving_a_block() {
+        // An H200's 132 multiprocessors at 5 blocks each; Qwen's vocabulary: 18 parts at most.
+        let resident = 132 * 5;
+        assert_eq!(parts(256, 151_936, resident), 11);
+        assert_eq!(parts(1_024, 151_936, resident), 3);
+        assert_eq!(parts(4_096, 151_936, resident), 1);
+        assert_eq!(parts(1, 151_936, resident), 18);
+        assert_eq!(parts(0, 151_936, resident), 18);
+        // A vocabulary shorter than a part's eight rounds is one part.
+        assert_eq!(parts(1, 8 * 1024 - 1, resident), 1);
+        assert_eq!(parts(1, 8 * 1024, resident), 1);
+        assert_eq!(parts(1, 16 * 1024, resident), 2);
+        for draws in [1, 7, 100, 256, 1000, 5000] {
+            let p = parts(draws, 49_152, resident) as usize;
+            let rounds = 49_152usize.div_ceil(4) / p / THREADS as usize;
+            assert!(rounds >= 8 && p >= 1, "{draws} draws: {p} parts");
+            assert!(
+                draws * p >= (4 * resident).min(draws * 6),
+                "{draws} draws: {p} parts"
+            );
+        }
     }
 
     #[test]

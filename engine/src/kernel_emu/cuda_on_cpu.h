@@ -13,8 +13,8 @@
 // cp.async copies land when issued in some blocks and only at the wait that completes their
 // group in others (emu::cp_async16); one still in flight at __syncthreads or a thread's return
 // is an error.
-// Not emulated: __launch_bounds__ (ignored), races between blocks (one block at a time), and
-// CUDA's own arithmetic (the host's libm, no FMA contraction).
+// Not emulated: __launch_bounds__ (ignored), races between blocks (one block at a time; atomics
+// and fences are trivial), and CUDA's own arithmetic (the host's libm, no FMA contraction).
 // The test harness (kernel_emu/mod.rs) appends the kernel source, with each
 // `extern __shared__ T name[];` rewritten to `T *name = (T *)emu::dynamic_shared();`, and the
 // table of its kernels, then compiles it all as one shared library.
@@ -469,6 +469,15 @@ __device__ T __shfl_down_sync(unsigned mask, T v, unsigned delta,
 }
 
 #define threadIdx (emu::block.fibers[emu::block.current].tid)
+
+// Blocks run one at a time and a block's threads switch only where they wait, so a plain
+// update is atomic and every write is visible to the next block: the fence has nothing to do.
+__device__ inline unsigned int atomicAdd(unsigned int *address, unsigned int value) {
+    const unsigned int old = *address;
+    *address = old + value;
+    return old;
+}
+__device__ inline void __threadfence() {}
 
 // After the kernels: the table of `NAME`s and the entry point the tests call.
 #define EMU_KERNEL(NAME) \

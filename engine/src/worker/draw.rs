@@ -6,7 +6,7 @@ use rayon::prelude::*;
 
 use super::Worker;
 use crate::cost::IterationCost;
-use crate::device_sample::{self, DeviceDraw, Noise};
+use crate::device_sample::{self, DeviceDraw, SampleKernel};
 use crate::gumbel::{self, DrawKey, DrawParams};
 use crate::plan::{Plan, ScheduledSeq};
 use crate::runner::Logits;
@@ -31,7 +31,7 @@ impl Worker {
         &self,
         plan: &Plan,
         logits: &Logits,
-        noise: Noise,
+        kernel: SampleKernel,
         cost: &mut IterationCost,
     ) -> Result<Vec<Vec<Sampled>>, EngineError> {
         let mut draws = Vec::new();
@@ -56,7 +56,7 @@ impl Worker {
             }
         }
         let rows = logits.rows().expect("a plan with draws has logits");
-        let drawn = device_sample::sample(rows, &draws, noise)?;
+        let drawn = device_sample::sample(rows, &draws, kernel)?;
         // Per draw: its row, key, counters, temperature, top-k, top-p, min-p and top-logprob
         // count up; token and two logprobs down, and the top logprobs' slots when asked.
         cost.h2d_bytes += (40 * draws.len()) as u64;

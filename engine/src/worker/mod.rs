@@ -12,7 +12,7 @@ use dppo_model::{CausalLm, Policy, TextTokenizer};
 use parking_lot::Mutex;
 
 use crate::cost::{nanos, IterationCost};
-use crate::device_sample::Noise;
+use crate::device_sample::SampleKernel;
 use crate::plan::Plan;
 use crate::request::{find_stop, Event, GenerateRequest};
 use crate::runner::Runner;
@@ -107,7 +107,7 @@ pub(crate) struct Worker {
     /// Set by `Command::Shutdown`: return once no work is left.
     stopping: bool,
     /// Draw on the GPU where the iteration's requests allow it, computing the noise so.
-    device_sampling: Option<Noise>,
+    device_sampling: Option<SampleKernel>,
 }
 
 impl Worker {
@@ -117,7 +117,7 @@ impl Worker {
         runner: Runner,
         policy: &Policy,
         stats: Arc<Mutex<EngineStats>>,
-        device_sampling: Option<Noise>,
+        device_sampling: Option<SampleKernel>,
     ) -> Self {
         Self {
             scheduler,
@@ -290,8 +290,8 @@ impl Worker {
             .runner
             .run(&plan, &self.scheduler, &mut cost, on_device.is_some())?;
         let sampling = Instant::now();
-        let sampled = if let Some(noise) = on_device {
-            self.draw_on_device(&plan, &logits, noise, &mut cost)?
+        let sampled = if let Some(kernel) = on_device {
+            self.draw_on_device(&plan, &logits, kernel, &mut cost)?
         } else {
             logits.with_rows(|rows| self.draw_all(&plan, rows))?
         };

@@ -312,6 +312,9 @@ pub struct EngineSettings {
     /// With sampling on a GPU, each score's exact Gumbel noise only where it could win: the
     /// same draws (on: checked and faster on an H200; host sampling ignores it).
     pub lazy_noise: bool,
+    /// With sampling on a GPU, each untruncated draw's row split over several blocks: the
+    /// same draws (off: not yet checked on a GPU; host sampling ignores it).
+    pub split_draws: bool,
     /// candle-nn's fused kernels for RMSNorm, rotary embedding, SiLU and the attention
     /// softmax in the engine: `auto` (on a GPU, where they are checked and faster; not on
     /// the CPU), `true` or `false`.
@@ -341,6 +344,7 @@ impl Default for EngineSettings {
             dtype: DtypeChoice::Auto,
             sampling: SamplingPlace::Auto,
             lazy_noise: true,
+            split_draws: false,
             fused_kernels: FusedKernels::Auto,
             rope_kernel: true,
             rope_writes_kv: false,

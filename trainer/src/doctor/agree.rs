@@ -117,7 +117,7 @@ fn run_checks(
         &on_device, device, &reqs, &want,
     )?);
     checks.push(timed_rollout(&on_device, device, work.rollout)?);
-    checks.extend(super::sampling::lazy_noise(device));
+    checks.extend(super::sampling::kernel_switches(device));
     checks.extend(super::paged::wide_heads(&on_device, device, &reqs));
     checks.extend(super::paged::variant_kernels(device));
     Ok(())

@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use dppo_engine::device_sample::{
-    self, checked_draws, Agreement, Noise, LOGPROB_TOL, MIN_AGREEMENT,
+    self, checked_draws, Agreement, Noise, SampleKernel, LOGPROB_TOL, MIN_AGREEMENT,
 };
 use dppo_engine::gumbel::Drawn;
 
@@ -28,52 +28,97 @@ pub(super) fn device_sampling(device: &Device) -> Result<Vec<Check>, TrainError>
     }
     [DType::F32, DType::BF16]
         .into_iter()
-        .map(|dtype| Ok(draws_from(device, &logits(dtype, 3.0)?, Noise::Every)?.0))
+        .map(|dtype| Ok(draws_from(device, &logits(dtype, 3.0)?, SampleKernel::default())?.0))
         .collect()
 }
 
-/// `engine.lazy_noise`'s checks (an error fails its check alone): from the same logits,
-/// spread (std 3) and close (std 0.3, an untrained model's), the same draws as with every
-/// score's exact noise, bit for bit, and so the host reference's.
-pub(super) fn lazy_noise(device: &Device) -> Vec<Check> {
+/// The kernel's switches against its defaults' draws, an error failing its check alone:
+/// `engine.lazy_noise` (on by default), the same draws as every score's exact noise gives, bit
+/// for bit; then `engine.split_draws` (an experiment's checks until a GPU passes them), the
+/// default kernel's tokens and top-logprob ids, logprobs within [`LOGPROB_TOL`] (the split's
+/// log-sum-exps merge in another order). Each from the same logits, spread (std 3) and close
+/// (std 0.3, an untrained model's), and so the host reference's draws too.
+pub(super) fn kernel_switches(device: &Device) -> Vec<Check> {
     if device.is_cpu() {
         return Vec::new();
     }
+    let exact = SampleKernel::default();
+    let lazy = SampleKernel {
+        noise: Noise::Lazy,
+        ..exact
+    };
+    let split = SampleKernel {
+        split: true,
+        ..lazy
+    };
     let mut checks = Vec::new();
-    for dtype in [DType::F32, DType::BF16] {
-        for std in [3.0, 0.3] {
-            let name = format!("device sampling, lazy noise, {dtype:?} logits, std {std}");
-            let check = match lazy_against_exact(device, dtype, std) {
-                Ok((passed, detail)) => Check::expect(passed, name, detail, BUG_FIX),
-                Err(e) => Check::fail(name, e.to_string(), BUG_FIX),
-            };
-            checks.push(check);
+    for (what, kernel, against, tolerance) in [
+        ("lazy noise", lazy, ("the exact noise", exact), 0.0),
+        ("split draws", split, ("one block a draw", lazy), LOGPROB_TOL),
+    ] {
+        for dtype in [DType::F32, DType::BF16] {
+            for std in [3.0, 0.3] {
+                let name = format!("device sampling, {what}, {dtype:?} logits, std {std}");
+                let kernels = (kernel, against);
+                let check = match against_kernel(device, dtype, std, kernels, tolerance)
+                {
+                    Ok((passed, detail)) => Check::expect(passed, name, detail, BUG_FIX),
+                    Err(e) => Check::fail(name, e.to_string(), BUG_FIX),
+                };
+                checks.push(if kernel.split { check.of_experiment() } else { check });
+            }
         }
     }
     checks
 }
 
-/// Whether lazy noise drew the exact noise's draws and the host reference's from the same
-/// logits in `dtype` at `std`, and what was found.
-fn lazy_against_exact(
+/// Whether `kernel` drew what `against` draws (the same tokens and top-logprob ids, every
+/// logprob within `tolerance`) and the host reference's, from the same logits in `dtype` at
+/// `std`, and what was found.
+fn against_kernel(
     device: &Device,
     dtype: DType,
     std: f32,
+    (kernel, (label, against)): (SampleKernel, (&str, SampleKernel)),
+    tolerance: f32,
 ) -> Result<(bool, String), TrainError> {
     let host = logits(dtype, std)?;
-    let (_, every) = draws_from(device, &host, Noise::Every)?;
-    let (lazy, got) = draws_from(device, &host, Noise::Lazy)?;
-    let same = got == every;
+    let (_, want) = draws_from(device, &host, against)?;
+    let (check, got) = draws_from(device, &host, kernel)?;
+    let (same, worst) = compare_draws(&got, &want);
     let detail = format!(
-        "{}; {} the exact noise's draws",
-        lazy.detail,
+        "{}; against {label}: {}, logprob diff max {worst:.1e} (<= {tolerance:.0e})",
+        check.detail,
         if same {
-            "identical to"
+            "the same tokens"
         } else {
-            "NOT identical to"
+            "OTHER tokens"
         }
     );
-    Ok((lazy.status == Status::Ok && same, detail))
+    Ok((check.status == Status::Ok && same && worst <= tolerance, detail))
+}
+
+/// Whether `got` and `want` hold the same tokens and top-logprob ids, and the largest
+/// difference of their logprobs (infinite where one is NaN and the other not).
+fn compare_draws(got: &[Drawn], want: &[Drawn]) -> (bool, f32) {
+    let mut same = got.len() == want.len();
+    let mut worst = 0f32;
+    let diff = |a: f32, b: f32| match (a.is_nan(), b.is_nan()) {
+        (true, true) => 0.0,
+        (false, false) => (a - b).abs(),
+        _ => f32::INFINITY,
+    };
+    for (g, w) in got.iter().zip(want) {
+        same &= g.token == w.token && g.top_logprobs.len() == w.top_logprobs.len();
+        worst = worst
+            .max(diff(g.logprob, w.logprob))
+            .max(diff(g.model_logprob, w.model_logprob));
+        for (a, b) in g.top_logprobs.iter().zip(&w.top_logprobs) {
+            same &= a.0 == b.0;
+            worst = worst.max(diff(a.1, b.1));
+        }
+    }
+    (same, worst)
 }
 
 /// Logits as the checks draw them, on the host in `dtype`: normal(0, `std`).
@@ -81,18 +126,18 @@ fn logits(dtype: DType, std: f32) -> Result<Tensor, TrainError> {
     Ok(Tensor::randn(0f32, std, (ROWS, VOCAB), &Device::Cpu)?.to_dtype(dtype)?)
 }
 
-/// The check of draws with `noise` from `host` (copied to `device`; the host reference reads
+/// The check of draws by `kernel` from `host` (copied to `device`; the host reference reads
 /// their f32 values), and the draws.
 fn draws_from(
     device: &Device,
     host: &Tensor,
-    noise: Noise,
+    kernel: SampleKernel,
 ) -> Result<(Check, Vec<Drawn>), TrainError> {
     let dtype = host.dtype();
     let logits = host.to_device(device)?;
     let rows = host.to_dtype(DType::F32)?.to_vec2::<f32>()?;
     let draws = checked_draws(ROWS);
-    let got = device_sample::sample(&logits, &draws, noise)?;
+    let got = device_sample::sample(&logits, &draws, kernel)?;
     let agreement = Agreement::of(&rows, &draws, &got);
     let Agreement {
         agreed,

@@ -51,6 +51,7 @@ pub(super) fn engine_config(
         dtype: Some(cfg.engine.dtype.resolve(device)),
         sampling: cfg.engine.sampling,
         lazy_noise: cfg.engine.lazy_noise,
+        split_draws: cfg.engine.split_draws,
         fused_kernels: cfg.engine.fused_kernels,
         rope_kernel: cfg.engine.rope_kernel,
         rope_writes_kv: cfg.engine.rope_writes_kv,
