@@ -401,13 +401,28 @@ __device__ void gumbel_sample(
 // Four logits of a group as one load: 16 bytes in f32, 8 in bf16.
 template <typename T> struct alignas(4 * sizeof(T)) Quad { T x[4]; };
 
+// The Quad at `p` (aligned to one): one vector load on a GPU, a copy on the host, where a
+// misaligned address fails as it faults on a GPU.
+template <typename T>
+__device__ __forceinline__ Quad<T> load_quad(const T *p) {
+#ifdef __CUDA_ARCH__
+    return *reinterpret_cast<const Quad<T> *>(p);
+#else
+    if ((size_t)p % sizeof(Quad<T>) != 0)
+        emu::fail("a %zu-byte load from a misaligned address", sizeof(Quad<T>));
+    Quad<T> q;
+    memcpy(&q, p, sizeof q);
+    return q;
+#endif
+}
+
 // Group g's logits 4g..4g+3 as f32 (NaN read as -inf, -inf past the vocabulary): one load for
-// the four where `whole` (the row aligned to a Quad and the vocabulary a multiple of four).
+// the four where the row is `aligned` to a Quad and the group lies within the vocabulary.
 template <typename T>
 __device__ __forceinline__ void load_group(const T *row, unsigned int g, unsigned int vocab,
-                                           bool whole, float (&ls)[4]) {
-    if (whole) {
-        const Quad<T> q = reinterpret_cast<const Quad<T> *>(row)[g];
+                                           bool aligned, float (&ls)[4]) {
+    if (aligned && 4 * g + 4 <= vocab) {
+        const Quad<T> q = load_quad(row + 4 * g);
         for (int lane = 0; lane < 4; ++lane) ls[lane] = clean(q.x[lane]);
         return;
     }
@@ -428,14 +443,14 @@ __device__ void draw_groups(const T *row, unsigned int vocab, unsigned int lo, u
                             const unsigned int (&counter)[2], Best &best, Lse &raw,
                             Lse &kept) {
     const bool kept_is_raw = scale == 1.0f;
-    const bool whole = vocab % 4 == 0 && (size_t)row % sizeof(Quad<T>) == 0;
+    const bool aligned = (size_t)row % sizeof(Quad<T>) == 0;
     const bool share = lazy && !greedy;
     float bar = NEG_INF;
     for (unsigned int g0 = lo; g0 < hi; g0 += THREADS) {
         const unsigned int g = g0 + threadIdx.x;
         if (g < hi) {
             float ls[4], ss[4];
-            load_group(row, g, vocab, whole, ls);
+            load_group(row, g, vocab, aligned, ls);
             const float reach = fmaxf(bar, best.score);
             bool any = false;
             for (unsigned int lane = 0; lane < 4; ++lane) {
