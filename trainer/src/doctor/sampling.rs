@@ -54,18 +54,26 @@ pub(super) fn kernel_switches(device: &Device) -> Vec<Check> {
     let mut checks = Vec::new();
     for (what, kernel, against, tolerance) in [
         ("lazy noise", lazy, ("the exact noise", exact), 0.0),
-        ("split draws", split, ("one block a draw", lazy), LOGPROB_TOL),
+        (
+            "split draws",
+            split,
+            ("one block a draw", lazy),
+            LOGPROB_TOL,
+        ),
     ] {
         for dtype in [DType::F32, DType::BF16] {
             for std in [3.0, 0.3] {
                 let name = format!("device sampling, {what}, {dtype:?} logits, std {std}");
                 let kernels = (kernel, against);
-                let check = match against_kernel(device, dtype, std, kernels, tolerance)
-                {
+                let check = match against_kernel(device, dtype, std, kernels, tolerance) {
                     Ok((passed, detail)) => Check::expect(passed, name, detail, BUG_FIX),
                     Err(e) => Check::fail(name, e.to_string(), BUG_FIX),
                 };
-                checks.push(if kernel.split { check.of_experiment() } else { check });
+                checks.push(if kernel.split {
+                    check.of_experiment()
+                } else {
+                    check
+                });
             }
         }
     }
@@ -95,7 +103,10 @@ fn against_kernel(
             "OTHER tokens"
         }
     );
-    Ok((check.status == Status::Ok && same && worst <= tolerance, detail))
+    Ok((
+        check.status == Status::Ok && same && worst <= tolerance,
+        detail,
+    ))
 }
 
 /// Whether `got` and `want` hold the same tokens and top-logprob ids, and the largest
