@@ -130,7 +130,9 @@ fn gpu_check_targets_dry_run_measures_each_target() {
         assert!(ok, "{text}");
         let steps = summary_steps(dir.path());
         let names: Vec<&str> = steps.iter().map(|s| s["name"].as_str().unwrap()).collect();
-        let mut expected = vec!["doctor".to_string()];
+        let mut expected = ["doctor", "sample-b1024", "sample-b256"]
+            .map(String::from)
+            .to_vec();
         if bench {
             expected.push(format!("attention-{shape}-b1024"));
         }
@@ -139,7 +141,6 @@ fn gpu_check_targets_dry_run_measures_each_target() {
             ["floor", "graphs-floor", "rollout", "graphs-rollout", "hf"]
                 .map(|s| format!("target-{s}-{shape}")),
         );
-        expected.extend(["sample-b1024", "sample-b256"].map(String::from));
         expected.extend(
             [
                 "graphs-split-draws-floor",

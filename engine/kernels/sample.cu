@@ -488,7 +488,8 @@ __device__ void draw_groups(const T *row, unsigned int vocab, unsigned int lo, u
 // parts; `engine.split_draws`), so that a batch of a few hundred draws fills the GPU. Block
 // (d, p) draws over the p-th share of d's groups and leaves its result in
 // partials[(d * parts + p) * PART_WORDS ..]; the block that finishes d last (by a count a draw
-// in `arrived`, zero at launch) merges the parts in part order and finishes the draw. A
+// in `arrived`, zero at launch and left zero) merges the parts in part order and finishes the
+// draw. A
 // truncated draw, whose cut needs the whole row, is the one-block kernel's in block (d, 0).
 template <typename T>
 __device__ void gumbel_sample_split(
@@ -553,6 +554,8 @@ __device__ void gumbel_sample_split(
         raw = lse_merge(raw, r);
         kept = lse_merge(kept, k);
     }
+    // Every part has counted in: the count is left zero for the next launch on the buffer.
+    if (threadIdx.x == 0) arrived[d] = 0;
     finish_draw(row, vocab, d, greedy, scale, best, raw, kept, n_tops, tokens, logprobs,
                 model_logprobs, top_ids, top_logprobs);
 }

@@ -97,9 +97,9 @@ fn generate_runs_a_random_weight_shape_from_its_spec() {
 }
 
 /// `bench sample` on the CPU times the kernel's host reference: a row for each spread and
-/// noise, the lazy noise's tokens the exact noise's.
+/// kernel (the exact noise, lazy noise, split draws), their tokens the exact noise's.
 #[test]
-fn bench_sample_json_reports_each_spread_and_noise() {
+fn bench_sample_json_reports_each_spread_and_kernel() {
     let (ok, stdout, stderr) = dppo(&[
         "bench", "sample", "--device", "cpu", "--rows", "4", "--vocab", "3000", "--std", "0.3,12",
         "--iters", "1", "--json",
@@ -108,20 +108,25 @@ fn bench_sample_json_reports_each_spread_and_noise() {
     let report: Value = serde_json::from_str(stdout.trim()).unwrap();
     assert_eq!(report["on_device"], false, "{report}");
     let results = report["results"].as_array().unwrap();
-    let settings: Vec<(f64, &str)> = results
+    let settings: Vec<(f64, &str, bool)> = results
         .iter()
-        .map(|r| (r["std"].as_f64().unwrap(), r["noise"].as_str().unwrap()))
+        .map(|r| {
+            let noise = r["noise"].as_str().unwrap();
+            (r["std"].as_f64().unwrap(), noise, r["split"] == true)
+        })
         .collect();
     assert_eq!(
         settings,
         [
-            (0.3, "exact"),
-            (0.3, "lazy"),
-            (12.0, "exact"),
-            (12.0, "lazy")
+            (0.3, "exact", false),
+            (0.3, "lazy", false),
+            (0.3, "lazy", true),
+            (12.0, "exact", false),
+            (12.0, "lazy", false),
+            (12.0, "lazy", true)
         ]
     );
-    // (On the CPU both noises draw through the host reference, so their tokens are the
+    // (On the CPU every kernel draws through the host reference, so their tokens are the
     // same by construction; a GPU compares the kernel's.)
     for r in results {
         assert!(r["us_per_call"].as_f64().unwrap() > 0.0, "{r}");

@@ -58,8 +58,7 @@ pub enum Noise {
     Every,
     /// A score's exact noise only where one fast exp cannot show that it stays below the
     /// best score its warp has drawn: far fewer logs where many scores are close (an
-    /// untrained model's).
-    /// Off by default until `dppo doctor` has passed it on a GPU.
+    /// untrained model's). `engine.lazy_noise`'s default, passed by `dppo doctor` on an H200.
     Lazy,
 }
 
@@ -103,6 +102,8 @@ const WAVES: usize = 4;
 /// about [`WAVES`] waves in all, each part at least [`MIN_ROUNDS`] rounds.
 pub fn parts(draws: usize, vocab: usize, resident: usize) -> u32 {
     let most = (vocab.div_ceil(4) / (MIN_ROUNDS * THREADS as usize)).max(1);
+    // The grid's y holds at most 65,535 blocks.
+    let most = most.min(65_535);
     (WAVES * resident).div_ceil(draws.max(1)).clamp(1, most) as u32
 }
 
@@ -318,9 +319,7 @@ fn launch<T: DeviceRepr>(
     };
     // The split kernel's scratch: PART_WORDS words a part, and a count a draw, zero.
     let mut scratch = if kernel.split {
-        let partials = stream
-            .alloc_zeros::<u32>(n * parts as usize * PART_WORDS)
-            .map_err(w)?;
+        let partials = nan_words(&stream, n * parts as usize * PART_WORDS)?;
         Some((partials, stream.alloc_zeros::<u32>(n).map_err(w)?))
     } else {
         None
@@ -337,9 +336,10 @@ fn launch<T: DeviceRepr>(
         scratch.as_mut(),
     );
     // SAFETY: the arguments are the kernel's list in kernels/sample.cu; every buffer holds
-    // `n` draws (rows: `rows * vocab` floats; top logprobs MAX_TOP_LOGPROBS slots each, the
+    // `n` draws (rows: `rows * vocab` elements; top logprobs MAX_TOP_LOGPROBS slots each, the
     // kernel's MAX_TOP; the split kernel's PART_WORDS words for each of a draw's `parts`
-    // parts, the grid's y), and each draw's outputs are written by one block of its own.
+    // parts, the grid's y, and its counts zeroed), and each draw's outputs are written by one
+    // block of its own.
     unsafe { launch.launch(cfg) }.map_err(w)?;
     let out = DrawOutputs {
         tokens: download(&stream, &out.tokens)?,
@@ -356,6 +356,25 @@ fn launch<T: DeviceRepr>(
         },
     };
     Ok(out.drawn(&inputs.n_tops))
+}
+
+/// `len` words of 0xFF bytes (NaN as floats) on `stream`: a part the merge read before its
+/// block wrote it would show as a NaN logprob, where zeros would pass for a plausible part.
+#[cfg(feature = "cuda")]
+fn nan_words(stream: &Arc<CudaStream>, len: usize) -> Result<CudaSlice<u32>> {
+    use candle_core::cuda_backend::cudarc::driver::{result, DevicePtrMut};
+    let w = candle_core::Error::wrap;
+    stream.context().bind_to_thread().map_err(w)?;
+    // SAFETY: every bit pattern is a u32, and the memset below fills the words before any
+    // read, in the stream's order.
+    let mut words = unsafe { stream.alloc::<u32>(len) }.map_err(w)?;
+    {
+        // The guard records the memset on the words' event where the context tracks them.
+        let (ptr, _record) = words.device_ptr_mut(stream);
+        // SAFETY: `ptr` holds `len` words allocated on `stream`, not freed.
+        unsafe { result::memset_d8_async(ptr, 0xFF, len * 4, stream.cu_stream()) }.map_err(w)?;
+    }
+    Ok(words)
 }
 
 /// `host` copied to the device on `stream`.

@@ -1,8 +1,9 @@
 // CUDA kernel sources run on the CPU, for tests. A block's threads are fibers on the calling
 // thread, switched only where CUDA threads wait for each other: at __syncthreads and at a warp
 // shuffle (the warp's lanes exchange through a buffer, a warp-wide barrier between writing and
-// reading). Blocks run one after another, under two schedules in turn (block by block, and
-// launch by launch for one-block grids): waiting threads resumed in index order, or the lanes
+// reading). Blocks run one after another, first to last and last to first in turn from launch
+// to launch, under two schedules in turn (block by block, and launch by launch for one-block
+// grids): waiting threads resumed in index order, or the lanes
 // of the warp that just waited first (so one warp runs ahead of the others, as a missing
 // barrier lets it on a GPU). A barrier that some threads never reach, a shuffle from a partial
 // warp or with lanes out of step (matched by count and source line, stricter than sm_70+), launch
@@ -390,10 +391,13 @@ inline int launch(const Kernel *kernels, size_t count, const char *name, const u
     gridDim = {grid[0], grid[1], grid[2]};
     blockDim = {threads[0], threads[1], threads[2]};
     int status = 0;
+    // Every other launch runs its blocks last to first, so that no kernel's result can rest
+    // on an order of blocks a GPU does not promise.
+    const auto in_turn = [&](unsigned i, unsigned n) { return launch_parity ? n - 1 - i : i; };
     for (unsigned z = 0; z < grid[2] && status == 0; ++z)
         for (unsigned y = 0; y < grid[1] && status == 0; ++y)
             for (unsigned x = 0; x < grid[0] && status == 0; ++x) {
-                blockIdx = {x, y, z};
+                blockIdx = {in_turn(x, grid[0]), in_turn(y, grid[1]), in_turn(z, grid[2])};
                 block.warp_first = (launch_parity + x + y + z) % 2 == 1;
                 // The two schedules and the two ways copies land take turns independently.
                 block.defer_copies = (launch_parity + x + y + z) / 2 % 2 == 1;

@@ -28,16 +28,32 @@ pub(super) fn device_sampling(device: &Device) -> Result<Vec<Check>, TrainError>
     }
     [DType::F32, DType::BF16]
         .into_iter()
-        .map(|dtype| Ok(draws_from(device, &logits(dtype, 3.0)?, SampleKernel::default())?.0))
+        .map(|dtype| {
+            Ok(draws_from(device, &logits(dtype, 3.0, VOCAB)?, SampleKernel::default())?.0)
+        })
         .collect()
+}
+
+/// One comparison of the kernel's switches: what is compared, the kernel and the one it is
+/// held to (named), the logprob tolerance, and the logits' dtype, spread and vocabulary.
+struct Comparison {
+    what: &'static str,
+    kernel: SampleKernel,
+    against: (&'static str, SampleKernel),
+    tolerance: f32,
+    dtype: DType,
+    std: f32,
+    vocab: usize,
 }
 
 /// The kernel's switches against its defaults' draws, an error failing its check alone:
 /// `engine.lazy_noise` (on by default), the same draws as every score's exact noise gives, bit
 /// for bit; then `engine.split_draws` (an experiment's checks until a GPU passes them), the
-/// default kernel's tokens and top-logprob ids, logprobs within [`LOGPROB_TOL`] (the split's
+/// one-block kernel's tokens and top-logprob ids, logprobs within [`LOGPROB_TOL`] (the split's
 /// log-sum-exps merge in another order). Each from the same logits, spread (std 3) and close
-/// (std 0.3, an untrained model's), and so the host reference's draws too.
+/// (std 0.3, an untrained model's), and so the host reference's draws too; the split also
+/// over a vocabulary one short of Qwen's (rows off its vector loads' alignment, a last group
+/// of three) and with the exact noise.
 pub(super) fn kernel_switches(device: &Device) -> Vec<Check> {
     if device.is_cpu() {
         return Vec::new();
@@ -51,60 +67,92 @@ pub(super) fn kernel_switches(device: &Device) -> Vec<Check> {
         split: true,
         ..lazy
     };
-    let mut checks = Vec::new();
+    let split_exact = SampleKernel {
+        split: true,
+        ..exact
+    };
+    let one_block = "one block a draw";
+    let mut comparisons = Vec::new();
     for (what, kernel, against, tolerance) in [
         ("lazy noise", lazy, ("the exact noise", exact), 0.0),
-        (
-            "split draws",
-            split,
-            ("one block a draw", lazy),
-            LOGPROB_TOL,
-        ),
+        ("split draws", split, (one_block, lazy), LOGPROB_TOL),
     ] {
         for dtype in [DType::F32, DType::BF16] {
             for std in [3.0, 0.3] {
-                let name = format!("device sampling, {what}, {dtype:?} logits, std {std}");
-                let kernels = (kernel, against);
-                let check = match against_kernel(device, dtype, std, kernels, tolerance) {
-                    Ok((passed, detail)) => Check::expect(passed, name, detail, BUG_FIX),
-                    Err(e) => Check::fail(name, e.to_string(), BUG_FIX),
-                };
-                checks.push(if kernel.split {
-                    check.of_experiment()
-                } else {
-                    check
+                comparisons.push(Comparison {
+                    what,
+                    kernel,
+                    against,
+                    tolerance,
+                    dtype,
+                    std,
+                    vocab: VOCAB,
                 });
             }
         }
     }
-    checks
+    let odd = Comparison {
+        what: "split draws",
+        kernel: split,
+        against: (one_block, lazy),
+        tolerance: LOGPROB_TOL,
+        dtype: DType::BF16,
+        std: 0.3,
+        vocab: VOCAB - 1,
+    };
+    let exact_noise = Comparison {
+        what: "split draws, exact noise",
+        kernel: split_exact,
+        against: (one_block, exact),
+        std: 3.0,
+        vocab: VOCAB,
+        ..odd
+    };
+    comparisons.extend([odd, exact_noise]);
+    comparisons
+        .into_iter()
+        .map(|c| {
+            let mut name = format!(
+                "device sampling, {}, {:?} logits, std {}",
+                c.what, c.dtype, c.std
+            );
+            if c.vocab != VOCAB {
+                name += &format!(", vocabulary {}", c.vocab);
+            }
+            let check = match against_kernel(device, &c) {
+                Ok((passed, detail)) => Check::expect(passed, name, detail, BUG_FIX),
+                Err(e) => Check::fail(name, e.to_string(), BUG_FIX),
+            };
+            if c.kernel.split {
+                check.of_experiment()
+            } else {
+                check
+            }
+        })
+        .collect()
 }
 
-/// Whether `kernel` drew what `against` draws (the same tokens and top-logprob ids, every
-/// logprob within `tolerance`) and the host reference's, from the same logits in `dtype` at
-/// `std`, and what was found.
-fn against_kernel(
-    device: &Device,
-    dtype: DType,
-    std: f32,
-    (kernel, (label, against)): (SampleKernel, (&str, SampleKernel)),
-    tolerance: f32,
-) -> Result<(bool, String), TrainError> {
-    let host = logits(dtype, std)?;
+/// Whether `c.kernel` drew what `c.against` draws (the same tokens and top-logprob ids, every
+/// logprob within `c.tolerance`) and the host reference's, from the same logits, and what was
+/// found.
+fn against_kernel(device: &Device, c: &Comparison) -> Result<(bool, String), TrainError> {
+    let host = logits(c.dtype, c.std, c.vocab)?;
+    let (label, against) = c.against;
     let (_, want) = draws_from(device, &host, against)?;
-    let (check, got) = draws_from(device, &host, kernel)?;
+    let (check, got) = draws_from(device, &host, c.kernel)?;
     let (same, worst) = compare_draws(&got, &want);
     let detail = format!(
-        "{}; against {label}: {}, logprob diff max {worst:.1e} (<= {tolerance:.0e})",
+        "{}; against {label}: {}, logprob diff max {worst:.1e} (<= {:.0e})",
         check.detail,
         if same {
             "the same tokens"
         } else {
             "OTHER tokens"
-        }
+        },
+        c.tolerance
     );
     Ok((
-        check.status == Status::Ok && same && worst <= tolerance,
+        check.status == Status::Ok && same && worst <= c.tolerance,
         detail,
     ))
 }
@@ -132,9 +180,9 @@ fn compare_draws(got: &[Drawn], want: &[Drawn]) -> (bool, f32) {
     (same, worst)
 }
 
-/// Logits as the checks draw them, on the host in `dtype`: normal(0, `std`).
-fn logits(dtype: DType, std: f32) -> Result<Tensor, TrainError> {
-    Ok(Tensor::randn(0f32, std, (ROWS, VOCAB), &Device::Cpu)?.to_dtype(dtype)?)
+/// Logits as the checks draw them, on the host in `dtype`: normal(0, `std`), `vocab` a row.
+fn logits(dtype: DType, std: f32, vocab: usize) -> Result<Tensor, TrainError> {
+    Ok(Tensor::randn(0f32, std, (ROWS, vocab), &Device::Cpu)?.to_dtype(dtype)?)
 }
 
 /// The check of draws by `kernel` from `host` (copied to `device`; the host reference reads
@@ -156,8 +204,9 @@ fn draws_from(
         first_disagreement,
         ..
     } = agreement;
+    let vocab = rows.first().map_or(0, Vec::len);
     let mut detail = format!(
-        "{agreed}/{} draws ({ROWS} rows x {VOCAB} logits; temperature, top-k, top-p, min-p) \
+        "{agreed}/{} draws ({ROWS} rows x {vocab} logits; temperature, top-k, top-p, min-p) \
          pick the host reference's token and top logprobs (>= {MIN_AGREEMENT}); logprob diff \
          max {worst:.1e} (<= {LOGPROB_TOL:.0e})",
         draws.len()
