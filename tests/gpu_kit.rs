@@ -136,14 +136,21 @@ fn gpu_check_targets_dry_run_measures_each_target() {
         if bench {
             expected.push(format!("attention-{shape}-b1024"));
         }
-        // The decode steps first, then the full rollouts; each dppo row again with graphs.
+        // The decode steps first, then the full rollouts; each dppo row again with graphs. The
+        // floor on graphs with split draws, not the protocol's, runs between them.
         expected.extend(
-            ["floor", "graphs-floor", "rollout", "graphs-rollout", "hf"]
-                .map(|s| format!("target-{s}-{shape}")),
+            [
+                "floor",
+                "graphs-floor",
+                "graphs-split-draws-floor",
+                "rollout",
+                "graphs-rollout",
+                "hf",
+            ]
+            .map(|s| format!("target-{s}-{shape}")),
         );
         expected.extend(
             [
-                "graphs-split-draws-floor",
                 "split-draws",
                 "timed",
                 "graphs-rope-writes-kv",
