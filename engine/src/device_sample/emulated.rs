@@ -1,4 +1,4 @@
-//! kernels/sample.cu itself, run on the CPU ([`crate::kernel_emu`]) over the draws `dppo
+//! kernels/sample.cu and sample_split.cu themselves, run on the CPU ([`crate::kernel_emu`]) over the draws `dppo
 //! doctor` checks on a GPU, held to the host reference by the same measure.
 
 use rand::rngs::StdRng;

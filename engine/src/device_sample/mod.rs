@@ -20,9 +20,12 @@ use crate::kernel_args::ArgList;
 #[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
 use crate::sampler::MAX_TOP_LOGPROBS;
 
-/// The kernel's CUDA source, compiled by NVRTC at run time (and in CI by
-/// `scripts/check-kernels`).
-pub const SOURCE: &str = include_str!("../../kernels/sample.cu");
+/// The kernels' CUDA source, kernels/sample.cu then kernels/sample_split.cu, compiled by NVRTC
+/// at run time (and in CI by `scripts/check-kernels`).
+pub const SOURCE: &str = concat!(
+    include_str!("../../kernels/sample.cu"),
+    include_str!("../../kernels/sample_split.cu")
+);
 
 /// Where the engine samples (`engine.sampling`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -335,7 +338,7 @@ fn launch<T: DeviceRepr>(
         &mut out,
         scratch.as_mut(),
     );
-    // SAFETY: the arguments are the kernel's list in kernels/sample.cu; every buffer holds
+    // SAFETY: the arguments are the kernel's list in kernels/sample*.cu; every buffer holds
     // `n` draws (rows: `rows * vocab` elements; top logprobs MAX_TOP_LOGPROBS slots each, the
     // kernel's MAX_TOP; the split kernel's PART_WORDS words for each of a draw's `parts`
     // parts, the grid's y, and its counts zeroed), and each draw's outputs are written by one
@@ -436,7 +439,8 @@ pub(crate) struct DrawOutputs<U = Vec<u32>, F = Vec<f32>> {
 
 /// Pushes `gumbel_sample`'s arguments in the order of its signature in kernels/sample.cu:
 /// logits, vocab, the inputs, `lazy_noise`, then the outputs ([`crate::kernel_args`]), and
-/// for `gumbel_sample_split` its scratch, the parts' words and the draws' counts.
+/// for `gumbel_sample_split` (kernels/sample_split.cu) its scratch, the parts' words and the
+/// draws' counts.
 #[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
 pub(crate) fn push_args<'s, A, L, U, F, OU, OF>(
     list: &mut A,
@@ -503,7 +507,7 @@ const THREADS: u32 = 256;
 #[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
 const PART_WORDS: usize = 6;
 
-/// kernels/sample.cu as the GPU loads it.
+/// kernels/sample.cu and sample_split.cu as the GPU loads them.
 #[cfg(feature = "cuda")]
 static MODULE: crate::nvrtc::Module =
     crate::nvrtc::Module::new("dppo_sample", "kernels/sample.cu", SOURCE);
