@@ -5,20 +5,11 @@
 //! per draw when some draw asks for top logprobs) instead of a vocabulary-sized row.
 //! [`crate::gumbel`] is the kernel's reference.
 
-#[cfg(feature = "cuda")]
-use std::sync::Arc;
-
-#[cfg(feature = "cuda")]
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
 use candle_core::{Device, Result, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::diff::abs_diff;
 use crate::gumbel::{self, DrawKey, DrawParams, Drawn};
-#[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
-use crate::kernel_args::ArgList;
-#[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
-use crate::sampler::MAX_TOP_LOGPROBS;
 
 /// The kernels' CUDA source, kernels/sample.cu then kernels/sample_split.cu, compiled by NVRTC
 /// at run time (and in CI by `scripts/check-kernels`).
@@ -229,277 +220,6 @@ pub fn sample(logits: &Tensor, draws: &[DeviceDraw], kernel: SampleKernel) -> Re
     on_gpu(logits, draws, kernel)
 }
 
-/// [`sample`] by the kernel.
-#[cfg(feature = "cuda")]
-fn on_gpu(logits: &Tensor, draws: &[DeviceDraw], kernel: SampleKernel) -> Result<Vec<Drawn>> {
-    use candle_core::{bail, DType, Storage};
-
-    let candle_core::Device::Cuda(device) = logits.device() else {
-        bail!("device sampling: the logits are on neither the CPU nor a GPU");
-    };
-    if logits.rank() != 2 {
-        bail!("device sampling: expected (rows, vocab) logits");
-    }
-    // The kernel reads f32 and bf16 as they are; another dtype is cast to f32 first.
-    let logits = match logits.dtype() {
-        DType::F32 | DType::BF16 => logits.contiguous()?,
-        _ => logits.to_dtype(DType::F32)?,
-    };
-    let vocab = logits.dim(1)? as u32;
-    let (storage, layout) = logits.storage_and_layout();
-    let (Storage::Cuda(storage), Some((start, end))) = (&*storage, layout.contiguous_offsets())
-    else {
-        bail!("device sampling: the logits are not contiguous on a GPU");
-    };
-    match logits.dtype() {
-        DType::BF16 => {
-            let slice = storage.as_cuda_slice::<half::bf16>()?.slice(start..end);
-            launch(device, "bf16", &slice, vocab, draws, kernel)
-        }
-        _ => {
-            let slice = storage.as_cuda_slice::<f32>()?.slice(start..end);
-            launch(device, "f32", &slice, vocab, draws, kernel)
-        }
-    }
-}
-
-/// `kernel`, for logits of `dtype` ("f32" or "bf16"), over `logits` (rows of `vocab`) for
-/// `draws`: uploads their inputs, launches a block a draw (or a draw's parts) and brings the
-/// results back.
-#[cfg(feature = "cuda")]
-fn launch<T: DeviceRepr>(
-    device: &candle_core::CudaDevice,
-    dtype: &str,
-    logits: &candle_core::cuda_backend::cudarc::driver::CudaView<'_, T>,
-    vocab: u32,
-    draws: &[DeviceDraw],
-    kernel: SampleKernel,
-) -> Result<Vec<Drawn>> {
-    use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
-
-    let name = if kernel.split {
-        format!("gumbel_sample_split_{dtype}")
-    } else {
-        format!("gumbel_sample_{dtype}")
-    };
-    let func = MODULE.function(device, &name)?;
-    let stream = device.cuda_stream();
-    let w = candle_core::Error::wrap;
-    let inputs = DrawInputs::of(draws);
-    let on_device = DrawInputs {
-        rows: upload(&stream, &inputs.rows)?,
-        keys: upload(&stream, &inputs.keys)?,
-        counters: upload(&stream, &inputs.counters)?,
-        inv_temps: upload(&stream, &inputs.inv_temps)?,
-        top_ks: upload(&stream, &inputs.top_ks)?,
-        top_ps: upload(&stream, &inputs.top_ps)?,
-        min_ps: upload(&stream, &inputs.min_ps)?,
-        n_tops: upload(&stream, &inputs.n_tops)?,
-    };
-    let n = draws.len();
-    let mut out = DrawOutputs {
-        tokens: stream.alloc_zeros::<u32>(n).map_err(w)?,
-        logprobs: stream.alloc_zeros::<f32>(n).map_err(w)?,
-        model_logprobs: stream.alloc_zeros::<f32>(n).map_err(w)?,
-        top: (
-            stream.alloc_zeros::<u32>(n * MAX_TOP_LOGPROBS).map_err(w)?,
-            stream.alloc_zeros::<f32>(n * MAX_TOP_LOGPROBS).map_err(w)?,
-        ),
-    };
-    let parts = if kernel.split {
-        let on_each = func
-            .occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None)
-            .map_err(w)?;
-        let resident = crate::cuda_attn::multiprocessors(device)? * on_each as usize;
-        parts(n, vocab as usize, resident)
-    } else {
-        1
-    };
-    let cfg = LaunchConfig {
-        grid_dim: (n as u32, parts, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // The split kernel's scratch: PART_WORDS words a part, and a count a draw, zero.
-    let mut scratch = if kernel.split {
-        let partials = nan_words(&stream, n * parts as usize * PART_WORDS)?;
-        Some((partials, stream.alloc_zeros::<u32>(n).map_err(w)?))
-    } else {
-        None
-    };
-    let mut launch = stream.launch_builder(&func);
-    let lazy = kernel.noise.kernel_arg();
-    let args = (&vocab, &lazy);
-    push_args(
-        &mut launch,
-        logits,
-        args,
-        &on_device,
-        &mut out,
-        scratch.as_mut(),
-    );
-    // SAFETY: the arguments are the kernel's list in kernels/sample*.cu; every buffer holds
-    // `n` draws (rows: `rows * vocab` elements; top logprobs MAX_TOP_LOGPROBS slots each, the
-    // kernel's MAX_TOP; the split kernel's PART_WORDS words for each of a draw's `parts`
-    // parts, the grid's y, and its counts zeroed), and each draw's outputs are written by one
-    // block of its own.
-    unsafe { launch.launch(cfg) }.map_err(w)?;
-    let out = DrawOutputs {
-        tokens: download(&stream, &out.tokens)?,
-        logprobs: download(&stream, &out.logprobs)?,
-        model_logprobs: download(&stream, &out.model_logprobs)?,
-        // The top logprobs come back only when some draw asked for them.
-        top: if inputs.n_tops.iter().any(|&k| k > 0) {
-            (
-                download(&stream, &out.top.0)?,
-                download(&stream, &out.top.1)?,
-            )
-        } else {
-            (Vec::new(), Vec::new())
-        },
-    };
-    Ok(out.drawn(&inputs.n_tops))
-}
-
-/// `len` words of 0xFF bytes (NaN as floats) on `stream`: a part the merge read before its
-/// block wrote it would show as a NaN logprob, where zeros would pass for a plausible part.
-#[cfg(feature = "cuda")]
-fn nan_words(stream: &Arc<CudaStream>, len: usize) -> Result<CudaSlice<u32>> {
-    use candle_core::cuda_backend::cudarc::driver::{result, DevicePtrMut};
-    let w = candle_core::Error::wrap;
-    stream.context().bind_to_thread().map_err(w)?;
-    // SAFETY: every bit pattern is a u32, and the memset below fills the words before any
-    // read, in the stream's order.
-    let mut words = unsafe { stream.alloc::<u32>(len) }.map_err(w)?;
-    {
-        // The guard records the memset on the words' event where the context tracks them.
-        let (ptr, _record) = words.device_ptr_mut(stream);
-        // SAFETY: `ptr` holds `len` words allocated on `stream`, not freed.
-        unsafe { result::memset_d8_async(ptr, 0xFF, len * 4, stream.cu_stream()) }.map_err(w)?;
-    }
-    Ok(words)
-}
-
-/// `host` copied to the device on `stream`.
-#[cfg(feature = "cuda")]
-fn upload<T: DeviceRepr>(stream: &Arc<CudaStream>, host: &[T]) -> Result<CudaSlice<T>> {
-    stream.clone_htod(host).map_err(candle_core::Error::wrap)
-}
-
-/// `device` copied back to the host on `stream`.
-#[cfg(feature = "cuda")]
-fn download<T: DeviceRepr>(stream: &Arc<CudaStream>, device: &CudaSlice<T>) -> Result<Vec<T>> {
-    stream.clone_dtoh(device).map_err(candle_core::Error::wrap)
-}
-
-/// The kernel's per-draw inputs, a buffer each: host vectors, or their copies on the device
-/// (`U` holds u32s, `F` f32s).
-#[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
-pub(crate) struct DrawInputs<U = Vec<u32>, F = Vec<f32>> {
-    rows: U,
-    /// Two words a draw, low first.
-    keys: U,
-    /// (position, sample index) a draw.
-    counters: U,
-    inv_temps: F,
-    top_ks: U,
-    top_ps: F,
-    min_ps: F,
-    n_tops: U,
-}
-
-#[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
-impl DrawInputs {
-    pub(crate) fn of(draws: &[DeviceDraw]) -> Self {
-        Self {
-            rows: draws.iter().map(|d| d.row).collect(),
-            keys: draws.iter().flat_map(|d| d.key.key_words()).collect(),
-            counters: draws
-                .iter()
-                .flat_map(|d| [d.key.position, d.key.sample_index])
-                .collect(),
-            inv_temps: draws.iter().map(|d| d.params.inv_temperature).collect(),
-            top_ks: draws.iter().map(|d| d.params.top_k).collect(),
-            top_ps: draws.iter().map(|d| d.params.top_p).collect(),
-            min_ps: draws.iter().map(|d| d.params.min_p).collect(),
-            n_tops: draws.iter().map(|d| d.params.top_logprobs).collect(),
-        }
-    }
-}
-
-/// The kernel's outputs: a token and two logprobs a draw, and `MAX_TOP_LOGPROBS` top ids and
-/// logprobs a draw (on the host, empty when no draw asked for them).
-#[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
-pub(crate) struct DrawOutputs<U = Vec<u32>, F = Vec<f32>> {
-    pub(crate) tokens: U,
-    pub(crate) logprobs: F,
-    pub(crate) model_logprobs: F,
-    pub(crate) top: (U, F),
-}
-
-/// Pushes `gumbel_sample`'s arguments in the order of its signature in kernels/sample.cu:
-/// logits, vocab, the inputs, `lazy_noise`, then the outputs ([`crate::kernel_args`]), and
-/// for `gumbel_sample_split` (kernels/sample_split.cu) its scratch, the parts' words and the
-/// draws' counts.
-#[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
-pub(crate) fn push_args<'s, A, L, U, F, OU, OF>(
-    list: &mut A,
-    logits: L,
-    (vocab, lazy_noise): (&'s u32, &'s u32),
-    inputs: &'s DrawInputs<U, F>,
-    outputs: &'s mut DrawOutputs<OU, OF>,
-    scratch: Option<&'s mut (OU, OU)>,
-) where
-    A: ArgList<L> + ArgList<&'s u32> + ArgList<&'s U> + ArgList<&'s F>,
-    A: ArgList<&'s mut OU> + ArgList<&'s mut OF>,
-{
-    let i = inputs;
-    ArgList::push(list, logits);
-    ArgList::push(list, vocab);
-    ArgList::push(list, &i.rows);
-    ArgList::push(list, &i.keys);
-    ArgList::push(list, &i.counters);
-    ArgList::push(list, &i.inv_temps);
-    ArgList::push(list, &i.top_ks);
-    ArgList::push(list, &i.top_ps);
-    ArgList::push(list, &i.min_ps);
-    ArgList::push(list, &i.n_tops);
-    ArgList::push(list, lazy_noise);
-    let DrawOutputs {
-        tokens,
-        logprobs,
-        model_logprobs,
-        top: (top_ids, top_logprobs),
-    } = outputs;
-    ArgList::push(list, tokens);
-    ArgList::push(list, logprobs);
-    ArgList::push(list, model_logprobs);
-    ArgList::push(list, top_ids);
-    ArgList::push(list, top_logprobs);
-    if let Some((partials, arrived)) = scratch {
-        ArgList::push(list, partials);
-        ArgList::push(list, arrived);
-    }
-}
-
-#[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
-impl DrawOutputs {
-    /// The draws, `n_tops[i]` top logprobs for draw `i`.
-    pub(crate) fn drawn(&self, n_tops: &[u32]) -> Vec<Drawn> {
-        let (ids, lps) = &self.top;
-        (0..self.tokens.len())
-            .map(|i| Drawn {
-                token: self.tokens[i],
-                logprob: self.logprobs[i],
-                model_logprob: self.model_logprobs[i],
-                top_logprobs: (0..n_tops[i] as usize)
-                    .map(|j| (ids[i * MAX_TOP_LOGPROBS + j], lps[i * MAX_TOP_LOGPROBS + j]))
-                    .collect(),
-            })
-            .collect()
-    }
-}
-
 /// Threads per block: the kernel's `THREADS`.
 const THREADS: u32 = 256;
 
@@ -507,19 +227,13 @@ const THREADS: u32 = 256;
 #[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
 const PART_WORDS: usize = 6;
 
-/// kernels/sample.cu and sample_split.cu as the GPU loads them.
-#[cfg(feature = "cuda")]
-static MODULE: crate::nvrtc::Module =
-    crate::nvrtc::Module::new("dppo_sample", "kernels/sample.cu", SOURCE);
+#[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
+mod args;
+mod gpu;
 
-/// Without CUDA the only device is the CPU, which [`sample`] serves itself.
-#[cfg(not(feature = "cuda"))]
-fn on_gpu(logits: &Tensor, _draws: &[DeviceDraw], _kernel: SampleKernel) -> Result<Vec<Drawn>> {
-    candle_core::bail!(
-        "device sampling: no kernel for {:?} in this build",
-        logits.device()
-    )
-}
+#[cfg(any(feature = "cuda", all(test, target_os = "linux")))]
+pub(crate) use args::{push_args, DrawInputs, DrawOutputs};
+use gpu::on_gpu;
 
 #[cfg(all(test, target_os = "linux"))]
 mod emulated;
