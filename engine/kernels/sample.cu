@@ -68,6 +68,23 @@ __device__ __forceinline__ bool surely_below(float u, float s, float best) {
     return 1.0f - u > __expf(gap);
 }
 
+// Logit i (`l`, its tempered score `s`) drawn into `best`: the logit itself when greedy, else
+// its noisy score from Philox word `word`, skipped where it surely stays below the best so
+// far or the warp's `bar` (its noise is at most GUMBEL_BOUND; with `lazy`, [`surely_below`]).
+__device__ __forceinline__ void draw_logit(float l, float s, unsigned int word, unsigned int i,
+                                           bool greedy, bool lazy, float bar, Best &best) {
+    float score = l;
+    if (!greedy) {
+        const float above = fmaxf(bar, best.score);
+        if (s + GUMBEL_BOUND < above) return;
+        const float u = ((float)(word >> 9) + 0.5f) * (1.0f / 8388608.0f);
+        if (lazy && surely_below(u, s, above)) return;
+        score = s - logf(-logf(u));
+    }
+    Best here; here.score = score; here.index = i;
+    best = best_merge(best, here);
+}
+
 // Floats as unsigned integers in the same order (-inf lowest).
 __device__ __forceinline__ unsigned int order_key(float x) {
     unsigned int b = __float_as_uint(x);
@@ -376,16 +393,7 @@ __device__ void gumbel_sample(
                 if (order_key(s) < cut) continue;
                 if (!truncates) lse_push(raw, l);
                 if (!kept_is_raw) lse_push(kept, s);
-                float score = l;
-                if (!greedy) {
-                    const float above = fmaxf(bar, best.score);
-                    if (s + GUMBEL_BOUND < above) continue;
-                    const float u = ((float)(words[lane] >> 9) + 0.5f) * (1.0f / 8388608.0f);
-                    if (lazy_noise && surely_below(u, s, above)) continue;
-                    score = s - logf(-logf(u));
-                }
-                Best here; here.score = score; here.index = i;
-                best = best_merge(best, here);
+                draw_logit(l, s, words[lane], i, greedy, lazy_noise != 0, bar, best);
             }
         }
         if (share) bar = warp_max(fmaxf(bar, best.score));

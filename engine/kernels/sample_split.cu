@@ -72,16 +72,7 @@ __device__ void draw_groups(const T *row, unsigned int vocab, unsigned int lo, u
                 const float l = ls[lane], s = ss[lane];
                 lse_push(raw, l);
                 if (!kept_is_raw) lse_push(kept, s);
-                float score = l;
-                if (!greedy) {
-                    const float above = fmaxf(bar, best.score);
-                    if (s + GUMBEL_BOUND < above) continue;
-                    const float u = ((float)(words[lane] >> 9) + 0.5f) * (1.0f / 8388608.0f);
-                    if (lazy && surely_below(u, s, above)) continue;
-                    score = s - logf(-logf(u));
-                }
-                Best here; here.score = score; here.index = i;
-                best = best_merge(best, here);
+                draw_logit(l, s, words[lane], i, greedy, lazy, bar, best);
             }
         }
         if (share) bar = warp_max(fmaxf(bar, best.score));
