@@ -42,7 +42,14 @@ fn gpu_kit_packs_and_dry_run_passes_every_cpu_step() {
         &[("DPPO_KIT", &kit)],
     );
     assert!(ok && text.contains("limit 40 MiB"), "{text}");
-    for file in ["dppo.xz", "gpu-check", "gpu_check.py", "MANIFEST"] {
+    for file in [
+        "dppo.xz",
+        "gpu-check",
+        "gpu-env",
+        "gpu_check.py",
+        "gpu_profile.py",
+        "MANIFEST",
+    ] {
         assert!(
             kit.join(file).is_file(),
             "{file} missing from the kit: {text}"

@@ -47,8 +47,8 @@ pub struct SampleArgs {
     /// model's) to spread ones (a trained model's).
     #[arg(long, default_value = "0.3,3,12", value_delimiter = ',')]
     std: Vec<f64>,
-    /// Every draw's top-p (1: off). Truncated draws find their threshold by bisection, a
-    /// pass over the row a step (up to 32 steps).
+    /// Every draw's top-p (1: off). Truncated draws find their threshold by a search over
+    /// the scores' order, 6 thresholds a pass over the row (up to 12 passes).
     #[arg(long, default_value_t = 1.0)]
     top_p: f32,
     /// Every draw's top-k (0: off).
