@@ -2,6 +2,8 @@
 
 mod cmd;
 
+use std::io::IsTerminal;
+
 use clap::{Parser, Subcommand};
 
 /// DPPO reinforcement-learning trainer for LLM reasoning.
@@ -81,6 +83,7 @@ fn main() {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none())
         .init();
     let cli = Cli::parse();
     // A bad DPPO_CPU_KERNEL fails every command at once rather than at its first projection.
@@ -102,7 +105,52 @@ fn main() {
         Command::Doctor(args) => cmd::doctor::run(args),
     };
     if let Err(err) = result {
-        eprintln!("error: {err:#}");
+        eprintln!("error: {}", error_text(&err));
         std::process::exit(2);
+    }
+}
+
+/// `err` and its causes joined by `: `, leaving out a cause whose text the message already
+/// holds (errors that name their source in their own message would print it twice).
+fn error_text(err: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in err.chain() {
+        let cause = cause.to_string();
+        if text.contains(&cause) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&cause);
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::error_text;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("reading {path}: {source}")]
+    struct Reading {
+        path: String,
+        source: std::io::Error,
+    }
+
+    #[test]
+    fn an_error_prints_each_cause_once() {
+        let io = || std::io::Error::new(std::io::ErrorKind::NotFound, "No such file");
+        let err = anyhow::Error::new(Reading {
+            path: "a.jsonl".into(),
+            source: io(),
+        })
+        .context("loading data.train");
+        assert_eq!(
+            error_text(&err),
+            "loading data.train: reading a.jsonl: No such file"
+        );
+        let plain = anyhow::Error::new(io()).context("opening the port");
+        assert_eq!(error_text(&plain), "opening the port: No such file");
     }
 }

@@ -212,11 +212,26 @@ fn resume_choices_find_the_newest_checkpoint_or_start_afresh() {
     let auto = ["resume=auto".to_string()];
     let auto = Resume::ByConfig.resolve(&out, None, &auto).unwrap();
     assert_eq!(auto.checkpoint.as_ref(), Some(&newest));
-    let disabled = Resume::ByConfig.resolve(&out, None, &[]).unwrap();
-    assert_eq!(disabled.checkpoint, None);
+    // Starting afresh over the finished run would overwrite it.
+    let err = Resume::ByConfig.resolve(&out, None, &[]).unwrap_err();
+    assert!(
+        chain(&err).contains("holds an earlier run (metrics.jsonl, checkpoints)"),
+        "{}",
+        chain(&err)
+    );
+    let elsewhere = Resume::ByConfig.resolve(&dir.path().join("new"), None, &[]);
+    assert_eq!(elsewhere.unwrap().checkpoint, None);
     let missing = out.join("checkpoints/step-000003");
+    std::fs::create_dir_all(&missing).unwrap();
     let err = Resume::From(missing).resolve(&out, None, &[]).unwrap_err();
     assert!(chain(&err).contains("manifest.json"), "{}", chain(&err));
+    let absent = out.join("checkpoints/step-000099");
+    let err = Resume::From(absent).resolve(&out, None, &[]).unwrap_err();
+    assert!(
+        chain(&err).contains("no such checkpoint directory"),
+        "{}",
+        chain(&err)
+    );
     // A finished run resumed from its last checkpoint trains no more.
     let again = run_with(&out, Resume::Latest, &[], &mut NoHooks).unwrap();
     assert_eq!(again.steps, 4);

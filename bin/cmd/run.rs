@@ -2,6 +2,7 @@
 //! being trained with `--serve`, runs [`dppo_trainer::run::Run`] with progress bars, and
 //! prints the accuracy table.
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,7 +11,7 @@ use dppo_model::DeviceSpec;
 use dppo_server::ServerHandle;
 use dppo_trainer::dist::{Collective, Single, TcpCollective};
 use dppo_trainer::run::{Resume, Run, RunHooks, Start};
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{Map, Value};
 
 use super::ranks::{self, Launcher, Role};
@@ -131,12 +132,18 @@ fn train(
         server: server.as_ref(),
         warm_up: ProgressBar::hidden(),
         rl: ProgressBar::hidden(),
+        lines: lead && !std::io::stderr().is_terminal(),
     };
     let summary = run.run_to_end(&mut progress)?;
     if !lead {
         return Ok(());
     }
-    println!("\n| held-out accuracy | before RL | after RL |\n|---|---|---|");
+    // The verifier's mean reward is an accuracy; another reward's is only its mean.
+    let measure = match run.config().reward.is_external() {
+        true => "held-out mean reward",
+        false => "held-out accuracy",
+    };
+    println!("\n| {measure} | before RL | after RL |\n|---|---|---|");
     println!(
         "| {} | {:.1}% | {:.1}% |",
         run.config().model,
@@ -173,6 +180,17 @@ struct Progress<'a> {
     server: Option<&'a ServerHandle>,
     warm_up: ProgressBar,
     rl: ProgressBar,
+    /// Log progress lines, where the bars do not show (stderr is not a terminal): about
+    /// every tenth of the warm-up and every twentieth of RL.
+    lines: bool,
+}
+
+impl Progress<'_> {
+    /// Whether `bar`, just advanced, reached a `1/parts` mark of its length (or its end).
+    fn at_mark(&self, bar: &ProgressBar, parts: u64) -> bool {
+        let (pos, len) = (bar.position(), bar.length().unwrap_or(0));
+        self.lines && (pos == len || pos % (len / parts).max(1) == 0)
+    }
 }
 
 impl RunHooks for Progress<'_> {
@@ -188,6 +206,10 @@ impl RunHooks for Progress<'_> {
     fn on_warmup_step(&mut self, nll: f64) {
         self.warm_up.set_message(format!("nll {nll:.3}"));
         self.warm_up.inc(1);
+        if self.at_mark(&self.warm_up, 10) {
+            let (pos, len) = (self.warm_up.position(), self.warm_up.length().unwrap_or(0));
+            tracing::info!("warm-up {pos}/{len}: nll {nll:.3}");
+        }
     }
 
     fn on_warmup_end(&mut self) {
@@ -201,14 +223,19 @@ impl RunHooks for Progress<'_> {
 
     fn on_step(&mut self, _step: u64, line: &Map<String, Value>) {
         let get = |k: &str| line.get(k).and_then(|v| v.as_f64()).unwrap_or(0.0);
-        self.rl.set_message(format!(
+        let message = format!(
             "reward {:.2} kept {:.2}/{:.2} step {:.1}s",
             get("reward/mean"),
             get("prune/prompts_kept"),
             get("prune/completions_kept"),
             get("timing_s/step")
-        ));
+        );
         self.rl.inc(1);
+        if self.at_mark(&self.rl, 20) {
+            let (pos, len) = (self.rl.position(), self.rl.length().unwrap_or(0));
+            tracing::info!("{} step {pos}/{len}: {message}", self.algorithm);
+        }
+        self.rl.set_message(message);
     }
 
     fn on_interrupted(&mut self, step: u64) {
@@ -221,9 +248,11 @@ impl RunHooks for Progress<'_> {
     }
 }
 
+/// A bar of `len` steps, drawn on stderr where it is a terminal and `visible`; its position
+/// is kept either way.
 fn bar(len: u64, what: &str, visible: bool) -> ProgressBar {
     if !visible {
-        return ProgressBar::hidden();
+        return ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::hidden());
     }
     let pb = ProgressBar::new(len);
     pb.set_style(

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use dppo_model::weights::write_atomic;
 use dppo_rewards::{parse_gold, rule_name, Answer, ExtractMode};
+use dppo_trainer::data::default_extract_mode;
 use dppo_trainer::reward::RewardItem;
 use serde_json::{json, Value};
 
@@ -54,7 +55,7 @@ struct Row {
 /// Re-scores every sample and prints one JSON summary (agreement with the saved rewards,
 /// accuracy and mean reward before and after, which rules extracted the answers).
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let (_, spec, scorer) = args.reward.scorer(ExtractMode::Strict)?;
+    let (_, spec, scorer) = args.reward.scorer(saved_extract_mode(&args.data))?;
     let mut rows = read_samples(&args.data, !scorer.is_external())?;
     let (mut total, mut agree, mut correct, mut saved_correct) = (0usize, 0usize, 0usize, 0usize);
     let (mut sum, mut saved_sum) = (0.0, 0.0);
@@ -122,6 +123,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     });
     println!("{summary}");
     Ok(())
+}
+
+/// The extraction mode for a samples file when neither `--extract` nor a config's
+/// `reward.extract` gives one: that of the data set its rows name (`data_source`, which
+/// `dppo eval` writes), as `dppo eval` chose it; strict where no row names one.
+fn saved_extract_mode(path: &Path) -> ExtractMode {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    text.lines()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .find_map(|row| row["data_source"].as_str().map(default_extract_mode))
+        .unwrap_or(ExtractMode::Strict)
 }
 
 /// Reads a samples file; every line must carry an `answer` (a parseable one when `verify`)

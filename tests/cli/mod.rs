@@ -270,6 +270,20 @@ fn score_rescores_saved_samples_and_names_broken_lines() {
     assert_eq!(first["samples"][0]["reward"], 0.0);
     assert_eq!(first["samples"][0]["extracted_by"], "none");
     assert_eq!(first["samples"][1]["extracted_by"], "boxed");
+    // Without --extract: the mode of the data set the rows name, as `dppo eval` chose it
+    // (`Answer: N` for the built-in task, which strict reads as no answer).
+    let builtin = dir.path().join("builtin.jsonl");
+    let row = serde_json::json!({"answer": "95", "data_source": "builtin:arithmetic",
+        "samples": [sample("Answer: 95", 1.0, false)]});
+    std::fs::write(&builtin, format!("{row}\n")).unwrap();
+    let (ok, stdout, stderr) = dppo(&["score", "--data", builtin.to_str().unwrap()]);
+    assert!(ok, "{stderr}");
+    let got: Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(
+        (&got["extract"], &got["accuracy"]),
+        (&Value::from("answer"), &Value::from(1.0)),
+        "{got}"
+    );
     std::fs::write(
         &path,
         "{\"answer\": \"3\", \"samples\": [{\"text\": \"3\", \"reward\": 1}]}\n",
@@ -318,6 +332,20 @@ fn run_rejects_bad_configs_naming_the_key() {
         !ok && stderr.contains("pack.tokens = 16 is smaller than the longest prompt"),
         "{stderr}"
     );
+    // builtin:tiny's context is 512 tokens: found before the warm-up, naming the key.
+    let sets = [
+        "--set",
+        "rollout.max_response_len=1000",
+        "--set",
+        "pack.tokens=2048",
+    ];
+    let (ok, _, stderr) = dppo(&[&["run", "--out", &out][..], &sets].concat());
+    assert!(
+        !ok && stderr.contains("rollout.max_response_len = 1000 with the longest prompt")
+            && stderr.contains("over the model's context of 512; set rollout.max_response_len <="),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("warm-up"), "{stderr}");
 }
 
 #[test]

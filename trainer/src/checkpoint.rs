@@ -173,6 +173,9 @@ pub fn verify(dir: &Path) -> Result<(), TrainError> {
         dir: dir.display().to_string(),
         reason,
     };
+    if !dir.is_dir() {
+        return Err(bad("no such checkpoint directory".into()));
+    }
     let path = dir.join(MANIFEST);
     let text = std::fs::read_to_string(&path).map_err(|e| {
         bad(format!(

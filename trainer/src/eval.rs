@@ -132,7 +132,7 @@ pub fn evaluate(
             .iter()
             .map(|c| RewardItem::of_completion(p, &prompt, c, tokenizer))
             .collect::<Result<Vec<_>, TrainError>>()?;
-        let what = format!("held-out prompt {} ({})", p.prompt_id, p.data_source);
+        let what = format!("held-out prompt {}", p.describe());
         let scored = scorer.score(&items, p.answer.as_ref(), &what, false)?;
         let graded: Vec<Graded> = items
             .into_iter()

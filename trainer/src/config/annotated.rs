@@ -41,8 +41,9 @@ pub fn reference_markdown() -> String {
          Every key of a `dppo run` configuration, with the built-in default's values. This \
          page is the output of `dppo config` (regenerate it with \
          `cargo run --release -- config --markdown > docs/configuration.md`; a test fails \
-         when it is stale). Override any key with `--set key=value`; `dppo config --config \
-         my.toml --set key=value` prints what a run would use.\n\n\
+         when it is stale). A config file sets only the keys it changes: the others keep these \
+         values. Override any key with `--set key=value`; `dppo config --config my.toml \
+         --set key=value` prints what a run would use.\n\n\
          ```toml\n{}```\n",
         annotated_toml(&cfg).trim_start()
     )

@@ -15,11 +15,20 @@ pub(crate) struct Origins<'a> {
     lines: BTreeMap<String, usize>,
     /// Each override's dotted key, and the override as given.
     overrides: Vec<(&'a str, &'a str)>,
+    /// Whether the file was written over the built-in default, whose values the keys it
+    /// leaves out keep.
+    over_default: bool,
 }
 
 impl<'a> Origins<'a> {
-    /// The origins of `text` (read from `file`) with `overrides` applied in order.
-    pub(crate) fn new(file: &'a str, text: &str, overrides: &'a [String]) -> Self {
+    /// The origins of `text` (read from `file`, over the built-in default when
+    /// `over_default`) with `overrides` applied in order.
+    pub(crate) fn new(
+        file: &'a str,
+        text: &str,
+        overrides: &'a [String],
+        over_default: bool,
+    ) -> Self {
         let mut lines = BTreeMap::new();
         if let Ok(doc) = toml::de::DeTable::parse(text) {
             key_lines(text, doc.get_ref(), "", &mut lines);
@@ -37,11 +46,13 @@ impl<'a> Origins<'a> {
             file,
             lines,
             overrides,
+            over_default,
         }
     }
 
     /// Where `key`'s value came from: the last `--set` of it or of a table holding it,
-    /// else the file, at the key's line when it is written there. A `--set` whose value
+    /// else the file, at the key's line when it is written there (the built-in default when
+    /// the file leaves it out). A `--set` whose value
     /// holds an `@` (it may carry credentials) is named by its key alone.
     pub(crate) fn of(&self, key: &str) -> String {
         let set_by = |path: &str| key == path || key.starts_with(&format!("{path}."));
@@ -56,6 +67,9 @@ impl<'a> Origins<'a> {
         }
         match self.lines.get(key) {
             Some(line) => format!("{}:{line}", self.file),
+            None if self.over_default && !self.lines.keys().any(|k| set_by(k)) => {
+                format!("{} (not set there: the built-in default)", self.file)
+            }
             None => self.file.to_string(),
         }
     }
@@ -110,9 +124,15 @@ fn check_table(
             continue;
         }
         let within = format!("{key}.");
+        let is_table = KEYS.iter().any(|d| d.key.starts_with(&within));
         match value.as_table() {
-            Some(sub) if KEYS.iter().any(|d| d.key.starts_with(&within)) => {
-                check_table(sub, &key, origins)?
+            Some(sub) if is_table => check_table(sub, &key, origins)?,
+            None if is_table => {
+                return Err(ConfigError::NotATable {
+                    origin: origins.of(&key),
+                    key,
+                    value: value.to_string(),
+                })
             }
             _ => {
                 return Err(ConfigError::UnknownKey {
@@ -299,10 +319,51 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.starts_with("my.toml:"), "{err}");
-        let err = RunConfig::from_toml("model = \"builtin:tiny\"", "my.toml", &[])
-            .unwrap_err()
-            .to_string();
-        assert!(err.starts_with("my.toml: missing field"), "{err}");
+    }
+
+    /// A file that leaves keys out gets the built-in default's values for them, those that
+    /// `dppo config` prints; an error about such a key says where its value came from.
+    #[test]
+    fn a_partial_file_keeps_the_built_in_defaults() {
+        let default = RunConfig::default_with(&[]).unwrap();
+        let text = "model = \"builtin:tiny\"\n[rollout]\nn = 4\n[data]\nnum_train = 50\n";
+        let partial = RunConfig::from_toml(text, "my.toml", &[]).unwrap();
+        let mut want = default.clone();
+        want.rollout.n = 4;
+        want.data.num_train = 50;
+        assert_eq!(partial, want);
+        assert_ne!(partial, default);
+        let err = error(
+            "[rollout]\nmax_response_len = 4\n",
+            &["reward.overlong_buffer=6"],
+        );
+        assert!(
+            err.contains("must be less than rollout.max_response_len (4)"),
+            "{err}"
+        );
+        let text = "[rollout]\nn = 4\n";
+        let origins = super::Origins::new("my.toml", text, &[], true);
+        assert_eq!(origins.of("rollout.n"), "my.toml:2");
+        assert_eq!(
+            origins.of("actor.lr"),
+            "my.toml (not set there: the built-in default)"
+        );
+        let default = super::Origins::new("configs/default.toml", DEFAULT_TOML, &[], false);
+        assert_eq!(default.of("engine.cuda_graphs"), "configs/default.toml");
+    }
+
+    #[test]
+    fn a_value_where_a_table_belongs_is_named_as_such() {
+        let err = error("rollout = 5\n", &[]);
+        assert_eq!(
+            err,
+            "my.toml:1: rollout is a table of keys ([rollout], or rollout.NAME = VALUE), not 5"
+        );
+        let err = error("", &["data=1"]);
+        assert!(
+            err.starts_with("--set data=1: data is a table of keys"),
+            "{err}"
+        );
     }
 
     #[test]

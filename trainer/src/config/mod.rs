@@ -61,6 +61,13 @@ pub enum ConfigError {
         key: &'static str,
         reason: String,
     },
+    /// A value where the key names a table of keys.
+    #[error("{origin}: {key} is a table of keys ([{key}], or {key}.NAME = VALUE), not {value}")]
+    NotATable {
+        origin: String,
+        key: String,
+        value: String,
+    },
 }
 
 /// Everything a run needs; field names are the TOML keys, whose docs and allowed values are
@@ -84,7 +91,6 @@ pub struct RunConfig {
     /// CPU threads for tensor work (0: one per core, or `RAYON_NUM_THREADS` when set). A
     /// model as small as `builtin:tiny` runs faster on one thread: its tensors are too small
     /// to repay splitting every op across cores.
-    #[serde(default)]
     pub threads: usize,
     /// Where the engine and the learner run: `cpu` (default), `cuda` or `cuda:N` (a build
     /// with the `cuda` feature). `dppo run --device` overrides it.
@@ -104,7 +110,6 @@ pub struct RunConfig {
     /// `auto`: continue from the newest complete checkpoint in the run directory when there
     /// is one (verl's `resume_mode`), so the same command starts and resumes a run;
     /// `disable` (default): always start from the beginning.
-    #[serde(default)]
     pub resume: ResumeMode,
     /// Metrics sinks: `jsonl` (required: the plot and resume read it) and `tensorboard`.
     #[serde(default = "default_logger")]
@@ -171,19 +176,23 @@ impl RunConfig {
         })
     }
 
-    /// Parses `text` (from `origin`), applies `overrides` (`a.b=value`, values in TOML
-    /// syntax, bare words taken as strings) and validates; an error names the file (at
-    /// the key's line) or the `--set` that wrote the bad value.
+    /// Parses `text` (from `origin`) over the built-in default, so that a key the text
+    /// leaves out keeps the default `dppo config` prints, applies `overrides` (`a.b=value`,
+    /// values in TOML syntax, bare words taken as strings) and validates; an error names the
+    /// file (at the key's line) or the `--set` that wrote the bad value.
     pub fn from_toml(text: &str, origin: &str, overrides: &[String]) -> Result<Self, ConfigError> {
         let parse_err = |reason: String| ConfigError::Parse {
             origin: origin.to_string(),
             reason,
         };
-        let mut doc: toml::Table = toml::from_str(text).map_err(|e| parse_err(e.to_string()))?;
+        let written: toml::Table = toml::from_str(text).map_err(|e| parse_err(e.to_string()))?;
+        let mut doc: toml::Table =
+            toml::from_str(DEFAULT_TOML).expect("the built-in default is valid TOML");
+        layer(&mut doc, written);
         for o in overrides {
             apply_override(&mut doc, o)?;
         }
-        let origins = Origins::new(origin, text, overrides);
+        let origins = Origins::new(origin, text, overrides, text != DEFAULT_TOML);
         check_keys(&doc, &origins)?;
         // Every key present is known and allowed: what serde can still reject is a key the
         // file lacks.
@@ -219,6 +228,19 @@ impl RunConfig {
     /// The effective configuration as TOML (written to the run directory).
     pub fn to_toml(&self) -> String {
         toml::to_string(self).unwrap_or_else(|e| format!("# cannot serialise: {e}"))
+    }
+}
+
+/// Writes `over` onto `base`: a table into the table of its name, any other value in place
+/// of the one there.
+fn layer(base: &mut toml::Table, over: toml::Table) {
+    for (name, value) in over {
+        match (base.get_mut(&name), value) {
+            (Some(toml::Value::Table(below)), toml::Value::Table(above)) => layer(below, above),
+            (_, value) => {
+                base.insert(name, value);
+            }
+        }
     }
 }
 

@@ -128,9 +128,7 @@ pub struct DataConfig {
     #[serde(default = "default_answer")]
     pub answer_field: String,
     /// Sizes of a built-in task's splits; `num_eval` also caps a held-out file.
-    #[serde(default = "default_num_train")]
     pub num_train: usize,
-    #[serde(default = "default_num_eval")]
     pub num_eval: usize,
     /// A system message put before every prompt that has none (chat template applied once).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -148,7 +146,6 @@ pub struct WarmupConfig {
     /// Demonstrations: the warm-up trains on the first `examples` training problems only
     /// (all of them when 0 or when there are fewer); RL draws from the whole training set,
     /// the usual SFT-then-RL split of a few demonstrations and many prompts.
-    #[serde(default)]
     pub examples: usize,
     pub batch_size: usize,
     pub lr: f64,
@@ -167,7 +164,6 @@ pub struct RolloutConfig {
     /// Generate step `t + 1`'s rollouts while step `t` trains (verl's one-step off-policy):
     /// generation hides behind training, and each step trains on samples of the policy one
     /// update old (the clipped ratio against the engine's logprobs corrects for it).
-    #[serde(default)]
     pub one_step_off_policy: bool,
     /// Each step's rollout is written here as `step-NNNNNN.jsonl` (unset: not written).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -207,7 +203,6 @@ pub struct DppoConfig {
     /// DPPO over-draws prompts by `1/(1 - r_q * f)` so that the rollout batch stays full
     /// (docs/algorithm.md §2's "allocation"; default). `false`: draw `prompts_per_step`, so that
     /// prompt pruning saves their rollouts and the step estimates GRPO on those prompts.
-    #[serde(default = "default_allocation")]
     pub allocation: bool,
     /// Which items of a scope (a group, the batch, or the step's seen prompts) may be
     /// dropped, at both levels: the keys `candidates` and `candidate_frac`.
@@ -215,7 +210,6 @@ pub struct DppoConfig {
     pub candidates: CandidateRule,
     /// How candidates are dropped: `fixed_count` (default; exactly unbiased, fixed count),
     /// `poisson` (unbiased, random count) or `deterministic` (biased ablation, weight 1).
-    #[serde(default)]
     pub mode: PruneMode,
     /// How prompt histories score prompts: `signal_ema` (default; the EMA of |A|, candidates
     /// by `candidates`) or `difficulty` (the chance of signal now, given the prompt's
@@ -374,20 +368,11 @@ impl EvalConfig {
     }
 }
 
-fn default_allocation() -> bool {
-    true
-}
 fn default_question() -> String {
     "question".into()
 }
 fn default_answer() -> String {
     "answer".into()
-}
-fn default_num_train() -> usize {
-    2000
-}
-fn default_num_eval() -> usize {
-    200
 }
 
 impl ActorConfig {

@@ -183,7 +183,15 @@ pub fn run_problems(
     }
     let source = data.eval.as_deref().ok_or(DataError::NoEvalSet)?;
     let mut eval = held_out(source, &fields, data.num_eval, seed)?;
-    eval.truncate(data.num_eval);
+    if eval.len() > data.num_eval {
+        tracing::info!(
+            "{source}: the held-out evaluation takes the first {} of its {} problems \
+             (data.num_eval)",
+            data.num_eval,
+            eval.len()
+        );
+        eval.truncate(data.num_eval);
+    }
     if let Some(system) = &data.system_prompt {
         for p in train.iter_mut().chain(eval.iter_mut()) {
             p.add_system_prompt(system);
@@ -193,6 +201,27 @@ pub fn run_problems(
 }
 
 impl Problem {
+    /// The problem as errors name it: the start of its question (on one line), its data
+    /// source and id, so that a user finds the row.
+    pub fn describe(&self) -> String {
+        const SHOWN: usize = 60;
+        let flat = self
+            .question
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ");
+        let shown: String = flat.chars().take(SHOWN).collect();
+        let more = if flat.chars().count() > SHOWN {
+            "..."
+        } else {
+            ""
+        };
+        format!(
+            "\"{shown}{more}\" ({}, id {})",
+            self.data_source, self.prompt_id
+        )
+    }
+
     /// Puts `system` before the prompt as a system message, unless it has one.
     pub fn add_system_prompt(&mut self, system: &str) {
         let messages = self
@@ -333,6 +362,22 @@ pub(crate) fn mix(a: u64, b: u64, c: u64) -> u64 {
 mod tests {
     use super::*;
     use dppo_rewards::verify;
+
+    #[test]
+    fn a_problem_is_described_by_its_question_source_and_id() {
+        let (_, eval) = builtin_task("arithmetic", 0, 1, 7).unwrap();
+        let mut p = eval[0].clone();
+        p.question = "Tom has 17 apples\nand buys 5 more.".into();
+        let id = p.prompt_id;
+        assert_eq!(
+            p.describe(),
+            format!("\"Tom has 17 apples and buys 5 more.\" (builtin:arithmetic, id {id})")
+        );
+        p.question = "x".repeat(61);
+        assert!(p
+            .describe()
+            .starts_with(&format!("\"{}...\" (", "x".repeat(60))));
+    }
 
     #[test]
     fn arithmetic_splits_are_disjoint_and_self_consistent() {

@@ -68,7 +68,7 @@ pub struct Run {
     pub steps: Vec<StepLine>,
 }
 
-/// One periodic evaluation: RL seconds elapsed up to it, its step and the accuracy.
+/// One evaluation after a step: RL seconds elapsed up to it, its step and the accuracy.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct EvalPoint {
     /// RL seconds from the first step through this one.
@@ -107,13 +107,8 @@ impl Run {
                 step_line(l).map_err(|e| error(METRICS_JSONL, format!("line {}: {e}", i + 1)))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        if steps.iter().all(|s| s.eval_acc.is_none()) {
-            return Err(error(
-                METRICS_JSONL,
-                "no held-out evaluation (eval/acc) in any line; compare runs made with \
-                 eval.every > 0"
-                    .into(),
-            ));
+        if steps.is_empty() {
+            return Err(error(METRICS_JSONL, "no RL step".into()));
         }
         let summary: Value =
             serde_json::from_str(summary).map_err(|e| error(SUMMARY_JSON, e.to_string()))?;
@@ -146,9 +141,12 @@ impl Run {
             .collect()
     }
 
-    /// Every periodic evaluation, in order.
+    /// Every evaluation after a step, in order: the periodic ones, then the final one
+    /// (`eval_after`) where the last step had none (a run shorter than `eval.every`, or
+    /// with `eval.every = 0`).
     pub fn evals(&self) -> Vec<EvalPoint> {
-        self.steps
+        let mut points: Vec<EvalPoint> = self
+            .steps
             .iter()
             .zip(self.elapsed())
             .filter_map(|(s, seconds)| {
@@ -158,7 +156,17 @@ impl Run {
                     acc: s.eval_acc?,
                 })
             })
-            .collect()
+            .collect();
+        if let (Some(last), Some(&seconds)) = (self.steps.last(), self.elapsed().last()) {
+            if last.eval_acc.is_none() {
+                points.push(EvalPoint {
+                    seconds,
+                    step: last.step,
+                    acc: self.eval_after,
+                });
+            }
+        }
+        points
     }
 
     /// Mean RL seconds per step.
@@ -200,9 +208,10 @@ fn mean(values: impl ExactSizeIterator<Item = f64>) -> f64 {
 
 /// The first (seconds, step) at which the mean of the last `window` evaluations reaches
 /// `target` (up to 1e-12, so that a run reaches its own value); `None` when it never does.
-/// A window of 0 counts as 1.
+/// A window of 0 counts as 1, and one longer than the run's evaluations as all of them (as
+/// [`tail_mean`] takes them).
 pub fn time_to(points: &[EvalPoint], target: f64, window: usize) -> Option<(f64, u64)> {
-    let window = window.max(1);
+    let window = window.min(points.len()).max(1);
     points.windows(window).find_map(|w| {
         let mean = w.iter().map(|p| p.acc).sum::<f64>() / window as f64;
         let last = w[window - 1];

@@ -10,6 +10,7 @@ use dppo_model::{DeviceSpec, Policy};
 use crate::checkpoint;
 use crate::config::{ResumeMode, RunConfig};
 use crate::dist::Collective;
+use crate::report::metrics_log::METRICS_JSONL;
 use crate::TrainError;
 
 /// The directory of a run's checkpoints, under the run directory.
@@ -99,7 +100,10 @@ impl Resume {
                 let cfg = RunConfig::load(config, sets)?;
                 let checkpoint = match cfg.resume {
                     ResumeMode::Auto => checkpoint::latest(&checkpoints),
-                    ResumeMode::Disable => None,
+                    ResumeMode::Disable => {
+                        refuse_to_overwrite(out)?;
+                        None
+                    }
                 };
                 Ok(Start {
                     cfg,
@@ -109,6 +113,24 @@ impl Resume {
             }
         }
     }
+}
+
+/// A run started from the beginning in `out` would overwrite an earlier run's metrics and
+/// checkpoints there: refused, naming the ways on, unless a resume was asked for.
+fn refuse_to_overwrite(out: &Path) -> Result<(), TrainError> {
+    let held: Vec<&str> = [METRICS_JSONL, CHECKPOINTS]
+        .into_iter()
+        .filter(|name| out.join(name).exists())
+        .collect();
+    if held.is_empty() {
+        return Ok(());
+    }
+    Err(TrainError::Config(format!(
+        "{} holds an earlier run ({}), which a new run would overwrite: pass another --out, \
+         continue it with --resume latest (or resume = \"auto\"), or delete it",
+        out.display(),
+        held.join(", ")
+    )))
 }
 
 /// Loads a model (at hub `revision` when it is a Hugging Face id), naming both in the

@@ -113,7 +113,7 @@ impl Trainer {
         let prompts = Prompts::new(&cfg, &policy.tokenizer, train)?;
         let eval = EvalSet::new(&policy.tokenizer, eval, cfg.data.max_prompt_length)?;
         let longest = prompts.longest().max(eval.longest_prompt());
-        setup::check_pack_tokens(&cfg, longest)?;
+        setup::check_lengths(&cfg, longest, policy.config.max_position_embeddings)?;
         let seq_len = longest + cfg.rollout.max_response_len;
         let engine_cfg =
             setup::engine_config(&cfg, policy, device, learner_cfg.compute_dtype, seq_len)?;

@@ -68,10 +68,7 @@ fn score_all(
                     loop {
                         let next = receive.lock().unwrap_or_else(|e| e.into_inner()).recv();
                         let Ok((index, group)) = next else { break };
-                        let what = format!(
-                            "prompt {} ({})",
-                            group.problem.prompt_id, group.problem.data_source
-                        );
+                        let what = format!("prompt {}", group.problem.describe());
                         let scored =
                             scorer.score(&group.items, group.problem.answer.as_ref(), &what, true);
                         failed.fetch_or(scored.is_err(), Ordering::Relaxed);

@@ -68,9 +68,24 @@ pub(super) fn engine_config(
     Ok(engine)
 }
 
-/// Start-up check: the `longest` prompt plus `max_response_len` must fit one packed buffer.
-pub(super) fn check_pack_tokens(cfg: &RunConfig, longest: usize) -> Result<(), TrainError> {
+/// Start-up checks: the `longest` prompt plus `max_response_len` must fit the model's
+/// `context` (else the first rollout would fail, after the warm-up) and one packed buffer.
+pub(super) fn check_lengths(
+    cfg: &RunConfig,
+    longest: usize,
+    context: usize,
+) -> Result<(), TrainError> {
     let needed = longest + cfg.rollout.max_response_len;
+    if needed > context {
+        return Err(TrainError::Config(format!(
+            "rollout.max_response_len = {} with the longest prompt ({longest} tokens) needs \
+             {needed} tokens, over the model's context of {context}; set \
+             rollout.max_response_len <= {} (or leave long prompts out with \
+             data.max_prompt_length)",
+            cfg.rollout.max_response_len,
+            context.saturating_sub(longest)
+        )));
+    }
     if needed > cfg.pack.tokens {
         return Err(TrainError::Config(format!(
             "pack.tokens = {} is smaller than the longest prompt ({longest} tokens) plus \

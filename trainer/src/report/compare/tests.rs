@@ -40,8 +40,10 @@ fn time_to_is_the_first_trailing_mean_at_the_target() {
     assert_eq!(time_to(&p, 0.8, 1), None);
     // Window 2 means: 0.375, 0.4375, 0.5625; the single 0.5 at step 20 is not enough.
     assert_eq!(time_to(&p, 0.5, 2), Some((4.0, 40)));
-    // Fewer evaluations than the window never reach anything.
-    assert_eq!(time_to(&p, 0.0, WINDOW), None);
+    // With fewer evaluations than the window, the window is all of them (the mean
+    // `tail_mean` gives), so a run reaches its own mean target at its last evaluation.
+    assert_eq!(time_to(&p, tail_mean(&p, WINDOW), WINDOW), Some((4.0, 40)));
+    assert_eq!(time_to(&p, 0.47, WINDOW), None);
     let mut ten = vec![0.5; 9];
     ten.extend([1.0, 1.0]);
     // Means of 10: 0.55 (steps 10..100), 0.6 (20..110).
@@ -125,6 +127,30 @@ fn reward_is_drawn_as_means_of_blocks_of_steps() {
     );
 }
 
+/// A run whose last step had no periodic evaluation (fewer steps than `eval.every`, or
+/// `eval.every = 0`) ends with its final one, at its last step.
+#[test]
+fn the_final_evaluation_ends_a_run_without_one_at_its_last_step() {
+    let short = run(
+        "runs/s",
+        "dppo",
+        0.75,
+        &[(1.0, 1.0, None), (2.0, 1.0, None)],
+    );
+    let want = [EvalPoint {
+        seconds: 3.0,
+        step: 2,
+        acc: 0.75,
+    }];
+    assert_eq!(short.evals(), want);
+    let steps = [(1.0, 1.0, Some(0.5)), (2.0, 1.0, None)];
+    let periodic = run("runs/p", "dppo", 0.75, &steps);
+    assert_eq!(periodic.evals().len(), 2);
+    assert_eq!(periodic.evals()[1], want[0]);
+    let ends_on_one = run("runs/e", "dppo", 0.75, &[(1.0, 1.0, Some(0.5))]);
+    assert_eq!(ends_on_one.evals().len(), 1);
+}
+
 #[test]
 fn bad_runs_are_errors_naming_the_file() {
     let dir = tempfile::tempdir().unwrap();
@@ -140,12 +166,7 @@ fn bad_runs_are_errors_naming_the_file() {
         err("{\"step\": 1, \"prune/completions_kept\": 1.0, \"eval/acc\": 0.5}\n"),
         "runs/x/metrics.jsonl: line 1: no number timing_s/step"
     );
-    let no_eval = metrics(&[(1.0, 1.0, None)]);
-    assert!(
-        err(&no_eval).contains("no held-out evaluation"),
-        "{}",
-        err(&no_eval)
-    );
+    assert_eq!(err(""), "runs/x/metrics.jsonl: no RL step");
     let metrics = metrics(&[(1.0, 1.0, Some(0.5))]);
     let e = Run::parse(Path::new("runs/x"), &metrics, "{}").unwrap_err();
     assert_eq!(e.to_string(), "runs/x/summary.json: no string algorithm");
