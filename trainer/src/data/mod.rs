@@ -79,6 +79,23 @@ pub enum DataError {
          add solutions"
     )]
     NoDemonstrations { data: String, steps: u64 },
+    /// A file of a run's data that cannot be loaded, named by the key that lists it.
+    #[error("{key}: {source}")]
+    Key {
+        key: &'static str,
+        #[source]
+        source: Box<DataError>,
+    },
+}
+
+impl DataError {
+    /// This error, named by the config key whose file caused it.
+    fn under(self, key: &'static str) -> Self {
+        DataError::Key {
+            key,
+            source: Box::new(self),
+        }
+    }
 }
 
 /// `path:line: reason` for the first malformed rows, then how many there are in all.
@@ -178,11 +195,12 @@ pub fn run_problems(
     };
     let mut train = Vec::new();
     for (file, path) in data.train.paths().into_iter().enumerate() {
-        let problems = load_file(Path::new(path), &fields)?;
+        let problems = load_file(Path::new(path), &fields).map_err(|e| e.under("data.train"))?;
         train.extend(problems.into_iter().map(|p| Problem { file, ..p }));
     }
     let source = data.eval.as_deref().ok_or(DataError::NoEvalSet)?;
-    let mut eval = held_out(source, &fields, data.num_eval, seed)?;
+    let mut eval =
+        held_out(source, &fields, data.num_eval, seed).map_err(|e| e.under("data.eval"))?;
     if eval.len() > data.num_eval {
         tracing::info!(
             "{source}: the held-out evaluation takes the first {} of its {} problems \

@@ -129,12 +129,6 @@ impl Run {
         let collective = start::device_collective(collective, &device)?;
         if rank == 0 {
             start.log(out);
-            std::fs::create_dir_all(out).map_err(|error| TrainError::RunDir {
-                action: "creating the run directory",
-                path: out.display().to_string(),
-                error,
-            })?;
-            write_atomic(&out.join(CONFIG_TOML), start.cfg.to_toml().as_bytes())?;
         }
         let Start {
             cfg, checkpoint, ..
@@ -145,6 +139,16 @@ impl Run {
         };
         let policy = load_policy(&model, revision, &device)?;
         let (train, eval) = run_problems(&cfg.data, cfg.seed, !cfg.reward.is_external())?;
+        // Written once the model and the data have loaded, so that a run failing on them
+        // leaves no run directory behind.
+        if rank == 0 {
+            std::fs::create_dir_all(out).map_err(|error| TrainError::RunDir {
+                action: "creating the run directory",
+                path: out.display().to_string(),
+                error,
+            })?;
+            write_atomic(&out.join(CONFIG_TOML), cfg.to_toml().as_bytes())?;
+        }
         let started = Instant::now();
         let trainer =
             Trainer::with_collective(cfg.clone(), &policy, &device, train, eval, collective)?;
