@@ -92,6 +92,13 @@ pub enum TrainError {
         #[source]
         error: Box<dppo_model::ModelError>,
     },
+    /// A run from the beginning in a directory that holds an earlier run (`held`: what of
+    /// it is there), which it would overwrite.
+    #[error(
+        "{dir} holds an earlier run ({held}), which a new run would overwrite: pass another \
+         --out, continue it with --resume latest (or resume = \"auto\"), or delete it"
+    )]
+    RunDirTaken { dir: String, held: String },
     #[error("{action} {path}")]
     RunDir {
         action: &'static str,

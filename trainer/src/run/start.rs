@@ -125,12 +125,10 @@ fn refuse_to_overwrite(out: &Path) -> Result<(), TrainError> {
     if held.is_empty() {
         return Ok(());
     }
-    Err(TrainError::Config(format!(
-        "{} holds an earlier run ({}), which a new run would overwrite: pass another --out, \
-         continue it with --resume latest (or resume = \"auto\"), or delete it",
-        out.display(),
-        held.join(", ")
-    )))
+    Err(TrainError::RunDirTaken {
+        dir: out.display().to_string(),
+        held: held.join(", "),
+    })
 }
 
 /// Loads a model (at hub `revision` when it is a Hugging Face id), naming both in the
