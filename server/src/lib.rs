@@ -148,6 +148,13 @@ impl Drop for ServerHandle {
     }
 }
 
+/// Now, in seconds since the Unix epoch (responses' and the model's `created`).
+fn unix_seconds() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
 /// Binds `cfg.addr` (so an address in use fails here) and serves `engine` on a thread.
 pub fn spawn(
     engine: Arc<Engine>,
@@ -188,9 +195,7 @@ pub fn spawn(
         max_pending: cfg.max_pending,
         pending: AtomicUsize::new(0),
         counters: Counters::default(),
-        created: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs()),
+        created: unix_seconds(),
         shutdown: shutdown.clone(),
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()

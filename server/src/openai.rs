@@ -14,7 +14,8 @@ use crate::ApiError;
 /// most parameters; each reads its own).
 #[derive(Debug, Deserialize)]
 pub struct ApiRequest {
-    pub model: String,
+    /// Optional, as in vLLM: absent means the served model.
+    pub model: Option<String>,
     /// Completions: a string, a list of strings, a list of token ids or of id lists.
     pub prompt: Option<Value>,
     /// Chat: the conversation.
@@ -46,6 +47,54 @@ pub struct ApiRequest {
     pub response_format: Option<Value>,
     /// vLLM's extension: generate past EOS up to `max_tokens` (benchmarks).
     pub ignore_eos: Option<bool>,
+    /// Every other parameter: refused where [`UNIMPLEMENTED`] names it with a value that
+    /// changes the output, ignored otherwise (as `user` or `store`).
+    #[serde(flatten)]
+    pub other: BTreeMap<String, Value>,
+}
+
+/// vLLM's parameters that change what is generated and that dppo does not implement, each
+/// with the values that leave generation as it is (clients send defaults; `null` always
+/// passes).
+const UNIMPLEMENTED: &[(&str, &str)] = &[
+    ("repetition_penalty", "1"),
+    ("length_penalty", "1"),
+    ("min_tokens", "0"),
+    ("stop_token_ids", "[]"),
+    ("include_stop_str_in_output", "false"),
+    ("allowed_token_ids", "[]"),
+    ("bad_words", "[]"),
+    ("use_beam_search", "false"),
+    ("prompt_logprobs", "0"),
+    ("truncate_prompt_tokens", "null"),
+    ("skip_special_tokens", "true"),
+    ("spaces_between_special_tokens", "true"),
+    ("return_tokens_as_token_ids", "false"),
+    ("logits_processors", "[]"),
+    ("guided_json", "null"),
+    ("guided_regex", "null"),
+    ("guided_choice", "null"),
+    ("guided_grammar", "null"),
+    ("guided_decoding_backend", "null"),
+    ("guided_whitespace_pattern", "null"),
+    ("structured_outputs", "null"),
+    ("add_generation_prompt", "true"),
+    ("continue_final_message", "false"),
+    ("add_special_tokens", "null"),
+    ("chat_template", "null"),
+    ("chat_template_kwargs", "{}"),
+    ("documents", "null"),
+    ("mm_processor_kwargs", "null"),
+];
+
+/// Whether `value` is `null` or equals the JSON `neutral` (numbers compared as numbers).
+fn is_neutral(value: &Value, neutral: &str) -> bool {
+    let neutral: Value = serde_json::from_str(neutral).expect("valid JSON in UNIMPLEMENTED");
+    match (value, &neutral) {
+        (Value::Null, _) => true,
+        (Value::Number(a), Value::Number(b)) => a.as_f64() == b.as_f64(),
+        _ => *value == neutral,
+    }
 }
 
 /// `stream_options`
@@ -329,6 +378,14 @@ impl ApiRequest {
                 return refuse("response_format", "a response format other than text");
             }
         }
+        for (param, neutral) in UNIMPLEMENTED {
+            if let Some(value) = self.other.get(*param) {
+                if !is_neutral(value, neutral) {
+                    let shown: String = value.to_string().chars().take(40).collect();
+                    return refuse(param, &format!("{param} = {shown}"));
+                }
+            }
+        }
         Ok(())
     }
 }
@@ -349,7 +406,7 @@ fn message_text(m: &Message, param: &str) -> Result<String, ApiError> {
                 },
             )
             .collect::<Result<Vec<_>, _>>()
-            .map(|t| t.concat()),
+            .map(|t| t.join("\n")),
         Some(_) => Err(ApiError::bad_request(
             format!("{param}.content must be a string or a list of text parts"),
             Some(param),

@@ -1,7 +1,7 @@
 //! The OpenAI answer built from engine events: whole (one JSON body once every choice is
 //! done) or streamed (server-sent events, a chunk per token that is safe to show).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
@@ -58,6 +58,8 @@ pub(crate) struct Output {
     kind: Kind,
     pub(crate) job: Job,
     id: String,
+    /// When the request came (Unix seconds), every chunk's `created`.
+    created: u64,
     choices: Vec<ChoiceState>,
 }
 
@@ -72,6 +74,7 @@ impl Output {
             s,
             kind,
             id: format!("{prefix}-{:016x}", rand::random::<u64>()),
+            created: crate::unix_seconds(),
             choices: (0..num_choices).map(|_| ChoiceState::default()).collect(),
             job,
         }
@@ -146,7 +149,7 @@ impl Output {
         Body {
             id: self.id.clone(),
             object,
-            created: self.s.created,
+            created: self.created,
             model: self.s.model_name.clone(),
             system_fingerprint: format!("dppo-policy-v{last}"),
             policy_versions: versions,
@@ -195,7 +198,10 @@ impl Output {
         for e in entries {
             lp.text_offset.push(offset);
             offset += e.token.len();
-            lp.top_logprobs.push(e.top.into_iter().collect());
+            // Up to logprobs + 1 entries, as OpenAI's: the sampled token is always one.
+            let mut top: BTreeMap<String, f32> = e.top.into_iter().collect();
+            top.entry(e.token.clone()).or_insert(e.logprob);
+            lp.top_logprobs.push(top);
             lp.tokens.push(e.token);
             lp.token_logprobs.push(e.logprob);
         }

@@ -109,12 +109,12 @@ async fn generate(
     }
     let body = body.map_err(|r| ApiError::new(r.status(), r.body_text()))?;
     let req = ApiRequest::parse(&body)?;
-    if req.model != s.model_name {
+    if let Some(model) = req.model.as_ref().filter(|m| **m != s.model_name) {
         return Err(ApiError::new(
             StatusCode::NOT_FOUND,
             format!(
-                "the model `{}` does not exist; this server serves `{}`",
-                req.model, s.model_name
+                "the model `{model}` does not exist; this server serves `{}`",
+                s.model_name
             ),
         ));
     }

@@ -15,7 +15,9 @@ fn bad_requests_get_their_status_and_a_clear_message() {
     let long = "1+".repeat(600);
     let cases: Vec<(&str, &str, String, u16, &str)> = vec![
         ("POST", "/v1/completions", "{not json".into(), 400, "invalid JSON body"),
-        ("POST", "/v1/completions", json!({"prompt": "hi"}).to_string(), 400, "missing field `model`"),
+        ("POST", "/v1/completions", json!({"model": MODEL, "prompt": "hi", "repetition_penalty": 1.2}).to_string(), 400, "repetition_penalty = 1.2 is not supported"),
+        ("POST", "/v1/chat/completions", json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "guided_json": {"type": "object"}}).to_string(), 400, "guided_json"),
+        ("POST", "/v1/chat/completions", json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": false}}).to_string(), 400, "chat_template_kwargs"),
         ("POST", "/v1/completions", json!({"model": "gpt-9", "prompt": "hi"}).to_string(), 404, "`gpt-9` does not exist"),
         ("POST", "/v1/completions", json!({"model": MODEL, "prompt": "hi", "temperature": -1}).to_string(), 400, "temperature must be >= 0"),
         ("POST", "/v1/completions", json!({"model": MODEL, "prompt": "hi", "temperature": "hot"}).to_string(), 400, "temperature: invalid type"),

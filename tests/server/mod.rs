@@ -167,6 +167,22 @@ fn completions_equal_the_engine_and_count_usage() {
     assert_eq!(body["system_fingerprint"], "dppo-policy-v0");
     let reason = body["choices"][0]["finish_reason"].as_str().unwrap();
     assert_eq!(reason, if want.len() == 10 { "length" } else { "stop" });
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let created = body["created"].as_u64().unwrap();
+    assert!(created <= now && now - created < 60, "{created} vs {now}");
+    // Without `model` (the served one, as vLLM), with vLLM's parameters at their defaults
+    // and parameters that change nothing: the same answer.
+    let r = post(
+        s.addr(),
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 10, "temperature": 0, "repetition_penalty": 1.0,
+                "skip_special_tokens": true, "stop_token_ids": [], "user": "me"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["choices"][0]["text"], s.text(&want));
     // Token-id prompts, and several prompts at once (choices prompt-major).
     let r = post(
         s.addr(),
@@ -201,6 +217,25 @@ fn chat_applies_the_template() {
     assert_eq!(body["object"], "chat.completion");
     assert_eq!(body["choices"][0]["message"]["role"], "assistant");
     assert_eq!(body["choices"][0]["message"]["content"], s.text(&want));
+    // Text parts are joined by newlines, as vLLM joins them.
+    let joined = s
+        .policy
+        .tokenizer
+        .apply_chat_template(&[ChatMessage::new("user", "What is\n7*6?")], true)
+        .unwrap();
+    let r = post(
+        s.addr(),
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "7*6?"}]}],
+                "max_tokens": 1, "temperature": 0}),
+    );
+    let prompt_tokens = s.policy.tokenizer.encode(&joined, false).unwrap().len();
+    assert_eq!(
+        r.json()["usage"]["prompt_tokens"],
+        prompt_tokens,
+        "{}",
+        r.body
+    );
 }
 
 /// Concatenated stream chunks of every choice, the finish reasons, and the usage chunk.
@@ -317,7 +352,10 @@ fn logprobs_list_each_token_with_its_alternatives() {
     assert_eq!(text, body["choices"][0]["text"].as_str().unwrap());
     for (i, top) in lp["top_logprobs"].as_array().unwrap().iter().enumerate() {
         let top = top.as_object().unwrap();
-        assert!(!top.is_empty() && top.len() <= 3);
+        // Up to logprobs + 1 entries, the sampled token always among them (as OpenAI's).
+        assert!(!top.is_empty() && top.len() <= 4);
+        let token = tokens[i].as_str().unwrap();
+        assert_eq!(top[token], lp["token_logprobs"][i], "{top:?}");
         // Greedy: the chosen token is the most likely one.
         let best = top
             .values()
