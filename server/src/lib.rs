@@ -309,6 +309,15 @@ impl IntoResponse for ApiError {
             "param": self.param,
             "code": self.code,
         }});
-        (self.status, axum::Json(body)).into_response()
+        let mut response = (self.status, axum::Json(body)).into_response();
+        // A full queue drains within a request's time: clients that honour the header (the
+        // `openai` client among them) retry after a second.
+        if self.status == StatusCode::TOO_MANY_REQUESTS {
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static("1"),
+            );
+        }
+        response
     }
 }

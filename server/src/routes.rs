@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -23,6 +23,7 @@ use crate::{ApiError, AppState};
 pub(crate) fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/models", get(models))
+        .route("/v1/models/{*id}", get(model))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/health", get(health))
@@ -36,16 +37,35 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
-async fn models(State(s): State<Arc<AppState>>) -> Response {
-    let body = json!({"object": "list", "data": [{
+/// The served model as `/v1/models` lists it.
+fn model_card(s: &AppState) -> serde_json::Value {
+    json!({
         "id": s.model_name,
         "object": "model",
         "created": s.created,
         "owned_by": "dppo",
         "max_model_len": s.engine.max_model_len(),
-    }]});
+    })
+}
+
+async fn models(State(s): State<Arc<AppState>>) -> Response {
+    let body = json!({"object": "list", "data": [model_card(&s)]});
     s.counters.response("models", 200);
     Json(body).into_response()
+}
+
+/// `GET /v1/models/{id}` (the client's `models.retrieve`): the served model, 404 otherwise.
+async fn model(State(s): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    if id != s.model_name {
+        s.counters.response("models", 404);
+        let message = format!(
+            "the model `{id}` does not exist; this server serves `{}`",
+            s.model_name
+        );
+        return ApiError::new(StatusCode::NOT_FOUND, message).into_response();
+    }
+    s.counters.response("models", 200);
+    Json(model_card(&s)).into_response()
 }
 
 async fn health(State(s): State<Arc<AppState>>) -> Response {

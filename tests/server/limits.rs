@@ -72,6 +72,7 @@ fn a_full_queue_answers_429_and_frees_its_places() {
         &json!({"model": MODEL, "prompt": "1", "max_tokens": 2}),
     );
     assert_eq!(r.status, 429, "{}", r.body);
+    assert!(r.headers.contains("retry-after: 1"), "{}", r.headers);
     assert!(r.json()["error"]["message"]
         .as_str()
         .unwrap()

@@ -143,6 +143,20 @@ fn models_health_and_metrics() {
             metrics.body
         );
     }
+    // One model by id (the `openai` client's `models.retrieve`).
+    let one = request(s.addr(), "GET", &format!("/v1/models/{MODEL}"), None);
+    assert_eq!(
+        (one.status, &one.json()["id"]),
+        (200, &json!(MODEL)),
+        "{}",
+        one.body
+    );
+    let other = request(s.addr(), "GET", "/v1/models/org/gpt-9", None);
+    assert_eq!(other.status, 404, "{}", other.body);
+    assert!(other.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("`org/gpt-9` does not exist"));
 }
 
 #[test]
