@@ -80,7 +80,6 @@ const UNIMPLEMENTED: &[(&str, &str)] = &[
     ("structured_outputs", "null"),
     ("add_generation_prompt", "true"),
     ("continue_final_message", "false"),
-    ("add_special_tokens", "null"),
     ("chat_template", "null"),
     ("chat_template_kwargs", "{}"),
     ("documents", "null"),
