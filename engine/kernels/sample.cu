@@ -326,14 +326,19 @@ __device__ __forceinline__ bool truncated(unsigned int d, unsigned int vocab, fl
 // token, its logprob under the tempered, truncated and renormalised distribution (untempered
 // when greedy), its untempered logprob, and the n_tops[d] most likely untempered tokens with
 // their logprobs (top_ids and top_logprobs, MAX_TOP slots a draw).
+// The sampling kernels' parameters (the split kernel adds its scratch), and their names as
+// arguments: one list for the device functions and the entry points of both kernels.
+#define SAMPLE_PARAMS(T)                                                                        \
+    const T *logits, unsigned int vocab, const unsigned int *rows, const unsigned int *keys,    \
+        const unsigned int *counters, const float *inv_temps, const unsigned int *top_ks,       \
+        const float *top_ps, const float *min_ps, const unsigned int *n_tops,                   \
+        unsigned int lazy_noise, unsigned int *tokens, float *logprobs, float *model_logprobs,  \
+        unsigned int *top_ids, float *top_logprobs
+#define SAMPLE_ARGS                                                                             \
+    logits, vocab, rows, keys, counters, inv_temps, top_ks, top_ps, min_ps, n_tops, lazy_noise, \
+        tokens, logprobs, model_logprobs, top_ids, top_logprobs
 template <typename T>
-__device__ void gumbel_sample(
-    const T *logits, unsigned int vocab, const unsigned int *rows,
-    const unsigned int *keys, const unsigned int *counters, const float *inv_temps,
-    const unsigned int *top_ks, const float *top_ps, const float *min_ps,
-    const unsigned int *n_tops, unsigned int lazy_noise,
-    unsigned int *tokens, float *logprobs, float *model_logprobs, unsigned int *top_ids,
-    float *top_logprobs) {
+__device__ void gumbel_sample(SAMPLE_PARAMS(T)) {
     const unsigned int d = blockIdx.x;
     const T *row = logits + (size_t)rows[d] * vocab;
     const float inv_t = inv_temps[d];
@@ -406,15 +411,9 @@ __device__ void gumbel_sample(
 }
 
 #define INSTANTIATE(NAME, T)                                                                    \
-    extern "C" __global__ void __launch_bounds__(THREADS) gumbel_sample_##NAME(                \
-        const T *logits, unsigned int vocab, const unsigned int *rows,                         \
-        const unsigned int *keys, const unsigned int *counters, const float *inv_temps,        \
-        const unsigned int *top_ks, const float *top_ps, const float *min_ps,                  \
-        const unsigned int *n_tops, unsigned int lazy_noise, unsigned int *tokens,             \
-        float *logprobs, float *model_logprobs, unsigned int *top_ids, float *top_logprobs) {  \
-        gumbel_sample<T>(logits, vocab, rows, keys, counters, inv_temps, top_ks, top_ps,       \
-                         min_ps, n_tops, lazy_noise, tokens, logprobs, model_logprobs,         \
-                         top_ids, top_logprobs);                                               \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                      \
+        gumbel_sample_##NAME(SAMPLE_PARAMS(T)) {                                                \
+        gumbel_sample<T>(SAMPLE_ARGS);                                                          \
     }
 
 INSTANTIATE(f32, float)

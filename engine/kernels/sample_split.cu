@@ -90,20 +90,12 @@ __device__ void draw_groups(const T *row, unsigned int vocab, unsigned int lo, u
 // draw. A
 // truncated draw, whose cut needs the whole row, is the one-block kernel's in block (d, 0).
 template <typename T>
-__device__ void gumbel_sample_split(
-    const T *logits, unsigned int vocab, const unsigned int *rows,
-    const unsigned int *keys, const unsigned int *counters, const float *inv_temps,
-    const unsigned int *top_ks, const float *top_ps, const float *min_ps,
-    const unsigned int *n_tops, unsigned int lazy_noise,
-    unsigned int *tokens, float *logprobs, float *model_logprobs, unsigned int *top_ids,
-    float *top_logprobs, unsigned int *partials, unsigned int *arrived) {
+__device__ void gumbel_sample_split(SAMPLE_PARAMS(T), unsigned int *partials,
+                                    unsigned int *arrived) {
     const unsigned int d = blockIdx.x, p = blockIdx.y, parts = gridDim.y;
     const float inv_t = inv_temps[d];
     if (truncated(d, vocab, inv_t, top_ks, top_ps, min_ps)) {
-        if (p == 0)
-            gumbel_sample(logits, vocab, rows, keys, counters, inv_temps, top_ks, top_ps,
-                          min_ps, n_tops, lazy_noise, tokens, logprobs, model_logprobs,
-                          top_ids, top_logprobs);
+        if (p == 0) gumbel_sample(SAMPLE_ARGS);
         return;
     }
     const T *row = logits + (size_t)rows[d] * vocab;
@@ -160,15 +152,8 @@ __device__ void gumbel_sample_split(
 
 #define INSTANTIATE_SPLIT(NAME, T)                                                              \
     extern "C" __global__ void __launch_bounds__(THREADS) gumbel_sample_split_##NAME(          \
-        const T *logits, unsigned int vocab, const unsigned int *rows,                         \
-        const unsigned int *keys, const unsigned int *counters, const float *inv_temps,        \
-        const unsigned int *top_ks, const float *top_ps, const float *min_ps,                  \
-        const unsigned int *n_tops, unsigned int lazy_noise, unsigned int *tokens,             \
-        float *logprobs, float *model_logprobs, unsigned int *top_ids, float *top_logprobs,    \
-        unsigned int *partials, unsigned int *arrived) {                                       \
-        gumbel_sample_split<T>(logits, vocab, rows, keys, counters, inv_temps, top_ks, top_ps, \
-                               min_ps, n_tops, lazy_noise, tokens, logprobs, model_logprobs,   \
-                               top_ids, top_logprobs, partials, arrived);                      \
+        SAMPLE_PARAMS(T), unsigned int *partials, unsigned int *arrived) {                      \
+        gumbel_sample_split<T>(SAMPLE_ARGS, partials, arrived);                                 \
     }
 
 INSTANTIATE_SPLIT(f32, float)
