@@ -186,10 +186,11 @@ struct Progress<'a> {
 }
 
 impl Progress<'_> {
-    /// Whether `bar`, just advanced, reached a `1/parts` mark of its length (or its end).
-    fn at_mark(&self, bar: &ProgressBar, parts: u64) -> bool {
+    /// `bar`'s position and length where lines are logged and `bar`, just advanced, reached
+    /// a `1/parts` mark of its length (or its end).
+    fn mark(&self, bar: &ProgressBar, parts: u64) -> Option<(u64, u64)> {
         let (pos, len) = (bar.position(), bar.length().unwrap_or(0));
-        self.lines && (pos == len || pos % (len / parts).max(1) == 0)
+        (self.lines && (pos == len || pos % (len / parts).max(1) == 0)).then_some((pos, len))
     }
 }
 
@@ -206,8 +207,7 @@ impl RunHooks for Progress<'_> {
     fn on_warmup_step(&mut self, nll: f64) {
         self.warm_up.set_message(format!("nll {nll:.3}"));
         self.warm_up.inc(1);
-        if self.at_mark(&self.warm_up, 10) {
-            let (pos, len) = (self.warm_up.position(), self.warm_up.length().unwrap_or(0));
+        if let Some((pos, len)) = self.mark(&self.warm_up, 10) {
             tracing::info!("warm-up {pos}/{len}: nll {nll:.3}");
         }
     }
@@ -231,8 +231,7 @@ impl RunHooks for Progress<'_> {
             get("timing_s/step")
         );
         self.rl.inc(1);
-        if self.at_mark(&self.rl, 20) {
-            let (pos, len) = (self.rl.position(), self.rl.length().unwrap_or(0));
+        if let Some((pos, len)) = self.mark(&self.rl, 20) {
             tracing::info!("{} step {pos}/{len}: {message}", self.algorithm);
         }
         self.rl.set_message(message);

@@ -145,10 +145,11 @@ impl Run {
     /// (`eval_after`) where the last step had none (a run shorter than `eval.every`, or
     /// with `eval.every = 0`).
     pub fn evals(&self) -> Vec<EvalPoint> {
+        let elapsed = self.elapsed();
         let mut points: Vec<EvalPoint> = self
             .steps
             .iter()
-            .zip(self.elapsed())
+            .zip(elapsed.iter().copied())
             .filter_map(|(s, seconds)| {
                 Some(EvalPoint {
                     seconds,
@@ -157,7 +158,7 @@ impl Run {
                 })
             })
             .collect();
-        if let (Some(last), Some(&seconds)) = (self.steps.last(), self.elapsed().last()) {
+        if let (Some(last), Some(&seconds)) = (self.steps.last(), elapsed.last()) {
             if last.eval_acc.is_none() {
                 points.push(EvalPoint {
                     seconds,
