@@ -55,8 +55,10 @@ struct Row {
 /// Re-scores every sample and prints one JSON summary (agreement with the saved rewards,
 /// accuracy and mean reward before and after, which rules extracted the answers).
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let (_, spec, scorer) = args.reward.scorer(saved_extract_mode(&args.data))?;
-    let mut rows = read_samples(&args.data, !scorer.is_external())?;
+    let text = std::fs::read_to_string(&args.data)
+        .with_context(|| format!("reading --data {}", args.data.display()))?;
+    let (_, spec, scorer) = args.reward.scorer(saved_extract_mode(&text))?;
+    let mut rows = read_samples(&args.data, &text, !scorer.is_external())?;
     let (mut total, mut agree, mut correct, mut saved_correct) = (0usize, 0usize, 0usize, 0usize);
     let (mut sum, mut saved_sum) = (0.0, 0.0);
     let mut extracted_by = BTreeMap::<&str, usize>::new();
@@ -125,22 +127,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The extraction mode for a samples file when neither `--extract` nor a config's
-/// `reward.extract` gives one: that of the data set its rows name (`data_source`, which
-/// `dppo eval` writes), as `dppo eval` chose it; strict where no row names one.
-fn saved_extract_mode(path: &Path) -> ExtractMode {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
+/// The extraction mode for a samples file (its `text`) when neither `--extract` nor a
+/// config's `reward.extract` gives one: that of the data set its rows name (`data_source`,
+/// which `dppo eval` writes), as `dppo eval` chose it; strict where no row names one.
+fn saved_extract_mode(text: &str) -> ExtractMode {
     text.lines()
         .filter_map(|line| serde_json::from_str::<Value>(line).ok())
         .find_map(|row| row["data_source"].as_str().map(default_extract_mode))
         .unwrap_or(ExtractMode::Strict)
 }
 
-/// Reads a samples file; every line must carry an `answer` (a parseable one when `verify`)
-/// and samples with `text`, `reward` and `truncated`.
-fn read_samples(path: &Path, verify: bool) -> anyhow::Result<Vec<Row>> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("reading --data {}", path.display()))?;
+/// Parses the samples file at `path` (its `text`); every line must carry an `answer` (a
+/// parseable one when `verify`) and samples with `text`, `reward` and `truncated`.
+fn read_samples(path: &Path, text: &str, verify: bool) -> anyhow::Result<Vec<Row>> {
     let mut rows = Vec::new();
     for (i, raw) in text.lines().enumerate() {
         if raw.trim().is_empty() {

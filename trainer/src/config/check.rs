@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use super::keys::{self, KEYS};
 use super::rules::RULES;
-use super::{ConfigError, RunConfig};
+use super::{ConfigError, RunConfig, DEFAULT_TOML};
 
 /// Where the values of a configuration came from: the `--set` overrides, else the file.
 pub(crate) struct Origins<'a> {
@@ -21,14 +21,9 @@ pub(crate) struct Origins<'a> {
 }
 
 impl<'a> Origins<'a> {
-    /// The origins of `text` (read from `file`, over the built-in default when
-    /// `over_default`) with `overrides` applied in order.
-    pub(crate) fn new(
-        file: &'a str,
-        text: &str,
-        overrides: &'a [String],
-        over_default: bool,
-    ) -> Self {
+    /// The origins of `text` (read from `file`; written over the built-in default unless it
+    /// is that default) with `overrides` applied in order.
+    pub(crate) fn new(file: &'a str, text: &str, overrides: &'a [String]) -> Self {
         let mut lines = BTreeMap::new();
         if let Ok(doc) = toml::de::DeTable::parse(text) {
             key_lines(text, doc.get_ref(), "", &mut lines);
@@ -46,7 +41,7 @@ impl<'a> Origins<'a> {
             file,
             lines,
             overrides,
-            over_default,
+            over_default: text != DEFAULT_TOML,
         }
     }
 
@@ -342,13 +337,13 @@ mod tests {
             "{err}"
         );
         let text = "[rollout]\nn = 4\n";
-        let origins = super::Origins::new("my.toml", text, &[], true);
+        let origins = super::Origins::new("my.toml", text, &[]);
         assert_eq!(origins.of("rollout.n"), "my.toml:2");
         assert_eq!(
             origins.of("actor.lr"),
             "my.toml (not set there: the built-in default)"
         );
-        let default = super::Origins::new("configs/default.toml", DEFAULT_TOML, &[], false);
+        let default = super::Origins::new("configs/default.toml", DEFAULT_TOML, &[]);
         assert_eq!(default.of("engine.cuda_graphs"), "configs/default.toml");
     }
 

@@ -192,7 +192,7 @@ impl RunConfig {
         for o in overrides {
             apply_override(&mut doc, o)?;
         }
-        let origins = Origins::new(origin, text, overrides, text != DEFAULT_TOML);
+        let origins = Origins::new(origin, text, overrides);
         check_keys(&doc, &origins)?;
         // Every key present is known and allowed: what serde can still reject is a key the
         // file lacks.
