@@ -138,11 +138,7 @@ fn train(
     if !lead {
         return Ok(());
     }
-    // The verifier's mean reward is an accuracy; another reward's is only its mean.
-    let measure = match run.config().reward.is_external() {
-        true => "held-out mean reward",
-        false => "held-out accuracy",
-    };
+    let measure = run.config().reward.held_out_measure();
     println!("\n| {measure} | before RL | after RL |\n|---|---|---|");
     println!(
         "| {} | {:.1}% | {:.1}% |",

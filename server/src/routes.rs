@@ -37,6 +37,17 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
+/// The 404 for a model other than the served one.
+fn unknown_model(s: &AppState, model: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        format!(
+            "the model `{model}` does not exist; this server serves `{}`",
+            s.model_name
+        ),
+    )
+}
+
 /// The served model as `/v1/models` lists it.
 fn model_card(s: &AppState) -> serde_json::Value {
     json!({
@@ -58,11 +69,7 @@ async fn models(State(s): State<Arc<AppState>>) -> Response {
 async fn model(State(s): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
     if id != s.model_name {
         s.counters.response("models", 404);
-        let message = format!(
-            "the model `{id}` does not exist; this server serves `{}`",
-            s.model_name
-        );
-        return ApiError::new(StatusCode::NOT_FOUND, message).into_response();
+        return unknown_model(&s, &id).into_response();
     }
     s.counters.response("models", 200);
     Json(model_card(&s)).into_response()
@@ -130,13 +137,7 @@ async fn generate(
     let body = body.map_err(|r| ApiError::new(r.status(), r.body_text()))?;
     let req = ApiRequest::parse(&body)?;
     if let Some(model) = req.model.as_ref().filter(|m| **m != s.model_name) {
-        return Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            format!(
-                "the model `{model}` does not exist; this server serves `{}`",
-                s.model_name
-            ),
-        ));
+        return Err(unknown_model(s, model));
     }
     let prompts = match kind {
         Kind::Text => req

@@ -108,6 +108,15 @@ impl RewardSettings {
         }
     }
 
+    /// What the held-out evaluation's mean reward is: the verifier's is an accuracy, another
+    /// reward's only its mean.
+    pub fn held_out_measure(&self) -> &'static str {
+        match self.is_external() {
+            true => "held-out mean reward",
+            false => "held-out accuracy",
+        }
+    }
+
     /// Whether the named reward `name` is a server or a process.
     fn is_named_external(&self, name: &str) -> bool {
         match name {

@@ -196,10 +196,8 @@ impl Run {
     /// stop the run with an error, after a checkpoint of the last good state.
     pub fn run_to_end(&mut self, hooks: &mut dyn RunHooks) -> Result<RunSummary, TrainError> {
         let eval_before = self.eval_before(hooks)?;
-        match self.cfg.reward.is_external() {
-            true => tracing::info!(eval_before, "held-out mean reward before RL"),
-            false => tracing::info!(eval_before, "held-out accuracy before RL"),
-        }
+        let measure = self.cfg.reward.held_out_measure();
+        tracing::info!(eval_before, "{measure} before RL");
         self.rl_loop(eval_before, hooks)?;
         let eval_after = self.trainer.evaluate()?;
         if self.is_lead() {
