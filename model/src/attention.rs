@@ -108,6 +108,42 @@ pub fn causal_attention_batch(
     batch: usize,
     num_cached: usize,
 ) -> Result<Tensor> {
+    attention_batch(q, k, v, batch, |scores, scale| {
+        crate::fused::causal_softmax(scores, scale, num_cached)
+    })
+}
+
+/// Attention of `batch` sequences laid out as in [`causal_attention_batch`] where each
+/// query sees the keys `mask` (q_len, k_len; additive, 0 or -inf, f32) leaves at 0, the
+/// same for every sequence and head: a mask built once serves every layer. Composite ops.
+pub fn masked_attention_batch(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    batch: usize,
+    mask: &Tensor,
+) -> Result<Tensor> {
+    attention_batch(q, k, v, batch, |scores, scale| {
+        masked_softmax(scores, scale, mask)
+    })
+}
+
+/// Softmax over the last dimension of `scores * scale + mask` (`mask` broadcast over the
+/// leading dimensions): the composite of differentiable ops.
+pub fn masked_softmax(scores: &Tensor, scale: f64, mask: &Tensor) -> Result<Tensor> {
+    let scores = (scores * scale)?.broadcast_add(&mask.to_dtype(scores.dtype())?)?;
+    crate::ops::softmax_last_dim(&scores)
+}
+
+/// The attention products around `probs`, which turns the scores (batch, heads, q_len,
+/// k_len; at least f32) and their scale into probabilities.
+fn attention_batch(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    batch: usize,
+    probs: impl FnOnce(&Tensor, f64) -> Result<Tensor>,
+) -> Result<Tensor> {
     let (q_tokens, num_heads, head_dim) = q.dims3()?;
     let (q_len, k_len) = (q_tokens / batch, k.dim(0)? / batch);
     // (batch * tokens, heads, d) -> (batch, heads, tokens, d)
@@ -123,7 +159,7 @@ pub fn causal_attention_batch(
     // Scores and softmax in at least f32 whatever the inputs' dtype.
     let scale = 1.0 / (head_dim as f64).sqrt();
     let scores = at_least_f32(&q.matmul(&k.t()?)?)?;
-    let probs = crate::fused::causal_softmax(&scores, scale, num_cached)?.to_dtype(v.dtype())?;
+    let probs = probs(&scores, scale)?.to_dtype(v.dtype())?;
     // (.., q_len, k_len) x (.., k_len, d) -> (batch, heads, q_len, d) -> (batch * q_len, heads, d)
     probs
         .matmul(&v)?
@@ -151,6 +187,22 @@ pub fn causal_mask(
         })
         .collect();
     Tensor::from_vec(mask, (q_len, k_len), device)
+}
+
+/// Additive block-diagonal causal mask (n, n), n the sum of `lens`: 0 where query `i` and
+/// key `j` belong to one sequence (consecutive runs of `lens` tokens) and `j <= i`, -inf
+/// elsewhere: sequences laid end to end, each attending causally to itself only.
+pub fn block_causal_mask(lens: &[usize], device: &Device) -> Result<Tensor> {
+    let n: usize = lens.iter().sum();
+    let mut mask = vec![f32::NEG_INFINITY; n * n];
+    let mut start = 0;
+    for &len in lens {
+        for i in start..start + len {
+            mask[i * n + start..=i * n + i].fill(0.0);
+        }
+        start += len;
+    }
+    Tensor::from_vec(mask, (n, n), device)
 }
 
 /// Grouped-query attention: (tokens, kv_heads, d) -> (tokens, heads, d); kv head `g` serves

@@ -37,7 +37,7 @@ pub use config::{Arch, ModelConfig};
 pub use cpu_kernel::{cpu_kernel, CpuKernel};
 pub use decoder::CausalLm;
 pub use device::{DeviceError, DeviceSpec};
-pub use packed::{PackedAttention, PackedRow};
+pub use packed::{Grouping, PackedAttention, PackedRow, Part};
 pub use policy::Policy;
 pub use rope::RopeAt;
 pub use shapes::{RandomSpec, Shape};

@@ -3,7 +3,9 @@
 
 use candle_core::{Device, Result, Tensor};
 
-use crate::attention::{causal_attention_batch, AttentionBackend};
+use crate::attention::{
+    block_causal_mask, causal_attention_batch, masked_attention_batch, AttentionBackend,
+};
 
 /// One packed row: the model inputs plus the sequence boundaries.
 #[derive(Debug, Clone)]
@@ -38,12 +40,87 @@ impl PackedRow {
         })
     }
 
-    /// The attention backend for this row.
+    /// The attention backend for this row, grouping its sequences as
+    /// [`PackedAttention::attend`] decides.
     pub fn attention(&self) -> PackedAttention {
-        PackedAttention {
-            cu_seqlens: self.cu_seqlens.clone(),
+        PackedAttention::new(self.cu_seqlens.clone(), None)
+    }
+}
+
+/// How [`PackedAttention`] groups a row's sequences into attention calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Grouping {
+    /// One call per run of consecutive equal-length sequences, batched.
+    Runs,
+    /// Runs of two or more equal-length sequences batched as in `Runs`; consecutive
+    /// sequences of other lengths gathered into segments of at most [`SEGMENT_TOKENS`]
+    /// tokens (or the row's longest sequence, if longer), each one product under a
+    /// block-diagonal causal mask. On a GPU, where each op costs a launch, a row of
+    /// sequences of many lengths (an RL batch's completions) then takes a few calls instead
+    /// of one per sequence, its scores at most those of a row of segment-long sequences
+    /// (what the memory budget counts).
+    Segments,
+}
+
+/// The tokens a [`Grouping::Segments`] segment gathers at most (unless one sequence is
+/// longer): a segment's scores are a 512 x 512 block per head, so that a buffer's stay within
+/// `pack.tokens x 512` per head while sequences of a few hundred tokens share calls.
+pub const SEGMENT_TOKENS: usize = 512;
+
+/// One attention call of a packed row: `count` consecutive sequences from sequence `first`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Part {
+    pub first: usize,
+    pub count: usize,
+    /// Whether the sequences are of one length and run as a batch; else (segments) under a
+    /// block-diagonal mask.
+    pub batched: bool,
+}
+
+/// The attention calls of a row whose sequences have lengths `lens`, in order.
+pub fn parts(lens: &[usize], grouping: Grouping) -> Vec<Part> {
+    let mut runs = Vec::new();
+    let mut first = 0;
+    while first < lens.len() {
+        let count = lens[first..]
+            .iter()
+            .take_while(|&&l| l == lens[first])
+            .count();
+        runs.push(Part {
+            first,
+            count,
+            batched: true,
+        });
+        first += count;
+    }
+    if grouping == Grouping::Runs {
+        return runs;
+    }
+    let cap = lens.iter().copied().max().unwrap_or(0).max(SEGMENT_TOKENS);
+    let mut parts: Vec<Part> = Vec::new();
+    let mut tokens = 0;
+    for run in runs {
+        let len = lens[run.first];
+        match parts.last_mut() {
+            Some(last) if run.count == 1 && !last.batched && tokens + len <= cap => {
+                last.count += 1;
+                tokens += len;
+            }
+            Some(last) if run.count == 1 && last.count == 1 && tokens + len <= cap => {
+                *last = Part {
+                    count: 2,
+                    batched: false,
+                    ..*last
+                };
+                tokens += len;
+            }
+            _ => {
+                parts.push(run);
+                tokens = len;
+            }
         }
     }
+    parts
 }
 
 /// Block-diagonal causal attention over a packed row; differentiable end to end.
@@ -51,32 +128,175 @@ impl PackedRow {
 pub struct PackedAttention {
     /// Sequence boundaries, as in [`PackedRow::cu_seqlens`].
     pub cu_seqlens: Vec<usize>,
+    /// The grouping asked for; `None`: [`Grouping::Runs`] where the fused ops apply (f32
+    /// and f64 on the CPU: a masked product would only add work there), else
+    /// [`Grouping::Segments`].
+    grouping: Option<Grouping>,
+    /// The calls and their masks (`Segments`, built at the first layer and read by every
+    /// layer), planned at the first call.
+    plan: Option<Plan>,
+}
+
+#[derive(Debug, Clone)]
+struct Plan {
+    grouping: Grouping,
+    parts: Vec<Part>,
+    masks: Vec<Option<Tensor>>,
+}
+
+impl PackedAttention {
+    pub fn new(cu_seqlens: Vec<usize>, grouping: Option<Grouping>) -> Self {
+        Self {
+            cu_seqlens,
+            grouping,
+            plan: None,
+        }
+    }
+
+    fn lens(&self, first: usize, count: usize) -> Vec<usize> {
+        self.cu_seqlens[first..=first + count]
+            .windows(2)
+            .map(|w| w[1] - w[0])
+            .collect()
+    }
+
+    /// The plan for inputs like `q`, made at the first call.
+    fn plan(&mut self, q: &Tensor) -> &mut Plan {
+        if self.plan.is_none() {
+            let grouping = self.grouping.unwrap_or(if crate::fused::applies(&[q]) {
+                Grouping::Runs
+            } else {
+                Grouping::Segments
+            });
+            let parts = parts(&self.lens(0, self.cu_seqlens.len() - 1), grouping);
+            self.plan = Some(Plan {
+                grouping,
+                masks: vec![None; parts.len()],
+                parts,
+            });
+        }
+        self.plan.as_mut().expect("planned above")
+    }
 }
 
 impl AttentionBackend for PackedAttention {
     fn attend(&mut self, _layer_idx: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-        // Attention runs per sequence, O(sum L_i^2), so no mask can leak across sequences;
-        // each run of consecutive equal-length sequences goes through as one batch.
-        let lens: Vec<usize> = self.cu_seqlens.windows(2).map(|w| w[1] - w[0]).collect();
-        let mut outs = Vec::new();
-        let mut first = 0;
-        while first < lens.len() {
-            let len = lens[first];
-            let batch = lens[first..].iter().take_while(|&&l| l == len).count();
-            let (start, tokens) = (self.cu_seqlens[first], batch * len);
-            outs.push(causal_attention_batch(
-                &q.narrow(0, start, tokens)?,
-                &k.narrow(0, start, tokens)?,
-                &v.narrow(0, start, tokens)?,
-                batch,
-                0,
-            )?);
-            first += batch;
+        // No call spans two sequences but under a mask, so nothing leaks across them.
+        let (grouping, parts) = {
+            let plan = self.plan(q);
+            (plan.grouping, plan.parts.clone())
+        };
+        let mut outs = Vec::with_capacity(parts.len());
+        for (
+            i,
+            &Part {
+                first,
+                count,
+                batched,
+            },
+        ) in parts.iter().enumerate()
+        {
+            let start = self.cu_seqlens[first];
+            let tokens = self.cu_seqlens[first + count] - start;
+            let (q, k, v) = (
+                q.narrow(0, start, tokens)?,
+                k.narrow(0, start, tokens)?,
+                v.narrow(0, start, tokens)?,
+            );
+            let batch = if batched { count } else { 1 };
+            outs.push(match grouping {
+                Grouping::Runs => causal_attention_batch(&q, &k, &v, batch, 0)?,
+                Grouping::Segments => {
+                    // Causal over one sequence where batched, else block-diagonal.
+                    let lens = self.lens(first, if batched { 1 } else { count });
+                    let masks = &mut self.plan.as_mut().expect("planned above").masks;
+                    if masks[i].is_none() {
+                        masks[i] = Some(block_causal_mask(&lens, q.device())?);
+                    }
+                    let mask = masks[i].as_ref().expect("built above");
+                    masked_attention_batch(&q, &k, &v, batch, mask)?
+                }
+            });
         }
         Tensor::cat(&outs, 0)
     }
 
     fn packed_seqlens(&self) -> Option<&[usize]> {
         Some(&self.cu_seqlens)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Parts as (first, count, batched).
+    fn plan(lens: &[usize], grouping: Grouping) -> Vec<(usize, usize, bool)> {
+        parts(lens, grouping)
+            .iter()
+            .map(|p| (p.first, p.count, p.batched))
+            .collect()
+    }
+
+    #[test]
+    fn runs_batch_equal_lengths_and_segments_gather_the_rest_up_to_the_longest() {
+        let lens = [612, 305, 204, 2, 612, 612, 3, 3, 7];
+        let runs = vec![
+            (0, 1, true),
+            (1, 1, true),
+            (2, 1, true),
+            (3, 1, true),
+            (4, 2, true),
+            (6, 2, true),
+            (8, 1, true),
+        ];
+        assert_eq!(plan(&lens, Grouping::Runs), runs);
+        // 305 + 204 + 2 fit in 612 (the longest; past SEGMENT_TOKENS); a batched run is
+        // never merged into; 7 follows one.
+        let segments = vec![
+            (0, 1, true),
+            (1, 3, false),
+            (4, 2, true),
+            (6, 2, true),
+            (8, 1, true),
+        ];
+        assert_eq!(plan(&lens, Grouping::Segments), segments);
+        // An RL buffer's sequences, each of its own length: 8 calls become 3 of at most
+        // SEGMENT_TOKENS.
+        let lens = [300, 180, 120, 90, 80, 70, 40, 20];
+        assert_eq!(
+            plan(&lens, Grouping::Segments),
+            vec![(0, 3, false), (3, 5, false)]
+        );
+        assert_eq!(plan(&lens, Grouping::Runs).len(), 8);
+        assert!(plan(&[], Grouping::Segments).is_empty());
+    }
+
+    #[test]
+    fn block_causal_mask_lets_each_token_see_its_own_sequence_up_to_itself() {
+        let mask = block_causal_mask(&[2, 3], &Device::Cpu).unwrap();
+        let got: Vec<Vec<bool>> = mask
+            .to_vec2::<f32>()
+            .unwrap()
+            .iter()
+            .map(|row| row.iter().map(|&m| m == 0.0).collect())
+            .collect();
+        let (o, x) = (true, false);
+        assert_eq!(
+            got,
+            vec![
+                vec![o, x, x, x, x],
+                vec![o, o, x, x, x],
+                vec![x, x, o, x, x],
+                vec![x, x, o, o, x],
+                vec![x, x, o, o, o],
+            ]
+        );
+        assert!(mask
+            .to_vec2::<f32>()
+            .unwrap()
+            .iter()
+            .flatten()
+            .all(|&m| m == 0.0 || m == f32::NEG_INFINITY));
     }
 }

@@ -14,13 +14,15 @@
 //! residuals and the four MLP tensors (gate, up, SiLU(gate), their product): `6 h + 3 q +
 //! 3 kv + 4 i` values of the compute dtype (`q`, `kv`: the query and key/value widths,
 //! `i`: the MLP width); per layer the attention scores and probabilities, at most
-//! `2 * heads * pack_tokens * seq_len` values (a packed sequence attends only within
-//! itself); and the f32 logits, log-probabilities and their gradient, `3 * pack_tokens *
+//! `2 * heads * pack_tokens * segment` values, `segment` the longer of `seq_len` and
+//! `SEGMENT_TOKENS` (a packed sequence attends only within itself, a GPU's attention call
+//! within a segment of sequences: `dppo_model::packed::Grouping`); and the f32 logits, log-probabilities and their gradient, `3 * pack_tokens *
 //! vocab` values.
 
 use std::fmt;
 use std::str::FromStr;
 
+use dppo_model::packed::SEGMENT_TOKENS;
 use dppo_model::ModelConfig;
 
 mod size;
@@ -271,7 +273,8 @@ pub fn budget(input: &BudgetInputs) -> Result<MemoryBudget, BudgetError> {
             memory.compute_weights = cb * m.num_parameters;
         }
         let per_token_layer = 6 * m.hidden_size + 3 * q + 3 * kv + 4 * m.intermediate_size;
-        let scores = 2 * m.num_attention_heads * t * input.seq_len.min(t);
+        let segment = (input.seq_len.max(SEGMENT_TOKENS as u64)).min(t);
+        let scores = 2 * m.num_attention_heads * t * segment;
         memory.activations =
             m.num_layers * (t * per_token_layer + scores) * cb + 3 * t * m.vocab_size * 4;
     }

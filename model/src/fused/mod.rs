@@ -30,7 +30,7 @@ pub use silu_mul::silu_mul;
 pub(crate) use silu_mul::{Backward as SiluMulGrad, Forward as SiluMulRows};
 
 /// Whether the fused ops apply to `operands`: f32/f64 CPU tensors of one dtype.
-fn applies(operands: &[&Tensor]) -> bool {
+pub(crate) fn applies(operands: &[&Tensor]) -> bool {
     let dtype = operands[0].dtype();
     operands
         .iter()

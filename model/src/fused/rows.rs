@@ -150,14 +150,12 @@ pub fn causal_softmax(scores: &Tensor, scale: f64, num_cached: usize) -> Result<
             num_cached,
         });
     }
-    let scores = (scores * scale)?;
-    let scores = if q_len > 1 || k_len > num_cached + q_len {
+    if q_len > 1 || k_len > num_cached + q_len {
         let mask = crate::attention::causal_mask(q_len, k_len, num_cached, scores.device())?;
-        scores.broadcast_add(&mask.to_dtype(scores.dtype())?)?
+        crate::attention::masked_softmax(scores, scale, &mask)
     } else {
-        scores
-    };
-    crate::ops::softmax_last_dim(&scores)
+        crate::ops::softmax_last_dim(&(scores * scale)?)
+    }
 }
 
 /// The fused causal softmax (forward kernel too: one row per query).

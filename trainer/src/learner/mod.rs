@@ -84,6 +84,10 @@ pub struct StepMetrics {
     pub is_nonfinite: bool,
     /// The learner's logprobs of the sampled tokens against the rollout's (`mismatch/*`).
     pub mismatch: crate::mismatch::Mismatch,
+    /// Tensors in the autograd graphs of the step's buffers, summed: the ops the forward
+    /// pass records, each with one or more ops in the backward pass. On a GPU each op is a
+    /// launch and an allocation, so this is what the host's share of a step grows with.
+    pub graph_nodes: usize,
 }
 
 /// Stack for the backward pass: candle's graph walk recurses once per op.
@@ -312,6 +316,7 @@ impl Learner {
             m.clipped += out.num_clipped;
             m.entropy += out.entropy_sum;
             m.mismatch.add(&out.mismatch);
+            m.graph_nodes += out.loss.sorted_nodes().len();
             accumulate(&mut grads, &self.vars, &out.loss.backward()?)?;
         }
         take_layer_grads(&mut grads, &self.vars, &layer_grads)?;

@@ -22,6 +22,8 @@ pub(super) struct Sums {
     pub seconds: f64,
     /// The learner's logprobs against the rollout's.
     pub mismatch: Mismatch,
+    /// Tensors in the buffers' autograd graphs ([`StepMetrics::graph_nodes`]).
+    pub graph_nodes: usize,
 }
 
 impl Sums {
@@ -39,6 +41,7 @@ impl Sums {
             entropy: self.entropy / self.tokens.max(1) as f64,
             train_tokens_per_s: self.seq_tokens as f64 / self.seconds,
             mismatch: self.mismatch,
+            graph_nodes: self.graph_nodes,
             ..StepMetrics::default()
         }
     }
@@ -64,6 +67,7 @@ impl Sums {
                 self.mismatch.correction.weight_sum,
                 self.mismatch.correction.truncated as f64,
                 self.mismatch.correction.masked as f64,
+                self.graph_nodes as f64,
             ],
         )?;
         let maxima = coll.all_gather_f64(&[self.seconds, self.mismatch.abs_max])?;
@@ -88,6 +92,7 @@ impl Sums {
                     masked: counts[12] as usize,
                 },
             },
+            graph_nodes: counts[13] as usize,
         })
     }
 }

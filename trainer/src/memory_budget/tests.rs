@@ -42,24 +42,25 @@ fn a_small_budget_accounts_for_every_byte() {
     assert_eq!(p.optimizer_state, 8_000);
     assert_eq!(p.gradients, 4_000); // f32, cast back from the bf16 backward
     assert_eq!(p.compute_weights, 2_000);
-    // Per layer: 32 tokens x (6*8 + 3*8 + 3*4 + 4*16 = 148) values and 2 x 2 heads x 32 x 20
-    // scores, in bf16; then 3 x 32 tokens x 10 f32 logits.
+    // Per layer: 32 tokens x (6*8 + 3*8 + 3*4 + 4*16 = 148) values and 2 x 2 heads x 32 x 32
+    // scores (a segment is the whole buffer, shorter than SEGMENT_TOKENS), in bf16; then
+    // 3 x 32 tokens x 10 f32 logits.
     assert_eq!(
         p.activations,
-        2 * (32 * 148 + 2 * 2 * 32 * 20) * 2 + 3 * 32 * 10 * 4
+        2 * (32 * 148 + 2 * 2 * 32 * 32) * 2 + 3 * 32 * 10 * 4
     );
-    assert_eq!(p.activations, 33_024);
+    assert_eq!(p.activations, 39_168);
     assert_eq!(p.kv_bytes_per_token, 32); // K and V x 2 layers x 4 values x 2 bytes
-                                          // (500000 - 55712) / (32 * 4) = 3471.0 blocks; a sequence of 20 tokens takes 5.
-    assert_eq!(p.kv_blocks, 3_471);
-    assert_eq!(p.kv_tokens, 13_884);
-    assert_eq!(p.kv_bytes(), 444_288);
-    assert_eq!(p.max_seqs, 694);
+                                          // (500000 - 61856) / (32 * 4) = 3423.0 blocks; a sequence of 20 tokens takes 5.
+    assert_eq!(p.kv_blocks, 3_423);
+    assert_eq!(p.kv_tokens, 13_692);
+    assert_eq!(p.kv_bytes(), 438_144);
+    assert_eq!(p.max_seqs, 684);
     let text = p.to_string();
     for line in [
         "f32 master weights      3.91 KiB",
-        "3471 blocks of 4 tokens, 13884 tokens",
-        "sequences at once       694 of 20 tokens",
+        "3423 blocks of 4 tokens, 13692 tokens",
+        "sequences at once       684 of 20 tokens",
     ] {
         assert!(text.contains(line), "{line:?} not in\n{text}");
     }
@@ -160,8 +161,8 @@ fn an_impossible_budget_names_what_does_not_fit() {
 #[test]
 fn a_kv_cache_too_small_for_one_sequence_is_an_error() {
     let mut input = inputs(small(), 1_000_000);
-    // 55712 bytes kept + 4 blocks of 128 bytes: a 20-token sequence needs 5.
-    input.gpu_memory_utilization = (55_712.0 + 4.0 * 128.0 + 0.5) / 1e6;
+    // 61856 bytes kept + 4 blocks of 128 bytes: a 20-token sequence needs 5.
+    input.gpu_memory_utilization = (61_856.0 + 4.0 * 128.0 + 0.5) / 1e6;
     let err = budget(&input).unwrap_err();
     assert_eq!(
         err,
