@@ -154,31 +154,44 @@ impl Weights {
 
     /// The same weights cast to `dtype` (f64 for finite-difference checks, f16 on GPUs).
     pub fn to_dtype(&self, dtype: DType) -> Result<Self> {
-        self.map(|t| t.to_dtype(dtype))
+        self.map(|_, t| t.to_dtype(dtype))
+    }
+
+    /// The same weights cast to `dtype` but for the tensors named in `keep`, which stay as
+    /// they are (the learner's embedding and lm-head under bf16 compute). Differentiable:
+    /// a model over weights that read vars computes in `dtype` and sends the gradients back.
+    pub fn to_dtype_except(&self, dtype: DType, keep: &[&str]) -> Result<Self> {
+        self.map(|name, t| {
+            if keep.contains(&name) {
+                Ok(t.clone())
+            } else {
+                t.to_dtype(dtype)
+            }
+        })
     }
 
     /// The same weights on `device` (a copy per tensor unless already there).
     pub fn to_device(&self, device: &Device) -> Result<Self> {
-        self.map(|t| t.to_device(device))
+        self.map(|_, t| t.to_device(device))
     }
 
     /// An independent copy (new storage, no gradient tracking): frozen reference models.
     pub fn deep_copy(&self) -> Result<Self> {
-        self.map(|t| Ok(t.copy()?.detach()))
+        self.map(|_, t| Ok(t.copy()?.detach()))
     }
 
     /// Zeros of the same names, shapes, dtypes and devices, fused alike: buffers to write
     /// into.
     pub fn zeros_like(&self) -> Result<Self> {
-        self.map(|t| t.zeros_like())
+        self.map(|_, t| t.zeros_like())
     }
 
     /// `f` of every tensor; fused projections stay fused (in new buffers).
-    fn map(&self, f: impl Fn(&Tensor) -> candle_core::Result<Tensor>) -> Result<Self> {
+    fn map(&self, f: impl Fn(&str, &Tensor) -> candle_core::Result<Tensor>) -> Result<Self> {
         let tensors = self
             .tensors
             .iter()
-            .map(|(n, t)| Ok((n.clone(), f(t)?)))
+            .map(|(n, t)| Ok((n.clone(), f(n, t)?)))
             .collect::<Result<_>>()?;
         let mapped = Self {
             tensors,

@@ -108,9 +108,14 @@ pub struct Learner {
     pub model: CausalLm,
     pub reference: Option<Reference>,
     pub optimizer: AdamW,
+    /// The weights `model` reads: the vars' own tensors, cast for a compute dtype.
+    trainable: Weights,
     /// The ranks this learner's replicas span ([`Single`] unless set).
     collective: Arc<dyn Collective>,
 }
+
+/// The tensors bf16 compute keeps in f32 ([`Learner::compute_model`]).
+const KEPT_F32: [&str; 2] = ["model.embed_tokens.weight", "lm_head.weight"];
 
 impl Learner {
     /// A learner over copies of `weights`.
@@ -132,6 +137,7 @@ impl Learner {
             model,
             reference,
             optimizer: AdamW::new(cfg.adamw),
+            trainable,
             collective: Arc::new(Single),
         })
     }
@@ -218,24 +224,10 @@ impl Learner {
             let grads = LayerGrads::new();
             return Ok((self.model.with_layer_grads(grads.clone()), grads));
         }
-        let tensors = self
-            .vars
-            .iter()
-            .map(|(n, v)| {
-                let t = v.as_tensor();
-                let wide = n == "model.embed_tokens.weight" || n == "lm_head.weight";
-                Ok((
-                    n.clone(),
-                    if wide {
-                        t.clone()
-                    } else {
-                        t.to_dtype(self.cfg.compute_dtype)?
-                    },
-                ))
-            })
-            .collect::<candle_core::Result<_>>()?;
-        let config = self.model.config();
-        let model = CausalLm::new(config, &Weights::from_tensors(config, tensors, "learner")?)?;
+        let weights = self
+            .trainable
+            .to_dtype_except(self.cfg.compute_dtype, &KEPT_F32)?;
+        let model = CausalLm::new(self.model.config(), &weights)?;
         Ok((model, LayerGrads::new()))
     }
 

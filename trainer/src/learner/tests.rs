@@ -94,3 +94,22 @@ fn bf16_compute_keeps_f32_masters_and_moments_and_follows_f32_gradients() {
         .values()
         .all(|(m, v)| m.dtype() == DType::F32 && v.dtype() == DType::F32));
 }
+
+/// bf16 compute runs its layers in bf16, not in f32 over bf16-rounded weights.
+#[test]
+fn bf16_compute_runs_the_layers_in_bf16() {
+    let policy = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
+    let cfg = LearnerConfig {
+        compute_dtype: DType::BF16,
+        ..LearnerConfig::token_mean(1e-2, 1.0, 64, 8)
+    };
+    let learner = Learner::new(&policy.config, &policy.weights, cfg).unwrap();
+    let (model, _) = learner.compute_model().unwrap();
+    assert_eq!(model.dtype(), DType::BF16);
+    let ids = Tensor::new(&[5u32, 6, 7], &Device::Cpu).unwrap();
+    let positions = Tensor::new(&[0u32, 1, 2], &Device::Cpu).unwrap();
+    let hidden = model
+        .forward(&ids, &positions, &mut dppo_model::CausalAttention)
+        .unwrap();
+    assert_eq!(hidden.dtype(), DType::BF16);
+}
