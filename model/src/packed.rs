@@ -261,12 +261,12 @@ mod tests {
             (8, 1, true),
         ];
         assert_eq!(plan(&lens, Grouping::Segments), segments);
-        // An RL buffer's sequences, each of its own length: 8 calls become 3 of at most
-        // SEGMENT_TOKENS.
+        // An RL buffer's sequences, each of its own length: 8 calls become 2 of at most
+        // SEGMENT_TOKENS (300 + 180, then 120 + ... + 20).
         let lens = [300, 180, 120, 90, 80, 70, 40, 20];
         assert_eq!(
             plan(&lens, Grouping::Segments),
-            vec![(0, 3, false), (3, 5, false)]
+            vec![(0, 2, false), (2, 6, false)]
         );
         assert_eq!(plan(&lens, Grouping::Runs).len(), 8);
         assert!(plan(&[], Grouping::Segments).is_empty());
