@@ -63,8 +63,9 @@ pub enum Grouping {
 }
 
 /// The tokens a [`Grouping::Segments`] segment gathers at most (unless one sequence is
-/// longer): a segment's scores are a 512 x 512 block per head, so that a buffer's stay within
-/// `pack.tokens x 512` per head while sequences of a few hundred tokens share calls.
+/// longer): a segment's scores are at most a 512 x 512 block per head, so that a buffer's
+/// stay within `pack.tokens x max(longest sequence, 512)` per head while sequences of a few
+/// hundred tokens share calls.
 pub const SEGMENT_TOKENS: usize = 512;
 
 /// One attention call of a packed row: `count` consecutive sequences from sequence `first`.

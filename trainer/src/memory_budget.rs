@@ -16,8 +16,10 @@
 //! `i`: the MLP width); per layer the attention scores and probabilities, at most
 //! `2 * heads * pack_tokens * segment` values, `segment` the longer of `seq_len` and
 //! `SEGMENT_TOKENS` (a packed sequence attends only within itself, a GPU's attention call
-//! within a segment of sequences: `dppo_model::packed::Grouping`); and the f32 logits, log-probabilities and their gradient, `3 * pack_tokens *
-//! vocab` values.
+//! within a segment of sequences: `dppo_model::packed::Grouping`); and the f32 logits,
+//! log-probabilities and their gradient, `3 * pack_tokens * vocab` values. The composite
+//! softmax a GPU runs keeps more score-sized tensors than two (about six, in f32), so on a
+//! GPU the scores' term is low.
 
 use std::fmt;
 use std::str::FromStr;
@@ -273,7 +275,7 @@ pub fn budget(input: &BudgetInputs) -> Result<MemoryBudget, BudgetError> {
             memory.compute_weights = cb * m.num_parameters;
         }
         let per_token_layer = 6 * m.hidden_size + 3 * q + 3 * kv + 4 * m.intermediate_size;
-        let segment = (input.seq_len.max(SEGMENT_TOKENS as u64)).min(t);
+        let segment = input.seq_len.max(SEGMENT_TOKENS as u64).min(t);
         let scores = 2 * m.num_attention_heads * t * segment;
         memory.activations =
             m.num_layers * (t * per_token_layer + scores) * cb + 3 * t * m.vocab_size * 4;

@@ -140,7 +140,7 @@ fn completion_lens(args: &TrainArgs) -> Vec<usize> {
     let longest = args.completion_len as f64;
     (0..args.seqs)
         .map(|i| {
-            let share = ((i * 37) % args.seqs) as f64 / args.seqs as f64;
+            let share = i as f64 / args.seqs as f64;
             ((longest * (1.0 - args.completion_spread * share)).round() as usize).max(1)
         })
         .collect()

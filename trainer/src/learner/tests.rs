@@ -113,3 +113,34 @@ fn bf16_compute_runs_the_layers_in_bf16() {
         .unwrap();
     assert_eq!(hidden.dtype(), DType::BF16);
 }
+
+/// Under bf16 compute the KL reference reads the same casts as the policy (embedding and
+/// lm-head f32), so that at equal weights their logprobs are equal and the KL term is 0.
+#[test]
+fn the_bf16_reference_computes_what_the_policy_does_at_equal_weights() {
+    let policy = dppo_model::presets::load_preset("tiny", &Device::Cpu).unwrap();
+    let mut cfg = LearnerConfig {
+        compute_dtype: DType::BF16,
+        ..LearnerConfig::token_mean(1e-2, 1.0, 64, 8)
+    };
+    cfg.loss.beta = 0.1;
+    let learner = Learner::new(&policy.config, &policy.weights, cfg).unwrap();
+    let (model, _) = learner.compute_model().unwrap();
+    let reference = &learner.reference.as_ref().unwrap().model;
+    let ids = Tensor::new(&[5u32, 6, 7, 8], &Device::Cpu).unwrap();
+    let positions = Tensor::new(&[0u32, 1, 2, 3], &Device::Cpu).unwrap();
+    let targets = Tensor::new(&[6u32, 7, 8, 9], &Device::Cpu).unwrap();
+    let logprobs = |m: &CausalLm| -> Vec<f32> {
+        let hidden = m
+            .forward(&ids, &positions, &mut dppo_model::CausalAttention)
+            .unwrap();
+        let stats = m.token_stats(&hidden, &targets).unwrap();
+        stats
+            .logprobs
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    };
+    assert_eq!(logprobs(&model), logprobs(reference));
+}
