@@ -102,17 +102,14 @@ pub fn parts(lens: &[usize], grouping: Grouping) -> Vec<Part> {
     let mut tokens = 0;
     for run in runs {
         let len = lens[run.first];
+        // A single sequence joins the segment before it, or the single sequence before it,
+        // where they fit; a batched run of several is never joined.
         match parts.last_mut() {
-            Some(last) if run.count == 1 && !last.batched && tokens + len <= cap => {
+            Some(last)
+                if run.count == 1 && (!last.batched || last.count == 1) && tokens + len <= cap =>
+            {
                 last.count += 1;
-                tokens += len;
-            }
-            Some(last) if run.count == 1 && last.count == 1 && tokens + len <= cap => {
-                *last = Part {
-                    count: 2,
-                    batched: false,
-                    ..*last
-                };
+                last.batched = false;
                 tokens += len;
             }
             _ => {
@@ -133,16 +130,16 @@ pub struct PackedAttention {
     /// and f64 on the CPU: a masked product would only add work there), else
     /// [`Grouping::Segments`].
     grouping: Option<Grouping>,
-    /// The calls and their masks (`Segments`, built at the first layer and read by every
-    /// layer), planned at the first call.
+    /// The calls, planned at the first layer and made by every layer.
     plan: Option<Plan>,
 }
 
 #[derive(Debug, Clone)]
 struct Plan {
-    grouping: Grouping,
     parts: Vec<Part>,
-    masks: Vec<Option<Tensor>>,
+    /// Each part's mask under `Segments` (causal over one sequence where batched, else
+    /// block-diagonal), built once for every layer; `None` under `Runs`.
+    masks: Option<Vec<Tensor>>,
 }
 
 impl PackedAttention {
@@ -161,62 +158,52 @@ impl PackedAttention {
             .collect()
     }
 
-    /// The plan for inputs like `q`, made at the first call.
-    fn plan(&mut self, q: &Tensor) -> &mut Plan {
-        if self.plan.is_none() {
-            let grouping = self.grouping.unwrap_or(if crate::fused::applies(&[q]) {
-                Grouping::Runs
-            } else {
-                Grouping::Segments
-            });
-            let parts = parts(&self.lens(0, self.cu_seqlens.len() - 1), grouping);
-            self.plan = Some(Plan {
-                grouping,
-                masks: vec![None; parts.len()],
-                parts,
-            });
+    /// Plans the calls for inputs like `q` (on its device), once.
+    fn plan_for(&mut self, q: &Tensor) -> Result<()> {
+        if self.plan.is_some() {
+            return Ok(());
         }
-        self.plan.as_mut().expect("planned above")
+        let grouping = self.grouping.unwrap_or(if crate::fused::applies(&[q]) {
+            Grouping::Runs
+        } else {
+            Grouping::Segments
+        });
+        let parts = parts(&self.lens(0, self.cu_seqlens.len() - 1), grouping);
+        let masks = match grouping {
+            Grouping::Runs => None,
+            Grouping::Segments => Some(
+                parts
+                    .iter()
+                    .map(|p| {
+                        let lens = self.lens(p.first, if p.batched { 1 } else { p.count });
+                        block_causal_mask(&lens, q.device())
+                    })
+                    .collect::<Result<_>>()?,
+            ),
+        };
+        self.plan = Some(Plan { parts, masks });
+        Ok(())
     }
 }
 
 impl AttentionBackend for PackedAttention {
     fn attend(&mut self, _layer_idx: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         // No call spans two sequences but under a mask, so nothing leaks across them.
-        let (grouping, parts) = {
-            let plan = self.plan(q);
-            (plan.grouping, plan.parts.clone())
-        };
-        let mut outs = Vec::with_capacity(parts.len());
-        for (
-            i,
-            &Part {
-                first,
-                count,
-                batched,
-            },
-        ) in parts.iter().enumerate()
-        {
-            let start = self.cu_seqlens[first];
-            let tokens = self.cu_seqlens[first + count] - start;
+        self.plan_for(q)?;
+        let plan = self.plan.as_ref().expect("planned above");
+        let mut outs = Vec::with_capacity(plan.parts.len());
+        for (i, part) in plan.parts.iter().enumerate() {
+            let start = self.cu_seqlens[part.first];
+            let tokens = self.cu_seqlens[part.first + part.count] - start;
             let (q, k, v) = (
                 q.narrow(0, start, tokens)?,
                 k.narrow(0, start, tokens)?,
                 v.narrow(0, start, tokens)?,
             );
-            let batch = if batched { count } else { 1 };
-            outs.push(match grouping {
-                Grouping::Runs => causal_attention_batch(&q, &k, &v, batch, 0)?,
-                Grouping::Segments => {
-                    // Causal over one sequence where batched, else block-diagonal.
-                    let lens = self.lens(first, if batched { 1 } else { count });
-                    let masks = &mut self.plan.as_mut().expect("planned above").masks;
-                    if masks[i].is_none() {
-                        masks[i] = Some(block_causal_mask(&lens, q.device())?);
-                    }
-                    let mask = masks[i].as_ref().expect("built above");
-                    masked_attention_batch(&q, &k, &v, batch, mask)?
-                }
+            let batch = if part.batched { part.count } else { 1 };
+            outs.push(match &plan.masks {
+                None => causal_attention_batch(&q, &k, &v, batch, 0)?,
+                Some(masks) => masked_attention_batch(&q, &k, &v, batch, &masks[i])?,
             });
         }
         Tensor::cat(&outs, 0)
